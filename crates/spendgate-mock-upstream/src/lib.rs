@@ -1,1 +1,824 @@
-//! placeholder
+//! `spendgate mock-upstream`: an OpenAI-compatible server for tests, demos and benchmarks.
+//!
+//! It answers `POST /v1/chat/completions` deterministically, can misbehave on demand, and
+//! counts what it served so that tests can compare spendgate's books with the upstream's
+//! ground truth.
+//!
+//! # Routes
+//! - `POST /v1/chat/completions`: OpenAI Chat Completions; streams Server-Sent Events when the
+//!   body has `"stream": true`, answers one JSON object otherwise.
+//! - `GET /v1/models`: the model list (`mock-model`).
+//! - `GET /mock/stats`: the [`MockStats`] counters as JSON.
+//! - `POST /mock/reset`: zero the counters.
+//!
+//! Request bodies are limited to 4 MiB. A body that is not JSON, not an object, or has no
+//! `messages` array, or a malformed `x-mock-*` header, is refused with status 400 and the
+//! OpenAI error shape `{"error": {"message", "type": "invalid_request_error", "code": null}}`.
+//!
+//! # Deterministic usage
+//! - `prompt_tokens` = [`prompt_tokens_of`] the body:
+//!   `3 + Σ over messages of (ceil(text bytes / 4) + 4)`; text is the string content, or the
+//!   concatenated `text` parts of array content, plus the tool-call arguments of assistant
+//!   messages.
+//! - `cached_tokens` = 0, or `min(N, prompt_tokens)` with the header `x-mock-cached-tokens: N`.
+//! - `completion_tokens` = `min(length, max_tokens)`, where `length` is
+//!   [`MockConfig::completion_tokens`] or the header `x-mock-completion-tokens: N`, and
+//!   `max_tokens` is the smaller of the body's `max_tokens` and `max_completion_tokens` when
+//!   either is present (a `null` counts as absent). The result is capped at
+//!   [`MAX_COMPLETION_TOKENS`].
+//! - The answer is `completion_tokens` words `"tok0 tok1 tok2 ..."`, one token each.
+//!   `finish_reason` is `"length"` when `max_tokens` cut the answer short, `"stop"` otherwise.
+//! - Non-streaming answers carry `usage: {prompt_tokens, completion_tokens, total_tokens,
+//!   prompt_tokens_details: {cached_tokens}, completion_tokens_details: {reasoning_tokens: 0}}`.
+//! - Streaming answers send chunks of [`MockConfig::chunk_tokens`] tokens each
+//!   (`data: {chat.completion.chunk}\n\n`; the first also carries `"role": "assistant"`),
+//!   paced by the token rate when it is nonzero, then one chunk with an empty delta and the
+//!   `finish_reason`, then — only when the body has `stream_options.include_usage: true` — a
+//!   chunk with `"choices": []` and the usage, then `data: [DONE]\n\n`.
+//!
+//! # Timing
+//! `latency_ms` ([`MockConfig::latency_ms`] or the header `x-mock-latency-ms`) is waited before
+//! the first byte of every answer, errors included. `tokens_per_second`
+//! ([`MockConfig::tokens_per_second`] or the header `x-mock-tokens-per-second`; 0 = as fast as
+//! possible) paces generation: a streamed chunk of `n` tokens is sent `n / rate` seconds after
+//! the previous one; a non-streamed answer waits `completion_tokens / rate` seconds. Both
+//! waits are capped at 600 s.
+//!
+//! # Fault modes
+//! Chosen per request by the header `x-mock-fault: MODE` (which wins; an unknown mode is a 400),
+//! or by a model name ending in `:MODE` (e.g. `mock-model:http_500`; an unknown suffix is just
+//! part of the model name):
+//! - `none`: behave.
+//! - `http_429`: status 429 with `retry-after: 1` and an OpenAI-shaped error
+//!   (`type: "rate_limit_error"`, `code: "rate_limit_exceeded"`). No usage counted.
+//! - `http_500`: status 500 with an OpenAI-shaped error (`type: "server_error"`). No usage
+//!   counted.
+//! - `drop_mid_stream`: streaming: send the first 2 content chunks (fewer if the answer is
+//!   shorter), then abort the connection without a finish chunk, usage or `[DONE]`.
+//!   Non-streaming: abort the connection without a complete response.
+//! - `hang`: accept and answer nothing; after 600 s the connection is aborted.
+//! - `no_usage`: no usage chunk even when asked for; non-streaming answers have no `usage`.
+//! - `usage_over`: answer, and report, `max_tokens + 10` completion tokens (or the completion
+//!   length + 10 when the request has no `max_tokens`).
+//! - `tool_call`: answer with an assistant message whose `content` is `null` and whose
+//!   `tool_calls` hold one call `{"id": "call_mock_<n>", "type": "function", "function":
+//!   {"name": "web_search", "arguments": "{\"q\":\"tok0 tok1 ...\"}"}}`, finish_reason
+//!   `"tool_calls"`. The query has `completion_tokens` words, which is what the usage reports.
+//!   Streaming sends it in OpenAI delta form: the first chunk has the call's `index`, `id`,
+//!   `type`, `name` and the first argument fragment; later chunks only argument fragments.
+//!
+//! # What the stats count (the ground truth)
+//! - `requests`: every `POST /v1/chat/completions` received, refused ones included.
+//! - `by_fault`: the same requests by fault mode (`"none"` for normal ones,
+//!   `"invalid_request"` for those refused with 4xx before any fault mode applied); the values
+//!   add up to `requests`.
+//! - `completed`: answers that finished: a non-streaming answer with status 200 was produced,
+//!   or a stream sent its `[DONE]`.
+//! - `prompt_tokens`, `cached_tokens`, `completion_tokens`: the tokens the mock generated and
+//!   would bill, counted when generation starts (after the latency wait):
+//!   - a non-streaming answer counts its full usage when it is produced (with `usage_over`
+//!     the over-sized count, with `no_usage` the usage it would have reported);
+//!   - a stream counts its prompt (and cached) tokens when it sends its first chunk, and the
+//!     completion tokens of every chunk as that chunk is sent; so a stream that completes
+//!     counts exactly the usage it reports, and one that is dropped — by the `drop_mid_stream`
+//!     fault or by the client going away — counts the full prompt and only the tokens it
+//!     emitted before the end;
+//!   - `hang` and the non-streaming `drop_mid_stream` count the full prompt (and cached) tokens
+//!     and no completion tokens: they emit none;
+//!   - `http_429`, `http_500` and refused requests count nothing; neither does a request whose
+//!     client went away during the latency wait.
+//! - `max_tokens_seen`: for each accepted request, the smaller of `max_tokens` /
+//!   `max_completion_tokens` it carried, or 0 when it carried neither; the last 1024 values.
+//! - `last_request`: the last request body that parsed as JSON.
+
+#![forbid(unsafe_code)]
+
+mod stream;
+mod tokens;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+pub use tokens::prompt_tokens_of;
+
+/// Largest request body accepted, in bytes.
+pub const MAX_BODY_BYTES: usize = 4 * 1024 * 1024;
+/// Largest number of completion tokens the mock ever generates for one answer.
+pub const MAX_COMPLETION_TOKENS: u64 = 1 << 20;
+/// How many `max_tokens` values [`MockStats::max_tokens_seen`] keeps.
+pub const MAX_TOKENS_SEEN_KEPT: usize = 1024;
+/// Longest a `hang` holds a request, and the cap on any configured wait.
+pub const MAX_WAIT: Duration = Duration::from_secs(600);
+
+/// The model the mock lists.
+pub const MODEL_ID: &str = "mock-model";
+
+/// Header choosing a fault mode.
+pub const FAULT_HEADER: &str = "x-mock-fault";
+/// Header overriding the completion length.
+pub const COMPLETION_TOKENS_HEADER: &str = "x-mock-completion-tokens";
+/// Header setting the reported cached prompt tokens.
+pub const CACHED_TOKENS_HEADER: &str = "x-mock-cached-tokens";
+/// Header overriding the latency before the first byte, in milliseconds.
+pub const LATENCY_HEADER: &str = "x-mock-latency-ms";
+/// Header overriding the token rate (0 = as fast as possible).
+pub const TOKENS_PER_SECOND_HEADER: &str = "x-mock-tokens-per-second";
+
+/// How the mock behaves when a request does not say otherwise.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MockConfig {
+    /// Wait before the first byte of every answer, in milliseconds.
+    pub latency_ms: u64,
+    /// Generation pace in tokens per second; 0 = as fast as possible.
+    pub tokens_per_second: u64,
+    /// Default completion length in tokens (before `max_tokens` clamping).
+    pub completion_tokens: u64,
+    /// Tokens per streamed chunk (0 is treated as 1).
+    pub chunk_tokens: u64,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        Self {
+            latency_ms: 0,
+            tokens_per_second: 0,
+            completion_tokens: 16,
+            chunk_tokens: 4,
+        }
+    }
+}
+
+/// A snapshot of what the mock served. See the crate docs for exactly what each field counts.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MockStats {
+    /// Chat completion requests received.
+    pub requests: u64,
+    /// Answers that finished (non-streaming 200 produced, or stream reached `[DONE]`).
+    pub completed: u64,
+    /// Prompt tokens of every answer whose generation started.
+    pub prompt_tokens: u64,
+    /// Completion tokens generated and sent.
+    pub completion_tokens: u64,
+    /// Cached prompt tokens of every answer whose generation started.
+    pub cached_tokens: u64,
+    /// Requests by fault mode (`"none"` for normal, `"invalid_request"` for refused).
+    pub by_fault: BTreeMap<String, u64>,
+    /// The last 1024 `max_tokens` values requests carried (0 when absent).
+    pub max_tokens_seen: Vec<u64>,
+    /// The last request body received that parsed as JSON.
+    pub last_request: Option<Value>,
+}
+
+/// The mock server. Cheap to clone: clones share the same counters.
+#[derive(Clone, Debug)]
+pub struct MockUpstream {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    config: MockConfig,
+    seq: AtomicU64,
+    counters: Mutex<Counters>,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    requests: u64,
+    completed: u64,
+    prompt_tokens: u64,
+    completion_tokens: u64,
+    cached_tokens: u64,
+    by_fault: BTreeMap<String, u64>,
+    max_tokens_seen: VecDeque<u64>,
+    last_request: Option<Value>,
+}
+
+impl MockUpstream {
+    /// A mock with this configuration and zeroed counters.
+    pub fn new(config: MockConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                config,
+                seq: AtomicU64::new(0),
+                counters: Mutex::new(Counters::default()),
+            }),
+        }
+    }
+
+    /// The configuration this mock was built with.
+    pub fn config(&self) -> &MockConfig {
+        &self.inner.config
+    }
+
+    /// The routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /mock/stats`,
+    /// `POST /mock/reset`.
+    pub fn router(&self) -> Router {
+        Router::new()
+            .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/models", get(models))
+            .route("/mock/stats", get(stats_handler))
+            .route("/mock/reset", post(reset_handler))
+            .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+            .with_state(self.clone())
+    }
+
+    /// A snapshot of the counters.
+    pub fn stats(&self) -> MockStats {
+        let c = self.counters();
+        MockStats {
+            requests: c.requests,
+            completed: c.completed,
+            prompt_tokens: c.prompt_tokens,
+            completion_tokens: c.completion_tokens,
+            cached_tokens: c.cached_tokens,
+            by_fault: c.by_fault.clone(),
+            max_tokens_seen: c.max_tokens_seen.iter().copied().collect(),
+            last_request: c.last_request.clone(),
+        }
+    }
+
+    /// Zero the counters.
+    pub fn reset(&self) {
+        *self.counters() = Counters::default();
+    }
+
+    /// Serve the router on `listener` until the process ends or the listener fails.
+    pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        axum::serve(listener, self.router()).await
+    }
+
+    fn counters(&self) -> MutexGuard<'_, Counters> {
+        // The counters stay consistent even if a holder panicked: every update is a few adds.
+        self.inner
+            .counters
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn next_seq(&self) -> u64 {
+        self.inner.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    fn count_request(&self) {
+        let mut c = self.counters();
+        c.requests = c.requests.saturating_add(1);
+    }
+
+    fn count_fault(&self, name: &str) {
+        let mut c = self.counters();
+        let n = c.by_fault.entry(name.to_owned()).or_insert(0);
+        *n = n.saturating_add(1);
+    }
+
+    fn record_body(&self, body: &Value) {
+        self.counters().last_request = Some(body.clone());
+    }
+
+    fn record_max_tokens(&self, max_tokens: Option<u64>) {
+        let mut c = self.counters();
+        if c.max_tokens_seen.len() >= MAX_TOKENS_SEEN_KEPT {
+            c.max_tokens_seen.pop_front();
+        }
+        c.max_tokens_seen.push_back(max_tokens.unwrap_or(0));
+    }
+
+    /// Count the prompt side of an answer whose generation started.
+    pub(crate) fn count_prompt(&self, prompt_tokens: u64, cached_tokens: u64) {
+        let mut c = self.counters();
+        c.prompt_tokens = c.prompt_tokens.saturating_add(prompt_tokens);
+        c.cached_tokens = c.cached_tokens.saturating_add(cached_tokens);
+    }
+
+    /// Count completion tokens that were generated and sent.
+    pub(crate) fn count_completion(&self, tokens: u64) {
+        let mut c = self.counters();
+        c.completion_tokens = c.completion_tokens.saturating_add(tokens);
+    }
+
+    /// Count an answer that finished.
+    pub(crate) fn count_completed(&self) {
+        let mut c = self.counters();
+        c.completed = c.completed.saturating_add(1);
+    }
+}
+
+/// A fault mode, chosen per request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fault {
+    None,
+    Http429,
+    Http500,
+    DropMidStream,
+    Hang,
+    NoUsage,
+    UsageOver,
+    ToolCall,
+}
+
+impl Fault {
+    const ALL: [Fault; 8] = [
+        Fault::None,
+        Fault::Http429,
+        Fault::Http500,
+        Fault::DropMidStream,
+        Fault::Hang,
+        Fault::NoUsage,
+        Fault::UsageOver,
+        Fault::ToolCall,
+    ];
+
+    fn name(self) -> &'static str {
+        match self {
+            Fault::None => "none",
+            Fault::Http429 => "http_429",
+            Fault::Http500 => "http_500",
+            Fault::DropMidStream => "drop_mid_stream",
+            Fault::Hang => "hang",
+            Fault::NoUsage => "no_usage",
+            Fault::UsageOver => "usage_over",
+            Fault::ToolCall => "tool_call",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Fault> {
+        Fault::ALL.into_iter().find(|f| f.name() == s)
+    }
+}
+
+const INVALID_REQUEST: &str = "invalid_request";
+
+/// Everything decided about one request before answering it.
+#[derive(Clone, Debug)]
+pub(crate) struct Plan {
+    pub(crate) id: String,
+    pub(crate) call_id: String,
+    pub(crate) created: u64,
+    pub(crate) model: String,
+    pub(crate) stream: bool,
+    pub(crate) include_usage: bool,
+    pub(crate) fault: Fault,
+    pub(crate) max_tokens: Option<u64>,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) cached_tokens: u64,
+    /// Tokens generated and reported.
+    pub(crate) completion_tokens: u64,
+    pub(crate) finish_reason: &'static str,
+    pub(crate) chunk_tokens: u64,
+    pub(crate) tokens_per_second: u64,
+    pub(crate) latency: Duration,
+}
+
+impl Plan {
+    pub(crate) fn usage(&self) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens.saturating_add(self.completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": 0},
+        })
+    }
+
+    /// How long generating `tokens` takes at the planned rate (zero when unpaced).
+    pub(crate) fn generation_time(&self, tokens: u64) -> Duration {
+        if self.tokens_per_second == 0 || tokens == 0 {
+            return Duration::ZERO;
+        }
+        let nanos = u128::from(tokens) * 1_000_000_000 / u128::from(self.tokens_per_second);
+        let nanos = u64::try_from(nanos).unwrap_or(u64::MAX);
+        Duration::from_nanos(nanos).min(MAX_WAIT)
+    }
+
+    /// The tool-call arguments text for tokens `from..to`, as the fragment a stream sends.
+    pub(crate) fn arguments_fragment(&self, from: u64, to: u64) -> String {
+        let mut out = String::new();
+        if from == 0 {
+            out.push_str("{\"q\":\"");
+        }
+        out.push_str(&tokens::words(from, to));
+        if to >= self.completion_tokens {
+            out.push_str("\"}");
+        }
+        out
+    }
+}
+
+fn header_u64(headers: &HeaderMap, name: &str) -> Result<Option<u64>, String> {
+    match headers.get(name) {
+        None => Ok(None),
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map(Some)
+            .ok_or_else(|| format!("header {name} must be a non-negative integer")),
+    }
+}
+
+fn body_u64(body: &Value, field: &str) -> Result<Option<u64>, String> {
+    match body.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .map(Some)
+            .ok_or_else(|| format!("{field} must be a non-negative integer")),
+    }
+}
+
+fn body_bool(body: &Value, field: &str) -> Result<bool, String> {
+    match body.get(field) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(format!("{field} must be a boolean")),
+    }
+}
+
+fn plan_request(
+    config: &MockConfig,
+    seq: u64,
+    headers: &HeaderMap,
+    body: &Value,
+) -> Result<Plan, String> {
+    if !body.is_object() {
+        return Err("the request body must be a JSON object".to_owned());
+    }
+    if !body.get("messages").is_some_and(Value::is_array) {
+        return Err("messages must be an array".to_owned());
+    }
+    let model = match body.get("model") {
+        None | Some(Value::Null) => MODEL_ID.to_owned(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err("model must be a string".to_owned()),
+    };
+    let fault = match headers.get(FAULT_HEADER) {
+        Some(v) => {
+            let s = v
+                .to_str()
+                .map_err(|_| format!("header {FAULT_HEADER} must be ASCII"))?;
+            Fault::parse(s.trim())
+                .ok_or_else(|| format!("unknown fault mode in {FAULT_HEADER}: {s:?}"))?
+        }
+        None => model
+            .rsplit_once(':')
+            .and_then(|(_, suffix)| Fault::parse(suffix))
+            .unwrap_or(Fault::None),
+    };
+    let stream = body_bool(body, "stream")?;
+    let include_usage = stream
+        && body
+            .get("stream_options")
+            .and_then(|o| o.get("include_usage"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+    let max_tokens = match (
+        body_u64(body, "max_tokens")?,
+        body_u64(body, "max_completion_tokens")?,
+    ) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    };
+    let length = header_u64(headers, COMPLETION_TOKENS_HEADER)?.unwrap_or(config.completion_tokens);
+    let cached = header_u64(headers, CACHED_TOKENS_HEADER)?.unwrap_or(0);
+    let latency_ms = header_u64(headers, LATENCY_HEADER)?.unwrap_or(config.latency_ms);
+    let tokens_per_second =
+        header_u64(headers, TOKENS_PER_SECOND_HEADER)?.unwrap_or(config.tokens_per_second);
+
+    let prompt_tokens = prompt_tokens_of(body);
+    let clamped = max_tokens.map_or(length, |m| length.min(m));
+    let (completion_tokens, finish_reason) = match fault {
+        Fault::UsageOver => (max_tokens.unwrap_or(length).saturating_add(10), "length"),
+        Fault::ToolCall => (clamped, "tool_calls"),
+        _ if clamped < length => (clamped, "length"),
+        _ => (clamped, "stop"),
+    };
+    let completion_tokens = completion_tokens.min(MAX_COMPLETION_TOKENS);
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Ok(Plan {
+        id: format!("chatcmpl-mock-{seq}"),
+        call_id: format!("call_mock_{seq}"),
+        created,
+        model,
+        stream,
+        include_usage,
+        fault,
+        max_tokens,
+        prompt_tokens,
+        cached_tokens: cached.min(prompt_tokens),
+        completion_tokens,
+        finish_reason,
+        chunk_tokens: config.chunk_tokens.max(1),
+        tokens_per_second,
+        latency: Duration::from_millis(latency_ms).min(MAX_WAIT),
+    })
+}
+
+/// An OpenAI-shaped error answer.
+fn error_response(status: StatusCode, kind: &str, code: Option<&str>, message: &str) -> Response {
+    let body = json!({
+        "error": {
+            "message": message,
+            "type": kind,
+            "param": null,
+            "code": code,
+        }
+    });
+    (status, Json(body)).into_response()
+}
+
+fn invalid_request(status: StatusCode, message: &str) -> Response {
+    error_response(status, "invalid_request_error", None, message)
+}
+
+/// An answer whose body fails at once: the server aborts the connection.
+fn aborted_response() -> Response {
+    let failing = futures::stream::once(async {
+        Err::<Bytes, std::io::Error>(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            "mock upstream: connection dropped on purpose",
+        ))
+    });
+    let mut response = Response::new(Body::from_stream(failing));
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    response
+}
+
+async fn chat_completions(
+    State(mock): State<MockUpstream>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    mock.count_request();
+    let seq = mock.next_seq();
+    let raw = match body {
+        Ok(raw) => raw,
+        Err(rejection) => {
+            mock.count_fault(INVALID_REQUEST);
+            return invalid_request(rejection.status(), &rejection.body_text());
+        }
+    };
+    let body: Value = match serde_json::from_slice(&raw) {
+        Ok(v) => v,
+        Err(e) => {
+            mock.count_fault(INVALID_REQUEST);
+            return invalid_request(
+                StatusCode::BAD_REQUEST,
+                &format!("the request body is not valid JSON: {e}"),
+            );
+        }
+    };
+    mock.record_body(&body);
+    let plan = match plan_request(mock.config(), seq, &headers, &body) {
+        Ok(plan) => plan,
+        Err(message) => {
+            mock.count_fault(INVALID_REQUEST);
+            return invalid_request(StatusCode::BAD_REQUEST, &message);
+        }
+    };
+    drop(body);
+    mock.count_fault(plan.fault.name());
+    mock.record_max_tokens(plan.max_tokens);
+    tracing::debug!(
+        id = %plan.id,
+        fault = plan.fault.name(),
+        stream = plan.stream,
+        prompt_tokens = plan.prompt_tokens,
+        completion_tokens = plan.completion_tokens,
+        "mock chat completion"
+    );
+
+    if !plan.latency.is_zero() {
+        tokio::time::sleep(plan.latency).await;
+    }
+
+    match plan.fault {
+        Fault::Http429 => {
+            let mut response = error_response(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limit_error",
+                Some("rate_limit_exceeded"),
+                "mock upstream: rate limited (fault http_429)",
+            );
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            response
+        }
+        Fault::Http500 => error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            None,
+            "mock upstream: internal error (fault http_500)",
+        ),
+        Fault::Hang => {
+            mock.count_prompt(plan.prompt_tokens, plan.cached_tokens);
+            tokio::time::sleep(MAX_WAIT).await;
+            aborted_response()
+        }
+        Fault::DropMidStream if !plan.stream => {
+            mock.count_prompt(plan.prompt_tokens, plan.cached_tokens);
+            aborted_response()
+        }
+        _ if plan.stream => stream::response(mock, plan),
+        _ => complete_response(mock, plan).await,
+    }
+}
+
+/// A non-streaming answer.
+async fn complete_response(mock: MockUpstream, plan: Plan) -> Response {
+    let generation = plan.generation_time(plan.completion_tokens);
+    if !generation.is_zero() {
+        tokio::time::sleep(generation).await;
+    }
+    let message = if plan.fault == Fault::ToolCall {
+        json!({
+            "role": "assistant",
+            "content": null,
+            "refusal": null,
+            "tool_calls": [{
+                "id": plan.call_id,
+                "type": "function",
+                "function": {
+                    "name": "web_search",
+                    "arguments": plan.arguments_fragment(0, plan.completion_tokens),
+                },
+            }],
+        })
+    } else {
+        json!({
+            "role": "assistant",
+            "content": tokens::words(0, plan.completion_tokens),
+            "refusal": null,
+        })
+    };
+    let mut body = json!({
+        "id": plan.id,
+        "object": "chat.completion",
+        "created": plan.created,
+        "model": plan.model,
+        "system_fingerprint": null,
+        "choices": [{
+            "index": 0,
+            "message": message,
+            "logprobs": null,
+            "finish_reason": plan.finish_reason,
+        }],
+    });
+    if plan.fault != Fault::NoUsage {
+        if let Some(obj) = body.as_object_mut() {
+            obj.insert("usage".to_owned(), plan.usage());
+        }
+    }
+    mock.count_prompt(plan.prompt_tokens, plan.cached_tokens);
+    mock.count_completion(plan.completion_tokens);
+    mock.count_completed();
+    (StatusCode::OK, Json(body)).into_response()
+}
+
+async fn models() -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": MODEL_ID,
+            "object": "model",
+            "created": 0,
+            "owned_by": "spendgate-mock",
+        }],
+    }))
+}
+
+async fn stats_handler(State(mock): State<MockUpstream>) -> Json<MockStats> {
+    Json(mock.stats())
+}
+
+async fn reset_handler(State(mock): State<MockUpstream>) -> Json<Value> {
+    mock.reset();
+    Json(json!({"reset": true}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(headers: &[(&'static str, &'static str)], body: Value) -> Result<Plan, String> {
+        let mut map = HeaderMap::new();
+        for (k, v) in headers {
+            map.insert(*k, HeaderValue::from_static(v));
+        }
+        plan_request(&MockConfig::default(), 7, &map, &body)
+    }
+
+    #[test]
+    fn fault_names_round_trip() {
+        for f in Fault::ALL {
+            assert_eq!(Fault::parse(f.name()), Some(f));
+        }
+        assert_eq!(Fault::parse("nope"), None);
+    }
+
+    #[test]
+    fn header_beats_model_suffix_and_unknown_suffix_is_ignored() {
+        let p = plan(
+            &[(FAULT_HEADER, "tool_call")],
+            json!({"model": "m:http_500", "messages": []}),
+        )
+        .expect("plan");
+        assert_eq!(p.fault, Fault::ToolCall);
+        let p = plan(&[], json!({"model": "m:http_500", "messages": []})).expect("plan");
+        assert_eq!(p.fault, Fault::Http500);
+        let p = plan(&[], json!({"model": "ft:gpt:org", "messages": []})).expect("plan");
+        assert_eq!(p.fault, Fault::None);
+        assert!(plan(&[(FAULT_HEADER, "bogus")], json!({"messages": []})).is_err());
+    }
+
+    #[test]
+    fn clamping_rules() {
+        let p = plan(&[], json!({"messages": [], "max_tokens": 5})).expect("plan");
+        assert_eq!((p.completion_tokens, p.finish_reason), (5, "length"));
+        let p = plan(
+            &[],
+            json!({"messages": [], "max_tokens": 9, "max_completion_tokens": 6}),
+        )
+        .expect("plan");
+        assert_eq!(p.completion_tokens, 6);
+        let p = plan(&[], json!({"messages": [], "max_tokens": 100})).expect("plan");
+        assert_eq!((p.completion_tokens, p.finish_reason), (16, "stop"));
+        let p = plan(
+            &[(FAULT_HEADER, "usage_over")],
+            json!({"messages": [], "max_tokens": 5}),
+        )
+        .expect("plan");
+        assert_eq!(p.completion_tokens, 15);
+        let p = plan(&[(FAULT_HEADER, "usage_over")], json!({"messages": []})).expect("plan");
+        assert_eq!(p.completion_tokens, 26);
+        let p = plan(
+            &[(COMPLETION_TOKENS_HEADER, "999999999999")],
+            json!({"messages": []}),
+        )
+        .expect("plan");
+        assert_eq!(p.completion_tokens, MAX_COMPLETION_TOKENS);
+    }
+
+    #[test]
+    fn invalid_inputs_are_refused() {
+        assert!(plan(&[], json!([])).is_err());
+        assert!(plan(&[], json!({"model": "m"})).is_err());
+        assert!(plan(&[], json!({"messages": [], "max_tokens": -1})).is_err());
+        assert!(plan(&[], json!({"messages": [], "max_tokens": "5"})).is_err());
+        assert!(plan(&[], json!({"messages": [], "stream": "yes"})).is_err());
+        assert!(plan(&[(CACHED_TOKENS_HEADER, "x")], json!({"messages": []})).is_err());
+        assert!(plan(&[], json!({"messages": [], "max_tokens": null})).is_ok());
+    }
+
+    #[test]
+    fn cached_tokens_are_capped_by_prompt() {
+        let p = plan(&[(CACHED_TOKENS_HEADER, "1000")], json!({"messages": []})).expect("plan");
+        assert_eq!(p.cached_tokens, p.prompt_tokens);
+        let p = plan(&[(CACHED_TOKENS_HEADER, "2")], json!({"messages": []})).expect("plan");
+        assert_eq!(p.cached_tokens, 2);
+    }
+
+    #[test]
+    fn arguments_fragments_concatenate_to_json() {
+        let p = plan(
+            &[(FAULT_HEADER, "tool_call"), (COMPLETION_TOKENS_HEADER, "5")],
+            json!({"messages": []}),
+        )
+        .expect("plan");
+        let joined = format!(
+            "{}{}",
+            p.arguments_fragment(0, 4),
+            p.arguments_fragment(4, 5)
+        );
+        assert_eq!(joined, p.arguments_fragment(0, 5));
+        let v: Value = serde_json::from_str(&joined).expect("json");
+        assert_eq!(v, json!({"q": "tok0 tok1 tok2 tok3 tok4"}));
+    }
+
+    #[test]
+    fn generation_time() {
+        let mut p = plan(&[], json!({"messages": []})).expect("plan");
+        assert_eq!(p.generation_time(10), Duration::ZERO);
+        p.tokens_per_second = 20;
+        assert_eq!(p.generation_time(4), Duration::from_millis(200));
+        p.tokens_per_second = 1;
+        assert_eq!(p.generation_time(u64::MAX), MAX_WAIT);
+    }
+}

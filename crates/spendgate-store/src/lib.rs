@@ -1,1 +1,141 @@
-//! placeholder
+//! spendgate-store: the one small trait every ledger backend implements, the clock it reads,
+//! and the `memory` and `sqlite` backends. The Redis backend lives in `spendgate-redis`.
+//!
+//! Every backend is held to the same answers by `spendgate-conformance`.
+
+pub mod clock;
+pub mod memory;
+pub mod sqlite;
+
+use async_trait::async_trait;
+use spendgate_core::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use memory::MemoryStore;
+pub use sqlite::{SqliteOptions, SqliteStore};
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// The store could not be read or written (I3: fail closed; nothing is admitted).
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    /// The store did not answer within `store.timeout_ms`. The command may still apply; a
+    /// reservation made that way is held and charged at expiry unless committed.
+    #[error("store did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The ledger refused the command as invalid (unknown id, closed reservation, ...).
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+}
+
+impl StoreError {
+    /// Whether the store itself failed (as opposed to the request being wrong).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_) | StoreError::Timeout(_))
+            || matches!(self, StoreError::Ledger(LedgerError::Full(_)))
+    }
+}
+
+/// A ledger backend.
+///
+/// `execute` applies one [`Command`] atomically at the store's clock: it either applies in
+/// full or not at all, across every scope it touches, and the answer it returns is what was
+/// applied. Replies for commands that admit paid work ([`Command::needs_durability`]) are
+/// given only once the change is as durable as the backend can make it. Resolutions are
+/// idempotent by step id; admissions are idempotent by their idempotency key.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    async fn execute(&self, cmd: Command) -> Result<Reply, StoreError>;
+
+    /// Whether the store is reachable and fit to admit work (SPEC `/readyz`).
+    async fn ready(&self) -> Result<(), StoreError>;
+
+    /// Short name of the backend ("memory", "sqlite", "redis").
+    fn kind(&self) -> &'static str;
+}
+
+macro_rules! typed {
+    ($(#[$doc:meta])* $name:ident ( $($arg:ident : $ty:ty),* ) -> $out:ty, $cmd:expr, $variant:ident) => {
+        $(#[$doc])*
+        pub async fn $name(&self, $($arg: $ty),*) -> Result<$out, StoreError> {
+            match self.execute($cmd).await? {
+                Reply::$variant(v) => Ok(v),
+                other => Err(StoreError::Unavailable(format!(
+                    "store answered {} with {other:?}", stringify!($name)
+                ))),
+            }
+        }
+    };
+}
+
+/// Typed calls over [`Store::execute`].
+impl dyn Store {
+    typed!(admit_run(req: RunRequest, idem: Option<IdempotencyKey>) -> Applied<Result<RunAdmitted, Refusal>>,
+        Command::AdmitRun { req, idem }, Run);
+    typed!(reserve_step(req: StepRequest, idem: Option<IdempotencyKey>) -> Applied<Result<StepReserved, Refusal>>,
+        Command::ReserveStep { req, idem }, Step);
+    typed!(resolve(step: ReservationId, how: Resolution) -> Applied<Resolved>,
+        Command::Resolve { step, how }, Resolved);
+    typed!(heartbeat(run: RunId) -> Applied<Heartbeat>, Command::Heartbeat { run }, Heartbeat);
+    typed!(finish(run: RunId) -> Applied<RunEnded>, Command::Finish { run }, Finished);
+    typed!(create_session(ips: Vec<IpScope>) -> Applied<Result<SessionGrant, Refusal>>,
+        Command::CreateSession { ips }, Session);
+    typed!(usage(scopes: Vec<(ScopeKey, u64)>) -> Vec<UsageLine>, Command::Usage { scopes }, Usage);
+    typed!(set_cutoff(engaged: bool, reason: String) -> Applied<bool>,
+        Command::SetCutoff { engaged, reason }, Cutoff);
+    typed!(adjust(scope: ScopeKey, amount: i64) -> Applied<Vec<UsageLine>>,
+        Command::Adjust { scope, amount }, Adjusted);
+    typed!(summary() -> Summary, Command::Summary, Summary);
+    typed!(reservations(state: Option<ReservationState>, limit: usize) -> Vec<Reservation>,
+        Command::Reservations { state, limit }, Reservations);
+    typed!(top_counters(kind: Option<ScopeKind>, top: usize) -> Vec<(CounterKey, Counter)>,
+        Command::TopCounters { kind, top }, TopCounters);
+    typed!(sweep() -> Applied<usize>, Command::Sweep, Swept);
+}
+
+/// Bounds every call of the inner store by a timeout: past it the call counts as failed
+/// (`StoreError::Timeout`) and the caller refuses (fail closed).
+pub struct Timed<S: ?Sized> {
+    timeout: Duration,
+    inner: Arc<S>,
+}
+
+impl<S: Store + ?Sized> Timed<S> {
+    pub fn new(inner: Arc<S>, timeout: Duration) -> Timed<S> {
+        Timed { timeout, inner }
+    }
+}
+
+#[async_trait]
+impl<S: Store + ?Sized> Store for Timed<S> {
+    async fn execute(&self, cmd: Command) -> Result<Reply, StoreError> {
+        tokio::time::timeout(self.timeout, self.inner.execute(cmd))
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+    }
+    async fn ready(&self) -> Result<(), StoreError> {
+        tokio::time::timeout(self.timeout, self.inner.ready())
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+    }
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+}
+
+/// Runs `Command::Sweep` every `every` until the returned handle is dropped or aborted, so that
+/// expired leases are charged and slots freed even when no traffic touches them.
+pub fn spawn_sweeper(store: Arc<dyn Store>, every: Duration) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Err(e) = store.execute(Command::Sweep).await {
+                tracing::warn!(error = %e, "sweep failed; will retry");
+            }
+        }
+    })
+}

@@ -1,0 +1,141 @@
+//! One enum of every store operation and one of every answer, so that a store can be a small
+//! trait with one method, and the memory and sqlite stores can apply commands to a [`Ledger`]
+//! without knowing them one by one.
+
+use crate::ledger::*;
+use crate::scope::{IpScope, Policy, ScopeKey, ScopeKind};
+use crate::window::UnixMs;
+use crate::LedgerError;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Command {
+    AdmitRun {
+        req: RunRequest,
+        idem: Option<IdempotencyKey>,
+    },
+    ReserveStep {
+        req: StepRequest,
+        idem: Option<IdempotencyKey>,
+    },
+    Resolve {
+        step: ReservationId,
+        how: Resolution,
+    },
+    Heartbeat {
+        run: RunId,
+    },
+    Finish {
+        run: RunId,
+    },
+    CreateSession {
+        ips: Vec<IpScope>,
+    },
+    Usage {
+        scopes: Vec<(ScopeKey, u64)>,
+    },
+    SetCutoff {
+        engaged: bool,
+        reason: String,
+    },
+    Adjust {
+        scope: ScopeKey,
+        amount: i64,
+    },
+    Summary,
+    Reservations {
+        state: Option<ReservationState>,
+        limit: usize,
+    },
+    TopCounters {
+        kind: Option<ScopeKind>,
+        top: usize,
+    },
+    Sweep,
+}
+
+impl Command {
+    /// Whether the answer must be durable before it is given: anything that lets paid work
+    /// start or changes limits. Resolutions and lease renewals may be answered before they
+    /// are durable: losing one only errs towards charging more (the hold expires and is
+    /// charged in full).
+    pub fn needs_durability(&self) -> bool {
+        matches!(
+            self,
+            Command::AdmitRun { .. }
+                | Command::ReserveStep { .. }
+                | Command::CreateSession { .. }
+                | Command::SetCutoff { .. }
+                | Command::Adjust { .. }
+        )
+    }
+
+    /// Whether the command only reads.
+    pub fn is_read(&self) -> bool {
+        matches!(
+            self,
+            Command::Usage { .. }
+                | Command::Summary
+                | Command::Reservations { .. }
+                | Command::TopCounters { .. }
+        )
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reply {
+    Run(Applied<Result<RunAdmitted, Refusal>>),
+    Step(Applied<Result<StepReserved, Refusal>>),
+    Resolved(Applied<Resolved>),
+    Heartbeat(Applied<Heartbeat>),
+    Finished(Applied<RunEnded>),
+    Session(Applied<Result<SessionGrant, Refusal>>),
+    Usage(Vec<UsageLine>),
+    Cutoff(Applied<bool>),
+    Adjusted(Applied<Vec<UsageLine>>),
+    Summary(Summary),
+    Reservations(Vec<Reservation>),
+    TopCounters(Vec<(CounterKey, Counter)>),
+    Swept(Applied<usize>),
+}
+
+impl Ledger {
+    /// Applies one command at `now`.
+    pub fn apply(
+        &mut self,
+        policy: &Policy,
+        now: UnixMs,
+        cmd: &Command,
+    ) -> Result<Reply, LedgerError> {
+        Ok(match cmd {
+            Command::AdmitRun { req, idem } => {
+                Reply::Run(self.admit_run(policy, now, req, idem.as_ref())?)
+            }
+            Command::ReserveStep { req, idem } => {
+                Reply::Step(self.reserve_step(policy, now, req, idem.as_ref())?)
+            }
+            Command::Resolve { step, how } => {
+                Reply::Resolved(self.resolve(policy, now, step, *how)?)
+            }
+            Command::Heartbeat { run } => Reply::Heartbeat(self.heartbeat(policy, now, run)?),
+            Command::Finish { run } => Reply::Finished(self.finish(policy, now, run)?),
+            Command::CreateSession { ips } => {
+                Reply::Session(self.create_session(policy, now, ips)?)
+            }
+            Command::Usage { scopes } => Reply::Usage(self.usage(policy, now, scopes)),
+            Command::SetCutoff { engaged, reason } => {
+                Reply::Cutoff(self.set_cutoff(now, *engaged, reason))
+            }
+            Command::Adjust { scope, amount } => {
+                Reply::Adjusted(self.adjust(policy, now, scope, *amount)?)
+            }
+            Command::Summary => Reply::Summary(self.summary(now)),
+            Command::Reservations { state, limit } => {
+                Reply::Reservations(self.reservations(*state, *limit))
+            }
+            Command::TopCounters { kind, top } => {
+                Reply::TopCounters(self.top_counters(*kind, *top))
+            }
+            Command::Sweep => Reply::Swept(self.sweep(now)),
+        })
+    }
+}

@@ -1,0 +1,1908 @@
+//! The ledger: every budget counter, rate state, concurrency slot, run and reservation, and
+//! the operations that change them. Pure: every operation takes `now` from the caller (the
+//! store's clock) and either applies completely or changes nothing.
+//!
+//! The memory and sqlite stores hold one `Ledger` each; the Redis store implements the same
+//! operations as server-side scripts and is held to the same answers by the conformance suite.
+
+use crate::money::{Micros, ModelPrice, TokenUsage, ToolPrice};
+use crate::scope::{IpScope, Policy, ReservationMode, RunBounds, ScopeKey, ScopeKind, ScopePolicy};
+use crate::window::{UnixMs, Window, WindowId};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, HashMap, HashSet};
+
+/// Terminal records (finished runs and their reservations) are kept this long after the run
+/// ends, so that a retried commit, release or finish still gets its first answer.
+pub const RECORD_RETENTION_MS: u64 = 3_600_000;
+/// Idempotency keys are remembered at least this long (and at least one lease TTL).
+pub const IDEMPOTENCY_RETENTION_MS: u64 = 600_000;
+/// Upper bound on runs plus reservations plus idempotency records held at once. Past it,
+/// nothing new is admitted (the store answers as unavailable): memory is a budget too.
+pub const LEDGER_RECORDS_MAX: usize = 2_000_000;
+/// Longest id (run, step, session, conversation, address prefix, idempotency key) accepted.
+pub const ID_BYTES_MAX: usize = 128;
+/// `Retry-After` for a lifetime budget, which never resets.
+pub const LIFETIME_RETRY_AFTER_S: u64 = 86_400;
+/// Expired timers processed by one call; the rest wait for the next call or the sweeper.
+pub const EXPIRIES_PER_CALL_MAX: usize = 256;
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RunId(pub String);
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ReservationId(pub String);
+
+/// The counter of one scope in one window.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct CounterKey {
+    pub scope: ScopeKey,
+    pub window: WindowId,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counter {
+    /// The limit in force the last time this counter was touched.
+    pub limit: Micros,
+    pub used: Micros,
+    pub reserved: Micros,
+    /// Observed usage went above the limit: nothing more is admitted in this window.
+    pub overrun: bool,
+    /// Net operator adjustments (micros, signed), for reconciliation.
+    pub adjusted: i64,
+}
+
+impl Counter {
+    /// Room left for new holds; zero once overrun.
+    pub fn remaining(&self) -> Micros {
+        if self.overrun {
+            return Micros::ZERO;
+        }
+        self.limit
+            .saturating_sub(self.used)
+            .saturating_sub(self.reserved)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReservationState {
+    Held,
+    Committed,
+    Released,
+    Unknown,
+    Expired,
+}
+
+impl ReservationState {
+    pub fn name(self) -> &'static str {
+        match self {
+            ReservationState::Held => "held",
+            ReservationState::Committed => "committed",
+            ReservationState::Released => "released",
+            ReservationState::Unknown => "unknown",
+            ReservationState::Expired => "expired",
+        }
+    }
+    pub fn parse(s: &str) -> Option<ReservationState> {
+        Some(match s {
+            "held" => ReservationState::Held,
+            "committed" => ReservationState::Committed,
+            "released" => ReservationState::Released,
+            "unknown" => ReservationState::Unknown,
+            "expired" => ReservationState::Expired,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReservationKind {
+    Model {
+        model: String,
+        price: ModelPrice,
+        retry: bool,
+    },
+    Tool {
+        tool: String,
+        price: ToolPrice,
+        units: u64,
+    },
+    /// The whole-run hold of `whole_run` mode.
+    RunHold,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reservation {
+    pub id: ReservationId,
+    pub run_id: RunId,
+    pub kind: ReservationKind,
+    pub amount: Micros,
+    pub counters: Vec<CounterKey>,
+    pub state: ReservationState,
+    pub charged: Micros,
+    pub created: UnixMs,
+    pub resolved_at: Option<UnixMs>,
+    pub max_output_tokens: Option<u64>,
+    pub overrun: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunState {
+    Active,
+    Finished,
+    Expired,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Run {
+    pub id: RunId,
+    pub session: String,
+    pub conversation: String,
+    pub ips: Vec<IpScope>,
+    pub created: UnixMs,
+    pub deadline: UnixMs,
+    pub lease_until: UnixMs,
+    pub rounds: u32,
+    pub tool_calls: u32,
+    pub retries: u32,
+    pub state: RunState,
+    pub ended_at: Option<UnixMs>,
+    /// Concurrency slots held while active.
+    pub slots: Vec<ScopeKey>,
+    /// Every step reservation of the run, in order.
+    pub steps: Vec<ReservationId>,
+    pub hold: Option<ReservationId>,
+    pub bounds: RunBounds,
+    pub mode: ReservationMode,
+}
+
+impl Run {
+    fn scope_keys(&self) -> Vec<(ScopeKey, u64)> {
+        run_scopes(&self.session, &self.ips, &self.conversation)
+    }
+    fn counter_key(&self) -> CounterKey {
+        CounterKey {
+            scope: ScopeKey::new(ScopeKind::Run, self.id.0.clone()),
+            window: Window::Lifetime.at(UnixMs(0)),
+        }
+    }
+}
+
+fn run_scopes(session: &str, ips: &[IpScope], conversation: &str) -> Vec<(ScopeKey, u64)> {
+    let mut v = Vec::with_capacity(3 + ips.len());
+    v.push((ScopeKey::global(), 1));
+    for ip in ips {
+        v.push((
+            ScopeKey::new(ScopeKind::Ip, ip.prefix.clone()),
+            ip.factor.max(1),
+        ));
+    }
+    v.push((ScopeKey::new(ScopeKind::Session, session), 1));
+    v.push((ScopeKey::new(ScopeKind::Conversation, conversation), 1));
+    v
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RefusalCode {
+    RateLimited,
+    ConcurrencyLimited,
+    BudgetExhausted,
+    RunBoundExceeded,
+    PayloadTooLarge,
+    ContextTooLarge,
+    CutoffEngaged,
+}
+
+impl RefusalCode {
+    pub fn name(self) -> &'static str {
+        match self {
+            RefusalCode::RateLimited => "rate_limited",
+            RefusalCode::ConcurrencyLimited => "concurrency_limited",
+            RefusalCode::BudgetExhausted => "budget_exhausted",
+            RefusalCode::RunBoundExceeded => "run_bound_exceeded",
+            RefusalCode::PayloadTooLarge => "payload_too_large",
+            RefusalCode::ContextTooLarge => "context_too_large",
+            RefusalCode::CutoffEngaged => "cutoff_engaged",
+        }
+    }
+}
+
+/// A business refusal: a value, not an error. Says which scope refused and when to retry.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refusal {
+    pub code: RefusalCode,
+    pub scope: Option<ScopeKind>,
+    pub retry_after_s: Option<u64>,
+    pub message: String,
+}
+
+impl Refusal {
+    fn new(code: RefusalCode, scope: Option<ScopeKind>, message: impl Into<String>) -> Refusal {
+        Refusal {
+            code,
+            scope,
+            retry_after_s: None,
+            message: message.into(),
+        }
+    }
+    fn retry_after(mut self, s: u64) -> Refusal {
+        self.retry_after_s = Some(s.max(1));
+        self
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LedgerError {
+    #[error("{0} not found")]
+    NotFound(String),
+    #[error("reservation is already {state:?} (charged {charged}); this transition is refused")]
+    Closed {
+        state: ReservationState,
+        charged: Micros,
+    },
+    #[error("run is {0:?}")]
+    RunClosed(RunState),
+    #[error("idempotency key reused with a different request")]
+    IdempotencyConflict,
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("ledger is full ({0} records); nothing new is admitted")]
+    Full(usize),
+}
+
+/// An answer and the ledger sequence number after it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Applied<T> {
+    pub value: T,
+    /// The ledger's sequence number after this call; it grows with every change.
+    pub seq: u64,
+    /// Whether this call changed the ledger.
+    pub changed: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdempotencyKey {
+    /// Namespaced key (e.g. `run:KEY` or `step:RUN:KEY`).
+    pub key: String,
+    /// A digest of the request body; a different body under the same key is a conflict.
+    pub fingerprint: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunRequest {
+    pub run_id: RunId,
+    pub session: String,
+    pub ips: Vec<IpScope>,
+    pub conversation: String,
+    pub input_bytes: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunAdmitted {
+    pub run_id: RunId,
+    pub deadline: UnixMs,
+    pub reserved: Micros,
+    pub bounds: RunBounds,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum StepKind {
+    Model {
+        model: String,
+        price: ModelPrice,
+        prompt_tokens: u64,
+        /// Requested output bound; `None` means "the run's bound".
+        max_output_tokens: Option<u64>,
+        retry: bool,
+    },
+    Tool {
+        tool: String,
+        price: ToolPrice,
+        units: u64,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepRequest {
+    pub run_id: RunId,
+    pub step_id: ReservationId,
+    pub kind: StepKind,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepReserved {
+    pub step_id: ReservationId,
+    pub reserved: Micros,
+    pub max_output_tokens: Option<u64>,
+    /// The output bound was shrunk to fit the remaining budget (`run.shrink_to_fit`).
+    pub shrunk: bool,
+}
+
+/// What a commit reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Settlement {
+    Tokens(TokenUsage),
+    /// Units a tool consumed (a charge of per_call + per_unit × units).
+    Units(u64),
+    /// A tool's result size; the charge is what was reserved.
+    ResultBytes(u64),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resolved {
+    pub state: ReservationState,
+    pub charged: Micros,
+    pub reserved: Micros,
+    pub overrun: bool,
+    /// The answer repeats an earlier resolution (idempotent retry).
+    pub repeated: bool,
+    /// A tool result above `max_tool_result_bytes`: charged, but must not be fed back.
+    pub result_too_large: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunEnded {
+    pub state: RunState,
+    pub charged: Micros,
+    pub steps: u32,
+    pub repeated: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Heartbeat {
+    pub lease_until: UnixMs,
+    pub deadline: UnixMs,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionGrant {
+    /// Session creation is busier than half its allowance: adaptive challenges apply.
+    pub pressure: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UsageLine {
+    pub scope: ScopeKey,
+    pub window: WindowId,
+    pub limit: Micros,
+    pub used: Micros,
+    pub reserved: Micros,
+    pub overrun: bool,
+    pub resets_at: Option<UnixMs>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Summary {
+    pub seq: u64,
+    pub cutoff: Option<String>,
+    pub runs_active: u64,
+    pub reservations: HashMap<String, u64>,
+    pub held_micros: Micros,
+    pub charged_micros: Micros,
+    pub overruns: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum IdempotentOutcome {
+    Run(Result<RunAdmitted, Refusal>),
+    Step(Result<StepReserved, Refusal>),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IdempotencyRecord {
+    pub key: String,
+    pub fingerprint: String,
+    pub outcome: IdempotentOutcome,
+    pub expires: UnixMs,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+enum Timer {
+    Lease(RunId),
+    Purge(RunId),
+    Idempotency(String),
+}
+
+/// A record that changed and must be written by a durable store.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Entity {
+    Meta,
+    Counter(CounterKey),
+    Rate(String),
+    Run(RunId),
+    Reservation(ReservationId),
+    Idempotency(String),
+}
+
+/// The durable form of one entity (what a store writes and reads back).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Record {
+    Meta {
+        seq: u64,
+        cutoff: Option<String>,
+        clock: UnixMs,
+    },
+    Counter(CounterKey, Counter),
+    Rate(String, u64),
+    Run(Run),
+    Reservation(Reservation),
+    Idempotency(IdempotencyRecord),
+}
+
+impl Entity {
+    /// A stable text key for the entity, unique across kinds.
+    pub fn storage_key(&self) -> String {
+        match self {
+            Entity::Meta => "m".to_string(),
+            Entity::Counter(k) => {
+                format!(
+                    "c|{}|{}|{}",
+                    k.scope,
+                    k.window.window.name(),
+                    k.window.index
+                )
+            }
+            Entity::Rate(k) => format!("g|{k}"),
+            Entity::Run(id) => format!("r|{}", id.0),
+            Entity::Reservation(id) => format!("s|{}", id.0),
+            Entity::Idempotency(k) => format!("i|{k}"),
+        }
+    }
+}
+
+impl Record {
+    pub fn entity(&self) -> Entity {
+        match self {
+            Record::Meta { .. } => Entity::Meta,
+            Record::Counter(k, _) => Entity::Counter(k.clone()),
+            Record::Rate(k, _) => Entity::Rate(k.clone()),
+            Record::Run(r) => Entity::Run(r.id.clone()),
+            Record::Reservation(r) => Entity::Reservation(r.id.clone()),
+            Record::Idempotency(r) => Entity::Idempotency(r.key.clone()),
+        }
+    }
+}
+
+/// The whole ledger state of a deployment.
+#[derive(Debug, Default)]
+pub struct Ledger {
+    seq: u64,
+    cutoff: Option<String>,
+    clock: UnixMs,
+    counters: HashMap<CounterKey, Counter>,
+    rates: HashMap<String, u64>,
+    slots: HashMap<ScopeKey, u32>,
+    runs: HashMap<RunId, Run>,
+    reservations: HashMap<ReservationId, Reservation>,
+    idempotency: HashMap<String, IdempotencyRecord>,
+    timers: BTreeSet<(UnixMs, Timer)>,
+    track_changes: bool,
+    dirty: HashSet<Entity>,
+}
+
+fn check_id(what: &str, id: &str) -> Result<(), LedgerError> {
+    if id.is_empty() || id.len() > ID_BYTES_MAX {
+        return Err(LedgerError::Invalid(format!(
+            "{what} must be 1 to {ID_BYTES_MAX} bytes"
+        )));
+    }
+    Ok(())
+}
+
+impl Ledger {
+    pub fn new() -> Ledger {
+        Ledger::default()
+    }
+
+    /// A ledger that records which entities each call changed (for durable stores).
+    pub fn with_change_tracking() -> Ledger {
+        Ledger {
+            track_changes: true,
+            ..Ledger::default()
+        }
+    }
+
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+
+    pub fn cutoff(&self) -> Option<&str> {
+        self.cutoff.as_deref()
+    }
+
+    /// Entities changed since the last call, with their current record (`None`: deleted).
+    pub fn take_changes(&mut self) -> Vec<(Entity, Option<Record>)> {
+        let dirty: Vec<Entity> = self.dirty.drain().collect();
+        dirty
+            .into_iter()
+            .map(|e| {
+                let rec = self.record(&e);
+                (e, rec)
+            })
+            .collect()
+    }
+
+    /// Forgets pending changes (after the store reloaded from disk).
+    pub fn clear_changes(&mut self) {
+        self.dirty.clear();
+    }
+
+    pub fn record(&self, e: &Entity) -> Option<Record> {
+        Some(match e {
+            Entity::Meta => Record::Meta {
+                seq: self.seq,
+                cutoff: self.cutoff.clone(),
+                clock: self.clock,
+            },
+            Entity::Counter(k) => Record::Counter(k.clone(), *self.counters.get(k)?),
+            Entity::Rate(k) => Record::Rate(k.clone(), *self.rates.get(k)?),
+            Entity::Run(id) => Record::Run(self.runs.get(id)?.clone()),
+            Entity::Reservation(id) => Record::Reservation(self.reservations.get(id)?.clone()),
+            Entity::Idempotency(k) => Record::Idempotency(self.idempotency.get(k)?.clone()),
+        })
+    }
+
+    /// Rebuilds a ledger from its records (derived indexes are recomputed).
+    pub fn restore(records: impl IntoIterator<Item = Record>, track_changes: bool) -> Ledger {
+        let mut l = Ledger {
+            track_changes,
+            ..Ledger::default()
+        };
+        for r in records {
+            match r {
+                Record::Meta { seq, cutoff, clock } => {
+                    l.seq = seq;
+                    l.cutoff = cutoff;
+                    l.clock = clock;
+                }
+                Record::Counter(k, c) => {
+                    l.counters.insert(k, c);
+                }
+                Record::Rate(k, t) => {
+                    l.rates.insert(k, t);
+                }
+                Record::Run(run) => {
+                    l.runs.insert(run.id.clone(), run);
+                }
+                Record::Reservation(res) => {
+                    l.reservations.insert(res.id.clone(), res);
+                }
+                Record::Idempotency(rec) => {
+                    l.timers
+                        .insert((rec.expires, Timer::Idempotency(rec.key.clone())));
+                    l.idempotency.insert(rec.key.clone(), rec);
+                }
+            }
+        }
+        for run in l.runs.values() {
+            match run.state {
+                RunState::Active => {
+                    l.timers
+                        .insert((run.lease_until, Timer::Lease(run.id.clone())));
+                    for s in &run.slots {
+                        *l.slots.entry(s.clone()).or_insert(0) += 1;
+                    }
+                }
+                RunState::Finished | RunState::Expired => {
+                    let at = run
+                        .ended_at
+                        .unwrap_or(run.created)
+                        .plus_ms(RECORD_RETENTION_MS);
+                    l.timers.insert((at, Timer::Purge(run.id.clone())));
+                }
+            }
+        }
+        l
+    }
+
+    /// Every record, for a full snapshot.
+    pub fn records(&self) -> Vec<Record> {
+        let mut v = vec![self.record(&Entity::Meta).unwrap_or(Record::Meta {
+            seq: self.seq,
+            cutoff: None,
+            clock: self.clock,
+        })];
+        v.extend(
+            self.counters
+                .iter()
+                .map(|(k, c)| Record::Counter(k.clone(), *c)),
+        );
+        v.extend(self.rates.iter().map(|(k, t)| Record::Rate(k.clone(), *t)));
+        v.extend(self.runs.values().cloned().map(Record::Run));
+        v.extend(self.reservations.values().cloned().map(Record::Reservation));
+        v.extend(self.idempotency.values().cloned().map(Record::Idempotency));
+        v
+    }
+
+    fn touch(&mut self, e: Entity) {
+        if self.track_changes {
+            self.dirty.insert(e);
+        }
+    }
+
+    fn bump(&mut self) -> u64 {
+        self.seq += 1;
+        self.touch(Entity::Meta);
+        self.seq
+    }
+
+    fn records_held(&self) -> usize {
+        self.runs.len() + self.reservations.len() + self.idempotency.len()
+    }
+
+    /// Moves the clock forward (never back: a clock that steps back is held at the last value)
+    /// and processes due expiries. Returns the effective `now`.
+    fn advance(&mut self, now: UnixMs) -> (UnixMs, bool) {
+        let now = now.max(self.clock);
+        if now != self.clock {
+            self.clock = now;
+            self.touch(Entity::Meta);
+        }
+        let changed = self.expire_due(now, EXPIRIES_PER_CALL_MAX) > 0;
+        (now, changed)
+    }
+
+    /// Processes up to `max` due timers: expires runs whose lease ran out (charging their held
+    /// reservations in full and freeing their slots), purges old records.
+    fn expire_due(&mut self, now: UnixMs, max: usize) -> usize {
+        let mut done = 0;
+        while done < max {
+            let Some((at, _)) = self.timers.first() else {
+                break;
+            };
+            if *at > now {
+                break;
+            }
+            let Some((_, timer)) = self.timers.pop_first() else {
+                break;
+            };
+            match timer {
+                Timer::Lease(run_id) => {
+                    if self
+                        .runs
+                        .get(&run_id)
+                        .is_some_and(|r| r.state == RunState::Active)
+                    {
+                        self.end_run(&run_id, now, RunState::Expired);
+                        self.bump();
+                        done += 1;
+                    }
+                }
+                Timer::Purge(run_id) => {
+                    self.purge_run(&run_id);
+                    done += 1;
+                }
+                Timer::Idempotency(key) => {
+                    if self.idempotency.get(&key).is_some_and(|r| r.expires <= now) {
+                        self.idempotency.remove(&key);
+                        self.touch(Entity::Idempotency(key));
+                        done += 1;
+                    }
+                }
+            }
+        }
+        done
+    }
+
+    /// Runs every due expiry and drops idle rate state and counters of long-ended windows.
+    /// Called periodically by the store's sweeper; idempotent. Returns whether anything changed.
+    pub fn sweep(&mut self, now: UnixMs) -> Applied<usize> {
+        let (now, _) = self.advance(now);
+        let mut n = self.expire_due(now, usize::MAX);
+        let now_us = now.0.saturating_mul(1000);
+        let idle: Vec<String> = self
+            .rates
+            .iter()
+            .filter(|(_, t)| **t <= now_us)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in idle {
+            self.rates.remove(&k);
+            self.touch(Entity::Rate(k));
+        }
+        let stale: Vec<CounterKey> = self
+            .counters
+            .iter()
+            .filter(|(k, c)| {
+                c.reserved == Micros::ZERO
+                    && k.scope.kind != ScopeKind::Global
+                    && k.window
+                        .resets_at()
+                        .is_some_and(|r| r.plus_ms(RECORD_RETENTION_MS) <= now)
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        n += stale.len();
+        for k in stale {
+            self.counters.remove(&k);
+            self.touch(Entity::Counter(k));
+        }
+        Applied {
+            value: n,
+            seq: self.seq,
+            changed: n > 0,
+        }
+    }
+
+    fn purge_run(&mut self, run_id: &RunId) {
+        let Some(run) = self.runs.remove(run_id) else {
+            return;
+        };
+        debug_assert!(run.state != RunState::Active, "only ended runs are purged");
+        for s in run.steps.iter().chain(run.hold.iter()) {
+            self.reservations.remove(s);
+            self.touch(Entity::Reservation(s.clone()));
+        }
+        let ck = run.counter_key();
+        self.counters.remove(&ck);
+        self.touch(Entity::Counter(ck));
+        self.touch(Entity::Run(run_id.clone()));
+    }
+
+    fn counter_mut(&mut self, key: &CounterKey, limit: Micros) -> &mut Counter {
+        if self.track_changes {
+            self.dirty.insert(Entity::Counter(key.clone()));
+        }
+        let c = self.counters.entry(key.clone()).or_default();
+        c.limit = limit;
+        c
+    }
+
+    /// The budget counters (and their limits) a request from these scopes touches at `now`.
+    fn budget_counters(
+        policy: &Policy,
+        scopes: &[(ScopeKey, u64)],
+        now: UnixMs,
+    ) -> Vec<(CounterKey, Micros)> {
+        let mut v = Vec::new();
+        for (scope, factor) in scopes {
+            let Some(p) = policy.for_kind(scope.kind) else {
+                continue;
+            };
+            for b in &p.scaled(*factor).budgets {
+                v.push((
+                    CounterKey {
+                        scope: scope.clone(),
+                        window: b.window.at(now),
+                    },
+                    b.amount,
+                ));
+            }
+        }
+        v
+    }
+
+    fn counter_view(&self, key: &CounterKey, limit: Micros) -> Counter {
+        let mut c = self.counters.get(key).copied().unwrap_or_default();
+        c.limit = limit;
+        c
+    }
+
+    /// Checks that `amount` fits every counter; the first that does not says why.
+    fn check_budgets(
+        &self,
+        counters: &[(CounterKey, Micros)],
+        amount: Micros,
+        now: UnixMs,
+    ) -> Result<(), Refusal> {
+        for (key, limit) in counters {
+            let c = self.counter_view(key, *limit);
+            let fits = !c.overrun
+                && c.used
+                    .0
+                    .checked_add(c.reserved.0)
+                    .and_then(|s| s.checked_add(amount.0))
+                    <= Some(limit.0);
+            if !fits {
+                return Err(budget_refusal(key, &c, now));
+            }
+        }
+        Ok(())
+    }
+
+    fn hold(&mut self, counters: &[(CounterKey, Micros)], amount: Micros) {
+        for (key, limit) in counters {
+            let c = self.counter_mut(key, *limit);
+            c.reserved = c.reserved.add_capped(amount);
+            debug_assert!(
+                c.used.0 + c.reserved.0 <= c.limit.0,
+                "I1: admission must keep used + reserved <= limit"
+            );
+        }
+    }
+
+    /// Moves a reservation to a terminal state, charging `charged` to each of its counters.
+    fn settle(
+        &mut self,
+        id: &ReservationId,
+        state: ReservationState,
+        charged: Micros,
+        now: UnixMs,
+    ) {
+        let Some(res) = self.reservations.get_mut(id) else {
+            return;
+        };
+        debug_assert_eq!(
+            res.state,
+            ReservationState::Held,
+            "I2: settle only a held reservation"
+        );
+        debug_assert!(state != ReservationState::Held);
+        res.state = state;
+        res.charged = charged;
+        res.resolved_at = Some(now);
+        res.overrun = charged > res.amount;
+        let (amount, keys) = (res.amount, res.counters.clone());
+        self.touch(Entity::Reservation(id.clone()));
+        for key in keys {
+            let limit = self.counters.get(&key).map(|c| c.limit).unwrap_or_default();
+            let c = self.counter_mut(&key, limit);
+            c.reserved = c.reserved.saturating_sub(amount);
+            c.used = c.used.add_capped(charged);
+            if c.used > c.limit {
+                c.overrun = true;
+            }
+        }
+    }
+
+    fn renew(&mut self, run_id: &RunId, now: UnixMs, ttl_ms: u64) -> Option<UnixMs> {
+        let run = self.runs.get_mut(run_id)?;
+        if run.state != RunState::Active {
+            return None;
+        }
+        let new = now
+            .plus_ms(ttl_ms)
+            .min(run.deadline)
+            .max(run.lease_until.min(run.deadline));
+        if new != run.lease_until {
+            self.timers
+                .remove(&(run.lease_until, Timer::Lease(run_id.clone())));
+            run.lease_until = new;
+            self.timers.insert((new, Timer::Lease(run_id.clone())));
+            self.touch(Entity::Run(run_id.clone()));
+        }
+        Some(new)
+    }
+
+    /// Ends a run: held steps become `unknown` (finish) or `expired` (lease ran out), both
+    /// charged in full; the whole-run hold is reconciled; slots are freed.
+    fn end_run(&mut self, run_id: &RunId, now: UnixMs, end: RunState) {
+        let Some(run) = self.runs.get(run_id) else {
+            return;
+        };
+        debug_assert_eq!(run.state, RunState::Active);
+        let (steps, hold, slots) = (run.steps.clone(), run.hold.clone(), run.slots.clone());
+        let lease_until = run.lease_until;
+        let step_end = if end == RunState::Expired {
+            ReservationState::Expired
+        } else {
+            ReservationState::Unknown
+        };
+        for s in &steps {
+            if self
+                .reservations
+                .get(s)
+                .is_some_and(|r| r.state == ReservationState::Held)
+            {
+                let amount = self
+                    .reservations
+                    .get(s)
+                    .map(|r| r.amount)
+                    .unwrap_or_default();
+                self.settle(s, step_end, amount, now);
+            }
+        }
+        if let Some(h) = &hold {
+            let run_used = self
+                .runs
+                .get(run_id)
+                .map(|r| r.counter_key())
+                .and_then(|k| self.counters.get(&k).map(|c| c.used));
+            let amount = self
+                .reservations
+                .get(h)
+                .map(|r| r.amount)
+                .unwrap_or_default();
+            let run_used = run_used.unwrap_or_default();
+            if end == RunState::Expired {
+                self.settle(h, ReservationState::Expired, amount.max(run_used), now);
+            } else {
+                self.settle(h, ReservationState::Committed, run_used, now);
+            }
+        }
+        for s in &slots {
+            if let Some(n) = self.slots.get_mut(s) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.slots.remove(s);
+                }
+            }
+        }
+        self.timers
+            .remove(&(lease_until, Timer::Lease(run_id.clone())));
+        self.timers.insert((
+            now.plus_ms(RECORD_RETENTION_MS),
+            Timer::Purge(run_id.clone()),
+        ));
+        if let Some(run) = self.runs.get_mut(run_id) {
+            run.state = end;
+            run.ended_at = Some(now);
+        }
+        self.touch(Entity::Run(run_id.clone()));
+    }
+
+    fn remember(
+        &mut self,
+        idem: Option<&IdempotencyKey>,
+        outcome: IdempotentOutcome,
+        now: UnixMs,
+        ttl_ms: u64,
+    ) {
+        let Some(k) = idem else { return };
+        let expires = now.plus_ms(IDEMPOTENCY_RETENTION_MS.max(ttl_ms));
+        self.idempotency.insert(
+            k.key.clone(),
+            IdempotencyRecord {
+                key: k.key.clone(),
+                fingerprint: k.fingerprint.clone(),
+                outcome,
+                expires,
+            },
+        );
+        self.timers
+            .insert((expires, Timer::Idempotency(k.key.clone())));
+        self.touch(Entity::Idempotency(k.key.clone()));
+    }
+
+    fn recall(
+        &self,
+        idem: Option<&IdempotencyKey>,
+    ) -> Result<Option<IdempotentOutcome>, LedgerError> {
+        let Some(k) = idem else { return Ok(None) };
+        check_id("idempotency key", &k.key)?;
+        match self.idempotency.get(&k.key) {
+            None => Ok(None),
+            Some(r) if r.fingerprint == k.fingerprint => Ok(Some(r.outcome.clone())),
+            Some(_) => Err(LedgerError::IdempotencyConflict),
+        }
+    }
+
+    fn answer<T>(&self, value: T, changed: bool) -> Applied<T> {
+        Applied {
+            value,
+            seq: self.seq,
+            changed,
+        }
+    }
+
+    /// Admits a run: checks rate, concurrency and budgets of every scope, and applies all of
+    /// them or none. In `whole_run` mode the run's cost bound is reserved here.
+    pub fn admit_run(
+        &mut self,
+        policy: &Policy,
+        now: UnixMs,
+        req: &RunRequest,
+        idem: Option<&IdempotencyKey>,
+    ) -> Result<Applied<Result<RunAdmitted, Refusal>>, LedgerError> {
+        let (now, swept) = self.advance(now);
+        if let Some(IdempotentOutcome::Run(o)) = self.recall(idem)? {
+            return Ok(self.answer(o, swept));
+        } else if self.recall(idem)?.is_some() {
+            return Err(LedgerError::IdempotencyConflict);
+        }
+        check_id("run id", &req.run_id.0)?;
+        check_id("session", &req.session)?;
+        check_id("conversation", &req.conversation)?;
+        if req.ips.is_empty() || req.ips.len() > 4 {
+            return Err(LedgerError::Invalid("one to four address prefixes".into()));
+        }
+        for ip in &req.ips {
+            check_id("address prefix", &ip.prefix)?;
+        }
+        if self.runs.contains_key(&req.run_id) {
+            return Err(LedgerError::Invalid("run id already exists".into()));
+        }
+        if self.records_held() >= LEDGER_RECORDS_MAX {
+            return Err(LedgerError::Full(LEDGER_RECORDS_MAX));
+        }
+        let decision = self.decide_run(policy, now, req);
+        let outcome = match decision {
+            Err(refusal) => Err(refusal),
+            Ok(plan) => Ok(self.apply_run(policy, now, req, plan)),
+        };
+        self.remember(
+            idem,
+            IdempotentOutcome::Run(outcome.clone()),
+            now,
+            policy.lease_ttl_ms,
+        );
+        let changed = swept || outcome.is_ok() || idem.is_some();
+        if changed {
+            self.bump();
+        }
+        Ok(self.answer(outcome, changed))
+    }
+
+    fn decide_run(
+        &self,
+        policy: &Policy,
+        now: UnixMs,
+        req: &RunRequest,
+    ) -> Result<RunPlan, Refusal> {
+        if let Some(reason) = &self.cutoff {
+            return Err(Refusal::new(
+                RefusalCode::CutoffEngaged,
+                Some(ScopeKind::Global),
+                format!("spending cutoff engaged: {reason}"),
+            )
+            .retry_after(60));
+        }
+        let bounds = policy.run;
+        if req.input_bytes > bounds.max_input_bytes {
+            return Err(Refusal::new(
+                RefusalCode::PayloadTooLarge,
+                Some(ScopeKind::Run),
+                format!(
+                    "input of {} bytes is over the limit of {} bytes",
+                    req.input_bytes, bounds.max_input_bytes
+                ),
+            ));
+        }
+        let scopes = run_scopes(&req.session, &req.ips, &req.conversation);
+        // Rates: every scope with a rate, computed but not yet applied.
+        let now_us = now.0.saturating_mul(1000);
+        let mut tats = Vec::new();
+        for (scope, factor) in &scopes {
+            let Some(p) = policy.for_kind(scope.kind) else {
+                continue;
+            };
+            let Some(rate) = p.rate.map(|r| r.scaled(*factor)) else {
+                continue;
+            };
+            let key = format!("run|{scope}");
+            let tat = self.rates.get(&key).copied().unwrap_or(0);
+            match rate.check(tat, now_us) {
+                Ok(new_tat) => tats.push((key, new_tat)),
+                Err(wait_us) => {
+                    return Err(Refusal::new(
+                        RefusalCode::RateLimited,
+                        Some(scope.kind),
+                        format!("{} request rate exceeded", scope.kind.name()),
+                    )
+                    .retry_after(wait_us.div_ceil(1_000_000)))
+                }
+            }
+        }
+        // Concurrency.
+        let mut slots = Vec::new();
+        for (scope, factor) in &scopes {
+            let Some(p) = policy.for_kind(scope.kind) else {
+                continue;
+            };
+            let Some(cap) = p.scaled(*factor).concurrency else {
+                continue;
+            };
+            let held = self.slots.get(scope).copied().unwrap_or(0);
+            if held >= cap {
+                return Err(Refusal::new(
+                    RefusalCode::ConcurrencyLimited,
+                    Some(scope.kind),
+                    format!(
+                        "{} already has {held} active run(s) (limit {cap})",
+                        scope.kind.name()
+                    ),
+                )
+                .retry_after(1));
+            }
+            slots.push(scope.clone());
+        }
+        // Budgets: whole_run reserves the run's cost bound; per_step needs some room left.
+        let counters = Self::budget_counters(policy, &scopes, now);
+        let hold = match policy.mode {
+            ReservationMode::WholeRun => bounds.max_cost,
+            ReservationMode::PerStep => Micros(1),
+        };
+        self.check_budgets(&counters, hold, now)?;
+        Ok(RunPlan {
+            tats,
+            slots,
+            counters,
+        })
+    }
+
+    fn apply_run(
+        &mut self,
+        policy: &Policy,
+        now: UnixMs,
+        req: &RunRequest,
+        plan: RunPlan,
+    ) -> RunAdmitted {
+        let bounds = policy.run;
+        for (k, t) in plan.tats {
+            self.rates.insert(k.clone(), t);
+            self.touch(Entity::Rate(k));
+        }
+        for s in &plan.slots {
+            *self.slots.entry(s.clone()).or_insert(0) += 1;
+        }
+        let deadline = now.plus_ms(bounds.max_seconds.saturating_mul(1000));
+        let lease_until = now.plus_ms(policy.lease_ttl_ms).min(deadline);
+        let mut run = Run {
+            id: req.run_id.clone(),
+            session: req.session.clone(),
+            conversation: req.conversation.clone(),
+            ips: req.ips.clone(),
+            created: now,
+            deadline,
+            lease_until,
+            rounds: 0,
+            tool_calls: 0,
+            retries: 0,
+            state: RunState::Active,
+            ended_at: None,
+            slots: plan.slots,
+            steps: Vec::new(),
+            hold: None,
+            bounds,
+            mode: policy.mode,
+        };
+        let mut reserved = Micros::ZERO;
+        if policy.mode == ReservationMode::WholeRun {
+            let id = ReservationId(format!("{}.hold", req.run_id.0));
+            self.hold(&plan.counters, bounds.max_cost);
+            reserved = bounds.max_cost;
+            self.reservations.insert(
+                id.clone(),
+                Reservation {
+                    id: id.clone(),
+                    run_id: req.run_id.clone(),
+                    kind: ReservationKind::RunHold,
+                    amount: bounds.max_cost,
+                    counters: plan.counters.into_iter().map(|(k, _)| k).collect(),
+                    state: ReservationState::Held,
+                    charged: Micros::ZERO,
+                    created: now,
+                    resolved_at: None,
+                    max_output_tokens: None,
+                    overrun: false,
+                },
+            );
+            self.touch(Entity::Reservation(id.clone()));
+            run.hold = Some(id);
+        }
+        self.timers
+            .insert((lease_until, Timer::Lease(req.run_id.clone())));
+        self.runs.insert(req.run_id.clone(), run);
+        self.touch(Entity::Run(req.run_id.clone()));
+        RunAdmitted {
+            run_id: req.run_id.clone(),
+            deadline,
+            reserved,
+            bounds,
+        }
+    }
+
+    /// Reserves one paid step of a run against every scope (per_step) or against the run's
+    /// hold (whole_run), after checking the run's bounds.
+    pub fn reserve_step(
+        &mut self,
+        policy: &Policy,
+        now: UnixMs,
+        req: &StepRequest,
+        idem: Option<&IdempotencyKey>,
+    ) -> Result<Applied<Result<StepReserved, Refusal>>, LedgerError> {
+        let (now, swept) = self.advance(now);
+        match self.recall(idem)? {
+            Some(IdempotentOutcome::Step(o)) => return Ok(self.answer(o, swept)),
+            Some(IdempotentOutcome::Run(_)) => return Err(LedgerError::IdempotencyConflict),
+            None => {}
+        }
+        check_id("step id", &req.step_id.0)?;
+        if self.reservations.contains_key(&req.step_id) {
+            return Err(LedgerError::Invalid("step id already exists".into()));
+        }
+        let run = self
+            .runs
+            .get(&req.run_id)
+            .ok_or_else(|| LedgerError::NotFound(format!("run {}", req.run_id.0)))?;
+        if self.records_held() >= LEDGER_RECORDS_MAX {
+            return Err(LedgerError::Full(LEDGER_RECORDS_MAX));
+        }
+        let decision = self.decide_step(policy, now, run, req);
+        let outcome = match decision {
+            Err(refusal) => Err(refusal),
+            Ok(plan) => Ok(self.apply_step(policy, now, req, plan)),
+        };
+        self.remember(
+            idem,
+            IdempotentOutcome::Step(outcome.clone()),
+            now,
+            policy.lease_ttl_ms,
+        );
+        let changed = swept || outcome.is_ok() || idem.is_some();
+        if changed {
+            self.bump();
+        }
+        Ok(self.answer(outcome, changed))
+    }
+
+    fn decide_step(
+        &self,
+        policy: &Policy,
+        now: UnixMs,
+        run: &Run,
+        req: &StepRequest,
+    ) -> Result<StepPlan, Refusal> {
+        let bound =
+            |msg: String| Refusal::new(RefusalCode::RunBoundExceeded, Some(ScopeKind::Run), msg);
+        match run.state {
+            RunState::Active => {}
+            RunState::Finished => return Err(bound("run is finished".into())),
+            RunState::Expired => return Err(bound("run deadline or lease has passed".into())),
+        }
+        if now >= run.deadline {
+            return Err(bound("run deadline has passed".into()));
+        }
+        if let Some(reason) = &self.cutoff {
+            return Err(Refusal::new(
+                RefusalCode::CutoffEngaged,
+                Some(ScopeKind::Global),
+                format!("spending cutoff engaged: {reason}"),
+            )
+            .retry_after(60));
+        }
+        let b = run.bounds;
+        let (amount, max_out, counter_kind) = match &req.kind {
+            StepKind::Model {
+                price,
+                prompt_tokens,
+                max_output_tokens,
+                retry,
+                ..
+            } => {
+                if *retry && run.retries >= b.max_retries {
+                    return Err(bound(format!(
+                        "run already used its {} retries",
+                        b.max_retries
+                    )));
+                }
+                if !*retry && run.rounds >= b.max_model_rounds {
+                    return Err(bound(format!(
+                        "run already used its {} model rounds",
+                        b.max_model_rounds
+                    )));
+                }
+                if *prompt_tokens > b.max_context_tokens {
+                    return Err(Refusal::new(
+                        RefusalCode::ContextTooLarge,
+                        Some(ScopeKind::Run),
+                        format!(
+                            "prompt of {prompt_tokens} tokens is over the context limit of {} tokens",
+                            b.max_context_tokens
+                        ),
+                    ));
+                }
+                let out = max_output_tokens
+                    .unwrap_or(b.max_output_tokens)
+                    .min(b.max_output_tokens);
+                (
+                    price.bound(*prompt_tokens, out),
+                    Some(out),
+                    StepCounter::Model(*retry),
+                )
+            }
+            StepKind::Tool { price, units, .. } => {
+                if run.tool_calls >= b.max_tool_calls {
+                    return Err(bound(format!(
+                        "run already used its {} tool calls",
+                        b.max_tool_calls
+                    )));
+                }
+                (price.cost(*units), None, StepCounter::Tool)
+            }
+        };
+        let run_counter = (run.counter_key(), b.max_cost);
+        let counters = match run.mode {
+            ReservationMode::PerStep => {
+                let mut c = Self::budget_counters(policy, &run.scope_keys(), now);
+                c.push(run_counter);
+                c
+            }
+            ReservationMode::WholeRun => vec![run_counter],
+        };
+        match self.check_budgets(&counters, amount, now) {
+            Ok(()) => Ok(StepPlan {
+                amount,
+                max_out,
+                shrunk: false,
+                counters,
+                counter_kind,
+            }),
+            Err(refusal) => {
+                // shrink_to_fit: lower the output bound to what the tightest counter allows.
+                if let (
+                    true,
+                    StepKind::Model {
+                        price,
+                        prompt_tokens,
+                        ..
+                    },
+                ) = (b.shrink_to_fit, &req.kind)
+                {
+                    let room = counters
+                        .iter()
+                        .map(|(k, l)| self.counter_view(k, *l).remaining())
+                        .min()
+                        .unwrap_or_default();
+                    if let Some(fit) = price.max_output_within(*prompt_tokens, room) {
+                        let fit = fit.min(max_out.unwrap_or(0));
+                        if fit >= b.min_output_tokens {
+                            let amount = price.bound(*prompt_tokens, fit);
+                            self.check_budgets(&counters, amount, now)?;
+                            return Ok(StepPlan {
+                                amount,
+                                max_out: Some(fit),
+                                shrunk: true,
+                                counters,
+                                counter_kind,
+                            });
+                        }
+                    }
+                }
+                let mut refusal = refusal;
+                if refusal.scope == Some(ScopeKind::Run) {
+                    refusal.code = RefusalCode::RunBoundExceeded;
+                    refusal.message = format!("run cost bound of {} reached", b.max_cost);
+                    refusal.retry_after_s = None;
+                }
+                Err(refusal)
+            }
+        }
+    }
+
+    fn apply_step(
+        &mut self,
+        policy: &Policy,
+        now: UnixMs,
+        req: &StepRequest,
+        plan: StepPlan,
+    ) -> StepReserved {
+        self.hold(&plan.counters, plan.amount);
+        let kind = match &req.kind {
+            StepKind::Model {
+                model,
+                price,
+                retry,
+                ..
+            } => ReservationKind::Model {
+                model: model.clone(),
+                price: *price,
+                retry: *retry,
+            },
+            StepKind::Tool { tool, price, units } => ReservationKind::Tool {
+                tool: tool.clone(),
+                price: *price,
+                units: *units,
+            },
+        };
+        self.reservations.insert(
+            req.step_id.clone(),
+            Reservation {
+                id: req.step_id.clone(),
+                run_id: req.run_id.clone(),
+                kind,
+                amount: plan.amount,
+                counters: plan.counters.into_iter().map(|(k, _)| k).collect(),
+                state: ReservationState::Held,
+                charged: Micros::ZERO,
+                created: now,
+                resolved_at: None,
+                max_output_tokens: plan.max_out,
+                overrun: false,
+            },
+        );
+        self.touch(Entity::Reservation(req.step_id.clone()));
+        if let Some(run) = self.runs.get_mut(&req.run_id) {
+            match plan.counter_kind {
+                StepCounter::Model(true) => run.retries += 1,
+                StepCounter::Model(false) => run.rounds += 1,
+                StepCounter::Tool => run.tool_calls += 1,
+            }
+            run.steps.push(req.step_id.clone());
+        }
+        self.touch(Entity::Run(req.run_id.clone()));
+        self.renew(&req.run_id, now, policy.lease_ttl_ms);
+        StepReserved {
+            step_id: req.step_id.clone(),
+            reserved: plan.amount,
+            max_output_tokens: plan.max_out,
+            shrunk: plan.shrunk,
+        }
+    }
+
+    /// Resolves a held step. `Commit` charges observed usage (above the hold: an overrun,
+    /// charged in full); `Release` charges nothing; `Unknown` charges the hold in full.
+    /// A repeat of the same transition returns the first outcome; a different transition on a
+    /// resolved reservation is refused with its state and charge.
+    pub fn resolve(
+        &mut self,
+        policy: &Policy,
+        now: UnixMs,
+        step_id: &ReservationId,
+        how: Resolution,
+    ) -> Result<Applied<Resolved>, LedgerError> {
+        let (now, swept) = self.advance(now);
+        let res = self
+            .reservations
+            .get(step_id)
+            .filter(|r| r.kind != ReservationKind::RunHold)
+            .ok_or_else(|| LedgerError::NotFound(format!("step {}", step_id.0)))?;
+        let result_too_large = |run: Option<&Run>| match how {
+            Resolution::Commit(Settlement::ResultBytes(b)) => {
+                run.is_some_and(|r| b > r.bounds.max_tool_result_bytes)
+            }
+            _ => false,
+        };
+        if res.state != ReservationState::Held {
+            let same = matches!(
+                (res.state, how),
+                (ReservationState::Committed, Resolution::Commit(_))
+                    | (ReservationState::Released, Resolution::Release)
+                    | (ReservationState::Unknown, Resolution::Unknown)
+            );
+            if !same {
+                return Err(LedgerError::Closed {
+                    state: res.state,
+                    charged: res.charged,
+                });
+            }
+            let too_large = result_too_large(self.runs.get(&res.run_id));
+            let value = Resolved {
+                state: res.state,
+                charged: res.charged,
+                reserved: res.amount,
+                overrun: res.overrun,
+                repeated: true,
+                result_too_large: too_large,
+            };
+            return Ok(self.answer(value, swept));
+        }
+        let (state, charged) = match how {
+            Resolution::Commit(s) => (ReservationState::Committed, charge_of(res, s)?),
+            Resolution::Release => (ReservationState::Released, Micros::ZERO),
+            Resolution::Unknown => (ReservationState::Unknown, res.amount),
+        };
+        let (run_id, amount) = (res.run_id.clone(), res.amount);
+        let too_large = result_too_large(self.runs.get(&run_id));
+        self.settle(step_id, state, charged, now);
+        self.renew(&run_id, now, policy.lease_ttl_ms);
+        self.bump();
+        let value = Resolved {
+            state,
+            charged,
+            reserved: amount,
+            overrun: charged > amount,
+            repeated: false,
+            result_too_large: too_large,
+        };
+        Ok(self.answer(value, true))
+    }
+
+    /// Extends a run's lease (and so its reservations' and slots') by one TTL, never past
+    /// its deadline.
+    pub fn heartbeat(
+        &mut self,
+        policy: &Policy,
+        now: UnixMs,
+        run_id: &RunId,
+    ) -> Result<Applied<Heartbeat>, LedgerError> {
+        let (now, swept) = self.advance(now);
+        let run = self
+            .runs
+            .get(run_id)
+            .ok_or_else(|| LedgerError::NotFound(format!("run {}", run_id.0)))?;
+        if run.state != RunState::Active {
+            return Err(LedgerError::RunClosed(run.state));
+        }
+        let before = run.lease_until;
+        let lease_until = self
+            .renew(run_id, now, policy.lease_ttl_ms)
+            .unwrap_or(before);
+        let deadline = self
+            .runs
+            .get(run_id)
+            .map(|r| r.deadline)
+            .unwrap_or(lease_until);
+        let changed = swept || lease_until != before;
+        if changed {
+            self.bump();
+        }
+        Ok(self.answer(
+            Heartbeat {
+                lease_until,
+                deadline,
+            },
+            changed,
+        ))
+    }
+
+    /// Ends a run: held steps are charged in full as `unknown`, the whole-run hold is
+    /// reconciled, slots are freed. Idempotent.
+    pub fn finish(
+        &mut self,
+        _policy: &Policy,
+        now: UnixMs,
+        run_id: &RunId,
+    ) -> Result<Applied<RunEnded>, LedgerError> {
+        let (now, swept) = self.advance(now);
+        let run = self
+            .runs
+            .get(run_id)
+            .ok_or_else(|| LedgerError::NotFound(format!("run {}", run_id.0)))?;
+        let repeated = run.state != RunState::Active;
+        if run.state == RunState::Expired {
+            return Err(LedgerError::RunClosed(RunState::Expired));
+        }
+        if !repeated {
+            self.end_run(run_id, now, RunState::Finished);
+            self.bump();
+        }
+        let run = self
+            .runs
+            .get(run_id)
+            .ok_or_else(|| LedgerError::NotFound(format!("run {}", run_id.0)))?;
+        let charged = self.run_charged(run);
+        let value = RunEnded {
+            state: run.state,
+            charged,
+            steps: run.steps.len() as u32,
+            repeated,
+        };
+        Ok(self.answer(value, swept || !repeated))
+    }
+
+    fn run_charged(&self, run: &Run) -> Micros {
+        run.steps
+            .iter()
+            .filter_map(|s| self.reservations.get(s))
+            .fold(Micros::ZERO, |a, r| a.add_capped(r.charged))
+    }
+
+    /// Rate-limits guest session creation per address prefix and globally.
+    pub fn create_session(
+        &mut self,
+        policy: &Policy,
+        now: UnixMs,
+        ips: &[IpScope],
+    ) -> Result<Applied<Result<SessionGrant, Refusal>>, LedgerError> {
+        let (now, swept) = self.advance(now);
+        let now_us = now.0.saturating_mul(1000);
+        let mut tats = Vec::new();
+        let mut pressure = false;
+        let mut checks: Vec<(String, crate::Rate, ScopeKind)> = Vec::new();
+        if let Some(r) = policy.session_create_per_ip {
+            for ip in ips {
+                check_id("address prefix", &ip.prefix)?;
+                checks.push((
+                    format!("create|ip:{}", ip.prefix),
+                    r.scaled(ip.factor.max(1)),
+                    ScopeKind::Ip,
+                ));
+            }
+        }
+        if let Some(r) = policy.session_create_global {
+            checks.push(("create|global".to_string(), r, ScopeKind::Global));
+        }
+        for (key, rate, kind) in checks {
+            let tat = self.rates.get(&key).copied().unwrap_or(0);
+            match rate.check(tat, now_us) {
+                Ok(t) => {
+                    // Pressure: more than half the burst is in use.
+                    let half = rate.interval_us().saturating_mul(rate.burst.max(1)) / 2;
+                    if t.saturating_sub(now_us) > half {
+                        pressure = true;
+                    }
+                    tats.push((key, t));
+                }
+                Err(wait) => {
+                    let r = Refusal::new(
+                        RefusalCode::RateLimited,
+                        Some(kind),
+                        format!("session creation rate exceeded ({})", kind.name()),
+                    )
+                    .retry_after(wait.div_ceil(1_000_000));
+                    if swept {
+                        self.bump();
+                    }
+                    return Ok(self.answer(Err(r), swept));
+                }
+            }
+        }
+        for (k, t) in tats {
+            self.rates.insert(k.clone(), t);
+            self.touch(Entity::Rate(k));
+        }
+        self.bump();
+        Ok(self.answer(Ok(SessionGrant { pressure }), true))
+    }
+
+    /// Every budget counter that applies to these scopes in the current windows.
+    pub fn usage(
+        &self,
+        policy: &Policy,
+        now: UnixMs,
+        scopes: &[(ScopeKey, u64)],
+    ) -> Vec<UsageLine> {
+        let now = now.max(self.clock);
+        Self::budget_counters(policy, scopes, now)
+            .into_iter()
+            .map(|(k, limit)| {
+                let c = self.counter_view(&k, limit);
+                UsageLine {
+                    resets_at: k.window.resets_at(),
+                    scope: k.scope,
+                    window: k.window,
+                    limit,
+                    used: c.used,
+                    reserved: c.reserved,
+                    overrun: c.overrun,
+                }
+            })
+            .collect()
+    }
+
+    /// The scope list of a request, in the order usage is reported.
+    pub fn request_scopes(
+        session: &str,
+        ips: &[IpScope],
+        conversation: Option<&str>,
+    ) -> Vec<(ScopeKey, u64)> {
+        let mut v = run_scopes(session, ips, conversation.unwrap_or(""));
+        if conversation.is_none() {
+            v.pop();
+        }
+        v
+    }
+
+    pub fn set_cutoff(&mut self, now: UnixMs, engaged: bool, reason: &str) -> Applied<bool> {
+        let (_, swept) = self.advance(now);
+        let new = engaged.then(|| reason.to_string());
+        let changed = new != self.cutoff;
+        self.cutoff = new;
+        if changed || swept {
+            self.bump();
+        }
+        self.answer(engaged, changed || swept)
+    }
+
+    /// Charges (positive) or credits (negative) a scope's current windows. A credit never
+    /// takes `used` below zero.
+    pub fn adjust(
+        &mut self,
+        policy: &Policy,
+        now: UnixMs,
+        scope: &ScopeKey,
+        amount: i64,
+    ) -> Result<Applied<Vec<UsageLine>>, LedgerError> {
+        let (now, _) = self.advance(now);
+        if scope.kind == ScopeKind::Run {
+            return Err(LedgerError::Invalid(
+                "adjust a run through its steps".into(),
+            ));
+        }
+        let counters = Self::budget_counters(policy, &[(scope.clone(), 1)], now);
+        if counters.is_empty() {
+            return Err(LedgerError::Invalid(format!(
+                "no budget applies to {scope}"
+            )));
+        }
+        for (key, limit) in &counters {
+            let c = self.counter_mut(key, *limit);
+            if amount >= 0 {
+                c.used = c.used.add_capped(Micros(amount.unsigned_abs()));
+            } else {
+                let credit = Micros(amount.unsigned_abs()).min(c.used);
+                c.used = c.used.saturating_sub(credit);
+            }
+            let delta = if amount >= 0 {
+                amount
+            } else {
+                -(amount.unsigned_abs().min(i64::MAX as u64) as i64)
+            };
+            c.adjusted = c.adjusted.saturating_add(delta);
+            if c.used > c.limit {
+                c.overrun = true;
+            }
+        }
+        self.bump();
+        Ok(self.answer(self.usage(policy, now, &[(scope.clone(), 1)]), true))
+    }
+
+    pub fn summary(&self, now: UnixMs) -> Summary {
+        let _ = now;
+        let mut s = Summary {
+            seq: self.seq,
+            cutoff: self.cutoff.clone(),
+            ..Summary::default()
+        };
+        s.runs_active = self
+            .runs
+            .values()
+            .filter(|r| r.state == RunState::Active)
+            .count() as u64;
+        for r in self.reservations.values() {
+            *s.reservations
+                .entry(r.state.name().to_string())
+                .or_insert(0) += 1;
+            if r.kind == ReservationKind::RunHold {
+                continue;
+            }
+            if r.state == ReservationState::Held {
+                s.held_micros = s.held_micros.add_capped(r.amount);
+            }
+            s.charged_micros = s.charged_micros.add_capped(r.charged);
+            s.overruns += u64::from(r.overrun);
+        }
+        s
+    }
+
+    pub fn reservations(&self, state: Option<ReservationState>, limit: usize) -> Vec<Reservation> {
+        let mut v: Vec<&Reservation> = self
+            .reservations
+            .values()
+            .filter(|r| state.is_none_or(|s| r.state == s))
+            .collect();
+        v.sort_by(|a, b| b.created.cmp(&a.created).then_with(|| a.id.cmp(&b.id)));
+        v.into_iter().take(limit).cloned().collect()
+    }
+
+    pub fn reservation(&self, id: &ReservationId) -> Option<&Reservation> {
+        self.reservations.get(id)
+    }
+
+    pub fn run(&self, id: &RunId) -> Option<&Run> {
+        self.runs.get(id)
+    }
+
+    /// The counters of one scope kind with the most used, for the current windows and all.
+    pub fn top_counters(&self, kind: Option<ScopeKind>, top: usize) -> Vec<(CounterKey, Counter)> {
+        let mut v: Vec<(&CounterKey, &Counter)> = self
+            .counters
+            .iter()
+            .filter(|(k, _)| kind.is_none_or(|kd| k.scope.kind == kd))
+            .collect();
+        v.sort_by(|a, b| {
+            (b.1.used.add_capped(b.1.reserved))
+                .cmp(&a.1.used.add_capped(a.1.reserved))
+                .then_with(|| a.0.cmp(b.0))
+        });
+        v.into_iter()
+            .take(top)
+            .map(|(k, c)| (k.clone(), *c))
+            .collect()
+    }
+
+    pub fn counter(&self, key: &CounterKey) -> Option<Counter> {
+        self.counters.get(key).copied()
+    }
+
+    /// Checks I1 and I2 over the whole ledger; returns the first violation found. Used by
+    /// tests and debug assertions; O(size of the ledger).
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut sums: HashMap<&CounterKey, (u64, u64)> = HashMap::new();
+        for r in self.reservations.values() {
+            for k in &r.counters {
+                let e = sums.entry(k).or_default();
+                if r.state == ReservationState::Held {
+                    e.1 += r.amount.0;
+                } else {
+                    e.0 += r.charged.0;
+                }
+            }
+            let terminal_ok = match r.state {
+                ReservationState::Held | ReservationState::Committed => true,
+                ReservationState::Released => r.charged == Micros::ZERO,
+                ReservationState::Unknown | ReservationState::Expired => r.charged >= r.amount,
+            };
+            if !terminal_ok {
+                return Err(format!(
+                    "reservation {:?} in {:?} charged {}",
+                    r.id, r.state, r.charged
+                ));
+            }
+        }
+        for (k, c) in &self.counters {
+            if !c.overrun && c.used.0 + c.reserved.0 > c.limit.0 {
+                return Err(format!("I1 violated on {k:?}: {c:?}"));
+            }
+            let (charged, held) = sums.get(k).copied().unwrap_or_default();
+            if c.reserved.0 != held {
+                return Err(format!(
+                    "reserved on {k:?} is {} but held reservations sum to {held}",
+                    c.reserved
+                ));
+            }
+            let expect = i128::from(charged) + i128::from(c.adjusted);
+            if c.adjusted == 0 && i128::from(c.used.0) != expect {
+                return Err(format!(
+                    "I2: used on {k:?} is {} but charges sum to {charged}",
+                    c.used
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How to resolve a held step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Resolution {
+    Commit(Settlement),
+    Release,
+    Unknown,
+}
+
+fn charge_of(res: &Reservation, s: Settlement) -> Result<Micros, LedgerError> {
+    match (&res.kind, s) {
+        (ReservationKind::Model { price, .. }, Settlement::Tokens(u)) => Ok(price.charge(&u)),
+        (ReservationKind::Tool { price, .. }, Settlement::Units(n)) => Ok(price.cost(n)),
+        (ReservationKind::Tool { .. }, Settlement::ResultBytes(_)) => Ok(res.amount),
+        (ReservationKind::Model { .. }, _) => Err(LedgerError::Invalid(
+            "a model step commits with \"usage\"".into(),
+        )),
+        (ReservationKind::Tool { .. }, Settlement::Tokens(_)) => Err(LedgerError::Invalid(
+            "a tool step commits with \"units\" or \"result_bytes\"".into(),
+        )),
+        (ReservationKind::RunHold, _) => Err(LedgerError::Invalid("not a step".into())),
+    }
+}
+
+fn budget_refusal(key: &CounterKey, c: &Counter, now: UnixMs) -> Refusal {
+    let retry = key
+        .window
+        .resets_at()
+        .map(|r| now.secs_until(r))
+        .unwrap_or(LIFETIME_RETRY_AFTER_S);
+    Refusal::new(
+        RefusalCode::BudgetExhausted,
+        Some(key.scope.kind),
+        format!(
+            "{} budget for {} is spent ({} used, {} reserved of {})",
+            key.scope.kind.name(),
+            key.window,
+            c.used,
+            c.reserved,
+            c.limit
+        ),
+    )
+    .retry_after(retry)
+}
+
+struct RunPlan {
+    tats: Vec<(String, u64)>,
+    slots: Vec<ScopeKey>,
+    counters: Vec<(CounterKey, Micros)>,
+}
+
+#[derive(Clone, Copy)]
+enum StepCounter {
+    Model(bool),
+    Tool,
+}
+
+struct StepPlan {
+    amount: Micros,
+    max_out: Option<u64>,
+    shrunk: bool,
+    counters: Vec<(CounterKey, Micros)>,
+    counter_kind: StepCounter,
+}
+
+// Unused import guard for ScopePolicy in docs.
+#[allow(dead_code)]
+fn _policy_type_check(_: &ScopePolicy) {}

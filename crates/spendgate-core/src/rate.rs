@@ -1,0 +1,117 @@
+//! Request rates and the generic cell rate algorithm (GCRA).
+//!
+//! GCRA keeps one number per limited key: the theoretical arrival time (TAT) of the next
+//! request. A request at `now` is allowed when the new TAT, `max(tat, now) + interval`, is no
+//! further ahead of `now` than `burst` intervals. Refused requests change nothing.
+
+use serde::{Deserialize, Serialize};
+
+/// `count` requests per `period_ms`, with up to `burst` at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rate {
+    pub count: u64,
+    pub period_ms: u64,
+    pub burst: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RateError {
+    #[error("rate {0:?} is not of the form \"N/second\", \"N/minute\", \"N/hour\" or \"N/day\"")]
+    Syntax(String),
+    #[error("rate {0:?} must allow at least one request")]
+    Zero(String),
+}
+
+impl Rate {
+    /// Parses "N/second", "N/minute", "N/hour", "N/day". Burst defaults to `N` capped at 1000;
+    /// callers set it explicitly where config gives one.
+    pub fn parse(text: &str) -> Result<Rate, RateError> {
+        let syntax = || RateError::Syntax(text.to_string());
+        let (n, unit) = text.trim().split_once('/').ok_or_else(syntax)?;
+        let count: u64 = n.trim().parse().map_err(|_| syntax())?;
+        let period_ms = match unit.trim() {
+            "second" | "s" => 1000,
+            "minute" | "m" => 60_000,
+            "hour" | "h" => 3_600_000,
+            "day" | "d" => 86_400_000,
+            _ => return Err(syntax()),
+        };
+        if count == 0 {
+            return Err(RateError::Zero(text.to_string()));
+        }
+        Ok(Rate {
+            count,
+            period_ms,
+            burst: count.clamp(1, 1000),
+        })
+    }
+
+    /// Scales the rate and its burst by `factor` (wider address prefixes get more room).
+    pub fn scaled(self, factor: u64) -> Rate {
+        Rate {
+            count: self.count.saturating_mul(factor),
+            period_ms: self.period_ms,
+            burst: self.burst.saturating_mul(factor),
+        }
+    }
+
+    /// Emission interval in microseconds, rounded up (a slower rate is the conservative one).
+    pub fn interval_us(&self) -> u64 {
+        (self.period_ms.saturating_mul(1000))
+            .div_ceil(self.count.max(1))
+            .max(1)
+    }
+
+    /// GCRA decision at `now_us` for a key whose stored TAT is `tat_us` (0 when unseen).
+    /// Returns the new TAT on admission, or the microseconds to wait.
+    pub fn check(&self, tat_us: u64, now_us: u64) -> Result<u64, u64> {
+        let interval = self.interval_us();
+        let tolerance = interval.saturating_mul(self.burst.max(1));
+        let new_tat = tat_us.max(now_us).saturating_add(interval);
+        let ahead = new_tat - now_us;
+        if ahead <= tolerance {
+            Ok(new_tat)
+        } else {
+            Err(ahead - tolerance)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_rates() {
+        let r = Rate::parse("10/hour").expect("valid");
+        assert_eq!((r.count, r.period_ms, r.burst), (10, 3_600_000, 10));
+        assert_eq!(Rate::parse("600/minute").expect("valid").period_ms, 60_000);
+        for bad in ["", "10", "10/week", "x/second", "0/second", "-1/second"] {
+            assert!(Rate::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn gcra_allows_burst_then_paces() {
+        let r = Rate {
+            count: 10,
+            period_ms: 1000,
+            burst: 3,
+        };
+        let mut tat = 0;
+        let now = 1_000_000_000;
+        for _ in 0..3 {
+            tat = r.check(tat, now).expect("within burst");
+        }
+        let wait = r.check(tat, now).expect_err("burst spent");
+        assert_eq!(wait, 100_000, "one interval of 100 ms");
+        assert!(r.check(tat, now + wait).is_ok());
+        // After a long pause the full burst is available again.
+        let later = now + 10_000_000;
+        let mut t2 = tat;
+        for _ in 0..3 {
+            t2 = r.check(t2, later).expect("burst again");
+        }
+        assert!(r.check(t2, later).is_err());
+    }
+}

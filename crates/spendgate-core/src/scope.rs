@@ -1,0 +1,257 @@
+//! Scopes (what a limit applies to) and their policies.
+
+use crate::money::Micros;
+use crate::rate::Rate;
+use crate::window::Window;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScopeKind {
+    Global,
+    Ip,
+    Session,
+    Conversation,
+    Run,
+}
+
+impl ScopeKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ScopeKind::Global => "global",
+            ScopeKind::Ip => "ip",
+            ScopeKind::Session => "session",
+            ScopeKind::Conversation => "conversation",
+            ScopeKind::Run => "run",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<ScopeKind> {
+        Some(match s {
+            "global" => ScopeKind::Global,
+            "ip" => ScopeKind::Ip,
+            "session" => ScopeKind::Session,
+            "conversation" => ScopeKind::Conversation,
+            "run" => ScopeKind::Run,
+            _ => return None,
+        })
+    }
+}
+
+/// One thing a limit applies to: a kind and an id within it (`""` for global).
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ScopeKey {
+    pub kind: ScopeKind,
+    pub id: String,
+}
+
+impl ScopeKey {
+    pub fn global() -> ScopeKey {
+        ScopeKey {
+            kind: ScopeKind::Global,
+            id: String::new(),
+        }
+    }
+    pub fn new(kind: ScopeKind, id: impl Into<String>) -> ScopeKey {
+        ScopeKey {
+            kind,
+            id: id.into(),
+        }
+    }
+    /// Parses "global", "ip:203.0.113.7/32", "session:ID", "conversation:ID", "run:ID".
+    pub fn parse(s: &str) -> Option<ScopeKey> {
+        if s == "global" {
+            return Some(ScopeKey::global());
+        }
+        let (kind, id) = s.split_once(':')?;
+        let kind = ScopeKind::parse(kind)?;
+        if kind == ScopeKind::Global || id.is_empty() {
+            return None;
+        }
+        Some(ScopeKey::new(kind, id))
+    }
+}
+
+impl fmt::Display for ScopeKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.kind {
+            ScopeKind::Global => f.write_str("global"),
+            k => write!(f, "{}:{}", k.name(), self.id),
+        }
+    }
+}
+
+/// An address prefix the request came from, and how much wider than the base prefix it is:
+/// limits of wider IPv6 prefixes (/56, /48) are the `ip` policy multiplied by `factor`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct IpScope {
+    pub prefix: String,
+    pub factor: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Budget {
+    pub amount: Micros,
+    pub window: Window,
+}
+
+/// Limits of one scope kind: budgets per window, a request rate, a concurrency cap.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScopePolicy {
+    pub budgets: Vec<Budget>,
+    pub rate: Option<Rate>,
+    pub concurrency: Option<u32>,
+}
+
+impl ScopePolicy {
+    /// The policy multiplied by `factor` (wider prefixes, higher thresholds).
+    pub fn scaled(&self, factor: u64) -> ScopePolicy {
+        if factor == 1 {
+            return self.clone();
+        }
+        let f32 = u32::try_from(factor).unwrap_or(u32::MAX);
+        ScopePolicy {
+            budgets: self
+                .budgets
+                .iter()
+                .map(|b| Budget {
+                    amount: Micros(b.amount.0.saturating_mul(factor).min(crate::MICROS_MAX.0)),
+                    window: b.window,
+                })
+                .collect(),
+            rate: self.rate.map(|r| r.scaled(factor)),
+            concurrency: self.concurrency.map(|c| c.saturating_mul(f32)),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReservationMode {
+    /// Each step reserves its own bound against every scope.
+    PerStep,
+    /// Admission reserves the run's cost bound once; steps draw from it; finish reconciles.
+    WholeRun,
+}
+
+/// Bounds on one run (one accepted user message and everything it causes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunBounds {
+    pub max_input_bytes: u64,
+    pub max_context_tokens: u64,
+    pub max_output_tokens: u64,
+    pub max_tool_result_bytes: u64,
+    pub max_model_rounds: u32,
+    pub max_tool_calls: u32,
+    pub max_retries: u32,
+    pub max_seconds: u64,
+    pub max_cost: Micros,
+    pub shrink_to_fit: bool,
+    pub min_output_tokens: u64,
+}
+
+impl Default for RunBounds {
+    fn default() -> Self {
+        RunBounds {
+            max_input_bytes: 16_384,
+            max_context_tokens: 16_000,
+            max_output_tokens: 1024,
+            max_tool_result_bytes: 65_536,
+            max_model_rounds: 8,
+            max_tool_calls: 16,
+            max_retries: 2,
+            max_seconds: 120,
+            max_cost: Micros(200_000),
+            shrink_to_fit: false,
+            min_output_tokens: 64,
+        }
+    }
+}
+
+/// Everything the ledger needs to decide: the validated, parsed limits.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Policy {
+    pub global: ScopePolicy,
+    pub ip: ScopePolicy,
+    pub session: ScopePolicy,
+    pub conversation: ScopePolicy,
+    pub run: RunBounds,
+    pub mode: ReservationMode,
+    pub lease_ttl_ms: u64,
+    pub session_create_per_ip: Option<Rate>,
+    pub session_create_global: Option<Rate>,
+}
+
+impl Policy {
+    pub fn for_kind(&self, kind: ScopeKind) -> Option<&ScopePolicy> {
+        match kind {
+            ScopeKind::Global => Some(&self.global),
+            ScopeKind::Ip => Some(&self.ip),
+            ScopeKind::Session => Some(&self.session),
+            ScopeKind::Conversation => Some(&self.conversation),
+            ScopeKind::Run => None,
+        }
+    }
+}
+
+impl Default for Policy {
+    /// The defaults of SPEC §9 for global and run; per-guest limits an operator of a public
+    /// chat page would start from.
+    fn default() -> Self {
+        let budget = |units: u64, window| Budget {
+            amount: Micros(units),
+            window,
+        };
+        Policy {
+            global: ScopePolicy {
+                budgets: vec![
+                    budget(50_000_000, Window::Day),
+                    budget(1_000_000_000, Window::Month),
+                ],
+                rate: Some(Rate {
+                    count: 100,
+                    period_ms: 1000,
+                    burst: 20,
+                }),
+                concurrency: Some(64),
+            },
+            ip: ScopePolicy {
+                budgets: vec![budget(1_000_000, Window::Day)],
+                rate: Some(Rate {
+                    count: 30,
+                    period_ms: 60_000,
+                    burst: 10,
+                }),
+                concurrency: Some(4),
+            },
+            session: ScopePolicy {
+                budgets: vec![budget(500_000, Window::Day)],
+                rate: Some(Rate {
+                    count: 20,
+                    period_ms: 60_000,
+                    burst: 5,
+                }),
+                concurrency: Some(2),
+            },
+            conversation: ScopePolicy {
+                budgets: vec![budget(500_000, Window::Day)],
+                rate: None,
+                concurrency: Some(1),
+            },
+            run: RunBounds::default(),
+            mode: ReservationMode::PerStep,
+            lease_ttl_ms: 30_000,
+            session_create_per_ip: Some(Rate {
+                count: 10,
+                period_ms: 3_600_000,
+                burst: 10,
+            }),
+            session_create_global: Some(Rate {
+                count: 600,
+                period_ms: 60_000,
+                burst: 600,
+            }),
+        }
+    }
+}

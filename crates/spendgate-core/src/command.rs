@@ -50,6 +50,12 @@ pub enum Command {
         kind: Option<ScopeKind>,
         top: usize,
     },
+    /// Marks `key` used for `ttl_ms`; answers whether this call was the first (single-use
+    /// tokens such as solved challenges).
+    ConsumeOnce {
+        key: String,
+        ttl_ms: u64,
+    },
     Sweep,
 }
 
@@ -66,6 +72,7 @@ impl Command {
                 | Command::CreateSession { .. }
                 | Command::SetCutoff { .. }
                 | Command::Adjust { .. }
+                | Command::ConsumeOnce { .. }
         )
     }
 
@@ -96,6 +103,7 @@ pub enum Reply {
     Reservations(Vec<Reservation>),
     TopCounters(Vec<(CounterKey, Counter)>),
     Swept(Applied<usize>),
+    Consumed(Applied<bool>),
 }
 
 impl Ledger {
@@ -136,6 +144,9 @@ impl Ledger {
                 Reply::TopCounters(self.top_counters(*kind, *top))
             }
             Command::Sweep => Reply::Swept(self.sweep(now)),
+            Command::ConsumeOnce { key, ttl_ms } => {
+                Reply::Consumed(self.consume_once(now, key, *ttl_ms)?)
+            }
         })
     }
 }

@@ -5,6 +5,7 @@
 //! The memory and sqlite stores hold one `Ledger` each; the Redis store implements the same
 //! operations as server-side scripts and is held to the same answers by the conformance suite.
 
+use crate::admission::BudgetView;
 use crate::money::{Micros, ModelPrice, TokenUsage, ToolPrice};
 use crate::scope::{IpScope, Policy, ReservationMode, RunBounds, ScopeKey, ScopeKind, ScopePolicy};
 use crate::window::{UnixMs, Window, WindowId};
@@ -391,6 +392,8 @@ pub struct Summary {
 pub enum IdempotentOutcome {
     Run(Result<RunAdmitted, Refusal>),
     Step(Result<StepReserved, Refusal>),
+    /// A single-use token was consumed.
+    Used,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -790,19 +793,17 @@ impl Ledger {
         amount: Micros,
         now: UnixMs,
     ) -> Result<(), Refusal> {
-        for (key, limit) in counters {
-            let c = self.counter_view(key, *limit);
-            let fits = !c.overrun
-                && c.used
-                    .0
-                    .checked_add(c.reserved.0)
-                    .and_then(|s| s.checked_add(amount.0))
-                    <= Some(limit.0);
-            if !fits {
-                return Err(budget_refusal(key, &c, now));
-            }
-        }
-        Ok(())
+        let views: Vec<BudgetView> = counters
+            .iter()
+            .map(|(key, limit)| {
+                let c = self.counters.get(key).copied().unwrap_or_default();
+                BudgetView::of(key.scope.kind, &c, *limit, key.window.resets_at())
+            })
+            .collect();
+        crate::admission::decide(&views, amount, now).map_err(|r| {
+            let (key, limit) = &counters[r.index];
+            budget_refusal(key, &self.counter_view(key, *limit), now)
+        })
     }
 
     fn hold(&mut self, counters: &[(CounterKey, Micros)], amount: Micros) {
@@ -1199,7 +1200,7 @@ impl Ledger {
         let (now, swept) = self.advance(now);
         match self.recall(idem)? {
             Some(IdempotentOutcome::Step(o)) => return Ok(self.answer(o, swept)),
-            Some(IdempotentOutcome::Run(_)) => return Err(LedgerError::IdempotencyConflict),
+            Some(_) => return Err(LedgerError::IdempotencyConflict),
             None => {}
         }
         check_id("step id", &req.step_id.0)?;
@@ -1629,6 +1630,39 @@ impl Ledger {
         }
         self.bump();
         Ok(self.answer(Ok(SessionGrant { pressure }), true))
+    }
+
+    /// Marks `key` as used for `ttl_ms`; true only for the first call.
+    pub fn consume_once(
+        &mut self,
+        now: UnixMs,
+        key: &str,
+        ttl_ms: u64,
+    ) -> Result<Applied<bool>, LedgerError> {
+        let (now, swept) = self.advance(now);
+        check_id("single-use key", key)?;
+        let key = format!("once:{key}");
+        if self.idempotency.contains_key(&key) {
+            return Ok(self.answer(false, swept));
+        }
+        if self.records_held() >= LEDGER_RECORDS_MAX {
+            return Err(LedgerError::Full(LEDGER_RECORDS_MAX));
+        }
+        let expires = now.plus_ms(ttl_ms);
+        self.idempotency.insert(
+            key.clone(),
+            IdempotencyRecord {
+                key: key.clone(),
+                fingerprint: String::new(),
+                outcome: IdempotentOutcome::Used,
+                expires,
+            },
+        );
+        self.timers
+            .insert((expires, Timer::Idempotency(key.clone())));
+        self.touch(Entity::Idempotency(key));
+        self.bump();
+        Ok(self.answer(true, true))
     }
 
     /// Every budget counter that applies to these scopes in the current windows.

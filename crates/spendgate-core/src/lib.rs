@@ -4,6 +4,7 @@
 //! operation takes `now` (the store's clock) as an argument and returns a decision; business
 //! refusals are values ([`Refusal`]), not errors.
 
+pub mod admission;
 pub mod command;
 pub mod ledger;
 pub mod money;
@@ -11,6 +12,7 @@ pub mod rate;
 pub mod scope;
 pub mod window;
 
+pub use admission::{decide, BudgetRefusal, BudgetView};
 pub use command::{Command, Reply};
 pub use ledger::*;
 pub use money::{parse_amount, AmountError, Micros, ModelPrice, TokenUsage, ToolPrice, MICROS_MAX};

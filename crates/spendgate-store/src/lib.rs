@@ -93,6 +93,7 @@ impl dyn Store {
     typed!(top_counters(kind: Option<ScopeKind>, top: usize) -> Vec<(CounterKey, Counter)>,
         Command::TopCounters { kind, top }, TopCounters);
     typed!(sweep() -> Applied<usize>, Command::Sweep, Swept);
+    typed!(consume_once(key: String, ttl_ms: u64) -> Applied<bool>, Command::ConsumeOnce { key, ttl_ms }, Consumed);
 }
 
 /// Bounds every call of the inner store by a timeout: past it the call counts as failed

@@ -1,1 +1,238 @@
+//! spendgate-server: the HTTP shell around the core. It parses, calls the core through a
+//! store, and maps answers and errors; it holds no limit of its own (SPEC I4).
 
+pub mod admin;
+pub mod api;
+pub mod challenge;
+pub mod config;
+pub mod error;
+pub mod identity;
+pub mod metrics;
+pub mod proxy;
+pub mod tokens;
+
+use crate::api::{AppState, Shared};
+use crate::config::{Config, StoreKind};
+use axum::extract::{DefaultBodyLimit, Request};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post, put};
+use axum::Router;
+use spendgate_store::{
+    MemoryStore, SqliteOptions, SqliteStore, Store, StoreError, SystemClock, Timed,
+};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Requests handled at once by one process; past it, new requests are shed with 503.
+pub const CONCURRENT_REQUESTS_MAX: usize = 8192;
+/// Total bytes of request headers accepted (names and values).
+pub const HEADER_BYTES_MAX: usize = 16 * 1024;
+/// Time a decision-API request may take end to end.
+pub const API_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often expired leases are swept.
+pub const SWEEP_EVERY: Duration = Duration::from_millis(500);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("config: {0}")]
+    Config(String),
+    #[error("http client: {0}")]
+    Http(String),
+}
+
+/// Opens the configured store (wrapped in the `store.timeout_ms` bound).
+pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServerError> {
+    let policy = config.policy.clone();
+    let inner: Arc<dyn Store> = match config.store.kind {
+        StoreKind::Memory => Arc::new(MemoryStore::new(policy, Arc::new(SystemClock))),
+        StoreKind::Sqlite => {
+            let opts = SqliteOptions::new(config.store.path.clone());
+            Arc::new(SqliteStore::open(opts, policy, Arc::new(SystemClock))?)
+        }
+        StoreKind::Redis => open_redis(config, policy).await?,
+    };
+    Ok(Arc::new(Timed::new(inner, config.store.timeout)))
+}
+
+async fn open_redis(
+    config: &Config,
+    policy: spendgate_core::Policy,
+) -> Result<Arc<dyn Store>, ServerError> {
+    let _ = (config, policy);
+    Err(ServerError::Config(
+        "store.kind = \"redis\" is not available in this build yet".into(),
+    ))
+}
+
+/// Installs the TLS crypto provider (ring) for outgoing HTTPS; idempotent.
+pub fn install_crypto() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Builds the shared state: tokens, session keys (an ephemeral one when none is configured).
+pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, ServerError> {
+    let mut keys: Vec<Vec<u8>> = config
+        .sessions
+        .keys
+        .iter()
+        .map(|k| k.expose().as_bytes().to_vec())
+        .filter(|k| !k.is_empty())
+        .collect();
+    if keys.is_empty() {
+        tracing::warn!(
+            "no sessions.keys configured (SPENDGATE_SESSION_KEY unset): using an ephemeral key; \
+             sessions end at restart and replicas will not accept each other's sessions"
+        );
+        keys.push(rand::random::<[u8; 32]>().to_vec());
+    }
+    let keys = identity::SessionKeys::new(keys).ok_or_else(|| {
+        ServerError::Config("sessions.keys: every key must be at least 16 bytes".into())
+    })?;
+    let service_tokens = config
+        .server
+        .service_tokens
+        .iter()
+        .map(|t| t.expose().to_string())
+        .filter(|t| !t.is_empty())
+        .collect();
+    let admin_tokens = config
+        .server
+        .admin_tokens
+        .iter()
+        .map(|t| t.expose().to_string())
+        .filter(|t| !t.is_empty())
+        .collect();
+    install_crypto();
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(proxy::UPSTREAM_IDLE_CONNECTIONS_MAX)
+        .connect_timeout(Duration::from_secs(5))
+        .build()
+        .map_err(|e| ServerError::Http(e.to_string()))?;
+    let upstreams = config
+        .upstreams
+        .iter()
+        .map(|(name, u)| {
+            let up = proxy::Upstream {
+                base_url: u.base_url.clone(),
+                api_key: u.api_key.expose().to_string(),
+                timeout: u.timeout,
+                release_on_error: u.release_on_error,
+            };
+            (name.clone(), up)
+        })
+        .collect();
+    Ok(Arc::new(AppState {
+        upstreams,
+        config: Arc::new(config),
+        store,
+        keys,
+        service_tokens,
+        admin_tokens,
+        metrics: metrics::Metrics::default(),
+        http,
+        pressure: AtomicBool::new(false),
+    }))
+}
+
+async fn limit_headers(req: Request, next: Next) -> Response {
+    let total: usize = req
+        .headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len())
+        .sum();
+    if total > HEADER_BYTES_MAX {
+        return error::ApiError::new(
+            axum::http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "invalid_request",
+            format!("request headers are over {HEADER_BYTES_MAX} bytes"),
+        )
+        .into_response();
+    }
+    next.run(req).await
+}
+
+async fn shed(err: tower::BoxError) -> Response {
+    if err.is::<tower::timeout::error::Elapsed>() {
+        error::ApiError::new(
+            axum::http::StatusCode::GATEWAY_TIMEOUT,
+            "timeout",
+            "request took too long",
+        )
+        .into_response()
+    } else {
+        error::ApiError::new(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            "overloaded",
+            "server is overloaded; retry later",
+        )
+        .into_response()
+    }
+}
+
+pub fn router(state: Shared) -> Router {
+    use tower::ServiceBuilder;
+    let api_limit =
+        api::API_BODY_BYTES_MAX.max(state.config.policy.run.max_input_bytes as usize * 2 + 4096);
+    let decision = Router::new()
+        .route("/v1/sessions", post(api::create_session))
+        .route("/v1/runs", post(api::create_run))
+        .route("/v1/runs/{run_id}/steps", post(api::create_step))
+        .route("/v1/runs/{run_id}/heartbeat", post(api::heartbeat))
+        .route("/v1/runs/{run_id}/finish", post(api::finish))
+        .route("/v1/steps/{step_id}/commit", post(api::commit_step))
+        .route("/v1/steps/{step_id}/release", post(api::release_step))
+        .route("/v1/steps/{step_id}/unknown", post(api::unknown_step))
+        .route("/v1/usage", get(api::usage))
+        .route("/admin/v1/summary", get(admin::summary))
+        .route("/admin/v1/scopes", get(admin::scopes))
+        .route("/admin/v1/reservations", get(admin::reservations))
+        .route("/admin/v1/cutoff", put(admin::cutoff))
+        .route("/admin/v1/adjustments", post(admin::adjust))
+        .layer(DefaultBodyLimit::max(api_limit))
+        .layer(
+            ServiceBuilder::new()
+                .layer(axum::error_handling::HandleErrorLayer::new(shed))
+                .timeout(API_REQUEST_TIMEOUT),
+        );
+    let proxy_routes = Router::new()
+        .route("/v1/chat/completions", post(proxy::chat_completions))
+        .layer(DefaultBodyLimit::max(proxy::PROXY_BODY_BYTES_MAX));
+    Router::new()
+        .merge(decision)
+        .merge(proxy_routes)
+        .route("/admin/", get(admin::dashboard))
+        .route("/healthz", get(api::healthz))
+        .route("/readyz", get(api::readyz))
+        .route("/metrics", get(api::metrics))
+        .fallback(api::fallback)
+        .layer(middleware::from_fn(limit_headers))
+        .layer(
+            ServiceBuilder::new()
+                .layer(axum::error_handling::HandleErrorLayer::new(shed))
+                .load_shed()
+                .concurrency_limit(CONCURRENT_REQUESTS_MAX),
+        )
+        .with_state(state)
+}
+
+/// Serves until `shutdown` completes, then drains in-flight requests.
+pub async fn serve(
+    state: Shared,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let sweeper = spendgate_store::spawn_sweeper(state.store.clone(), SWEEP_EVERY);
+    let app = router(state);
+    let result = axum::serve(
+        listener,
+        app.into_make_service_with_connect_info::<std::net::SocketAddr>(),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await;
+    sweeper.abort();
+    result
+}

@@ -1,1 +1,152 @@
-fn main() {}
+//! The `spendgate` binary.
+
+use anyhow::{bail, Context};
+use clap::{Parser, Subcommand};
+use spendgate_server::config::{self, Config};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "spendgate",
+    version,
+    about = "Keeps a public LLM service from spending more than its owner allows"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run the gateway with a config file (defaults apply to every key it omits).
+    Serve {
+        #[arg(long, short, env = "SPENDGATE_CONFIG")]
+        config: Option<PathBuf>,
+        /// Override server.listen.
+        #[arg(long)]
+        listen: Option<String>,
+    },
+    /// Validate a config file and print the effective config (secrets masked).
+    CheckConfig {
+        #[arg(long, short, env = "SPENDGATE_CONFIG")]
+        config: Option<PathBuf>,
+    },
+    /// Run the OpenAI-compatible mock upstream.
+    MockUpstream {
+        #[arg(long, default_value = "127.0.0.1:8090")]
+        listen: String,
+        #[arg(long, default_value_t = 0)]
+        latency_ms: u64,
+        #[arg(long, default_value_t = 0)]
+        tokens_per_second: u64,
+    },
+    /// Store maintenance.
+    Store {
+        #[command(subcommand)]
+        action: StoreCmd,
+    },
+}
+
+#[derive(Subcommand)]
+enum StoreCmd {
+    /// Accept that the Redis ledger came back empty or rolled back, and reopen for admissions.
+    AcceptReset {
+        #[arg(long, short, env = "SPENDGATE_CONFIG")]
+        config: Option<PathBuf>,
+    },
+}
+
+fn env_lookup(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+fn load_config(path: Option<&PathBuf>) -> anyhow::Result<Config> {
+    match path {
+        Some(p) => {
+            config::load_file(p, &env_lookup).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))
+        }
+        None => config::load("", &env_lookup).map_err(|e| anyhow::anyhow!("{e}")),
+    }
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! { _ = ctrl_c => {}, _ = term => {} }
+    tracing::info!("shutting down: draining in-flight requests");
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Serve { config, listen } => {
+            let mut cfg = load_config(config.as_ref())?;
+            if let Some(l) = listen {
+                cfg.server.listen = l.parse().context("--listen must be HOST:PORT")?;
+            }
+            spendgate_server::tokens::warm_up();
+            let store = spendgate_server::open_store(&cfg).await?;
+            let listener = tokio::net::TcpListener::bind(cfg.server.listen)
+                .await
+                .with_context(|| format!("binding {}", cfg.server.listen))?;
+            let addr = listener.local_addr()?;
+            let state = spendgate_server::build_state(cfg, store)?;
+            tracing::info!(%addr, store = state.store.kind(), "spendgate listening");
+            println!("spendgate listening on http://{addr}");
+            spendgate_server::serve(state, listener, shutdown_signal()).await?;
+        }
+        Cmd::CheckConfig { config } => {
+            let cfg = load_config(config.as_ref())?;
+            print!("{}", cfg.render_effective());
+        }
+        Cmd::MockUpstream {
+            listen,
+            latency_ms,
+            tokens_per_second,
+        } => {
+            let mock =
+                spendgate_mock_upstream::MockUpstream::new(spendgate_mock_upstream::MockConfig {
+                    latency_ms,
+                    tokens_per_second,
+                    ..Default::default()
+                });
+            let listener = tokio::net::TcpListener::bind(&listen)
+                .await
+                .with_context(|| format!("binding {listen}"))?;
+            println!(
+                "mock upstream listening on http://{}",
+                listener.local_addr()?
+            );
+            mock.serve(listener).await?;
+        }
+        Cmd::Store {
+            action: StoreCmd::AcceptReset { config },
+        } => {
+            let cfg = load_config(config.as_ref())?;
+            if cfg.store.kind != config::StoreKind::Redis {
+                bail!("store accept-reset applies to store.kind = \"redis\" only");
+            }
+            bail!("store accept-reset is not available in this build yet");
+        }
+    }
+    Ok(())
+}

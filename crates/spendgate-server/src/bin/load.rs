@@ -1,1 +1,264 @@
-fn main() {}
+//! `spendgate-load`: an open-loop load driver for the decision API.
+//!
+//! Closed-loop tools (wrk, hey) wait for each answer before sending the next request, so a slow
+//! answer delays the requests behind it and its cost disappears from the percentiles
+//! (coordinated omission). Here requests are *scheduled* at a fixed rate and latency is measured
+//! from the scheduled instant, so queueing shows up in p99.
+//!
+//! One invocation measures, against the same server in the same run:
+//! 1. `/healthz` closed-loop throughput (the baseline: what the HTTP stack alone does);
+//! 2. reserve+commit pair closed-loop throughput;
+//! 3. reserve+commit pairs open-loop at `--rate`: p50/p99 of the reserve and of the pair.
+//!
+//! Every loop is bounded in count and time.
+
+use clap::Parser;
+use hdrhistogram::Histogram;
+use serde_json::{json, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Requests in flight at most in the open-loop phase; past it a request counts as dropped.
+const IN_FLIGHT_MAX: usize = 10_000;
+
+#[derive(Parser, Clone)]
+struct Args {
+    /// Base URL of a running `spendgate serve` (loopback only).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    base: String,
+    #[arg(long, env = "SPENDGATE_SERVICE_TOKEN")]
+    service_token: String,
+    /// Tool name priced in the server's config.
+    #[arg(long, default_value = "bench_tool")]
+    tool: String,
+    /// Open-loop rate, pairs per second.
+    #[arg(long, default_value_t = 1000)]
+    rate: u64,
+    /// Seconds of each phase.
+    #[arg(long, default_value_t = 5)]
+    seconds: u64,
+    /// Connections for the closed-loop phases.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Runs to spread steps over.
+    #[arg(long, default_value_t = 64)]
+    runs: usize,
+}
+
+struct Ctx {
+    http: reqwest::Client,
+    args: Args,
+    runs: Vec<String>,
+    errors: AtomicU64,
+}
+
+fn hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("histogram bounds are valid")
+}
+
+async fn setup(args: &Args) -> anyhow::Result<Ctx> {
+    anyhow::ensure!(
+        args.base.starts_with("http://127.")
+            || args.base.starts_with("http://localhost")
+            || args.base.starts_with("http://[::1]"),
+        "only loopback targets are allowed"
+    );
+    spendgate_server::install_crypto();
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .timeout(Duration::from_secs(10))
+        .build()?;
+    let mut runs = Vec::new();
+    for i in 0..args.runs {
+        let s: Value = http
+            .post(format!("{}/v1/sessions", args.base))
+            .send()
+            .await?
+            .json()
+            .await?;
+        let session = s["session"]
+            .as_str()
+            .ok_or_else(|| anyhow::anyhow!("no session: {s}"))?;
+        let r = http
+            .post(format!("{}/v1/runs", args.base))
+            .bearer_auth(&args.service_token)
+            .json(&json!({"session": session, "client_ip": format!("10.{}.{}.1", i / 256, i % 256), "conversation": format!("bench-{i}"), "input_bytes": 10}))
+            .send()
+            .await?;
+        let v: Value = r.json().await?;
+        let run = v["run_id"]
+            .as_str()
+            .ok_or_else(|| anyhow::anyhow!("run refused: {v}"))?;
+        runs.push(run.to_string());
+    }
+    Ok(Ctx {
+        http,
+        args: args.clone(),
+        runs,
+        errors: AtomicU64::new(0),
+    })
+}
+
+/// One reserve + commit pair; returns the reserve latency.
+async fn pair(ctx: &Ctx, i: usize) -> Option<Duration> {
+    let run = &ctx.runs[i % ctx.runs.len()];
+    let t = Instant::now();
+    let r = ctx
+        .http
+        .post(format!("{}/v1/runs/{run}/steps", ctx.args.base))
+        .bearer_auth(&ctx.args.service_token)
+        .json(&json!({"kind": "tool", "tool": ctx.args.tool}))
+        .send()
+        .await
+        .ok()?;
+    if r.status().as_u16() != 201 {
+        ctx.errors.fetch_add(1, Ordering::Relaxed);
+        return None;
+    }
+    let v: Value = r.json().await.ok()?;
+    let reserve = t.elapsed();
+    let step = v["step_id"].as_str()?;
+    let c = ctx
+        .http
+        .post(format!("{}/v1/steps/{step}/commit", ctx.args.base))
+        .bearer_auth(&ctx.args.service_token)
+        .json(&json!({"units": 0}))
+        .send()
+        .await
+        .ok()?;
+    if c.status().as_u16() != 200 {
+        ctx.errors.fetch_add(1, Ordering::Relaxed);
+        return None;
+    }
+    Some(reserve)
+}
+
+async fn healthz(ctx: &Ctx) -> bool {
+    match ctx
+        .http
+        .get(format!("{}/healthz", ctx.args.base))
+        .send()
+        .await
+    {
+        Ok(r) => r.status().is_success() && r.bytes().await.is_ok(),
+        Err(_) => false,
+    }
+}
+
+/// Closed loop: `concurrency` workers as fast as they can for `seconds`; returns ops/s.
+async fn closed_loop(ctx: Arc<Ctx>, which: &'static str) -> f64 {
+    let done = Arc::new(AtomicU64::new(0));
+    let until = Instant::now() + Duration::from_secs(ctx.args.seconds);
+    let mut tasks = Vec::new();
+    for w in 0..ctx.args.concurrency {
+        let (ctx, done) = (ctx.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut i = w;
+            while Instant::now() < until {
+                let ok = if which == "healthz" {
+                    healthz(&ctx).await
+                } else {
+                    pair(&ctx, i).await.is_some()
+                };
+                if ok {
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+                i += ctx.args.concurrency;
+            }
+        }));
+    }
+    let start = Instant::now();
+    for t in tasks {
+        let _ = t.await;
+    }
+    done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64().max(ctx.args.seconds as f64)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let ctx = Arc::new(setup(&args).await?);
+    // Warm up connections.
+    for i in 0..ctx.runs.len() {
+        let _ = pair(&ctx, i).await;
+    }
+    let healthz_rps = closed_loop(ctx.clone(), "healthz").await;
+    let pairs_rps = closed_loop(ctx.clone(), "pairs").await;
+
+    // Open loop.
+    let total = args.rate * args.seconds;
+    let interval = Duration::from_nanos(1_000_000_000 / args.rate.max(1));
+    let reserve_h = Arc::new(std::sync::Mutex::new(hist()));
+    let pair_h = Arc::new(std::sync::Mutex::new(hist()));
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT_MAX));
+    let dropped = Arc::new(AtomicU64::new(0));
+    let start = tokio::time::Instant::now();
+    let mut tasks = Vec::with_capacity(total as usize);
+    for i in 0..total {
+        let scheduled = start + interval * i as u32;
+        tokio::time::sleep_until(scheduled).await;
+        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+            dropped.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let (ctx, rh, ph) = (ctx.clone(), reserve_h.clone(), pair_h.clone());
+        tasks.push(tokio::spawn(async move {
+            let _permit = permit;
+            if let Some(reserve) = pair(&ctx, i as usize).await {
+                // From the instant the request was due, so any queueing counts.
+                let whole = scheduled.elapsed();
+                if let Ok(mut h) = rh.lock() {
+                    let _ = h.record(reserve.as_micros().max(1) as u64);
+                }
+                if let Ok(mut h) = ph.lock() {
+                    let _ = h.record(whole.as_micros().max(1) as u64);
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    let rh = reserve_h
+        .lock()
+        .map(|h| h.clone())
+        .unwrap_or_else(|_| hist());
+    let ph = pair_h.lock().map(|h| h.clone()).unwrap_or_else(|_| hist());
+    let ms = |us: u64| us as f64 / 1000.0;
+    println!("| measure | value |");
+    println!("|---|---|");
+    println!(
+        "| `/healthz` closed-loop, {} connections | {healthz_rps:.0} req/s |",
+        args.concurrency
+    );
+    println!("| reserve+commit pairs closed-loop, {} connections | {pairs_rps:.0} pairs/s ({:.0} req/s) |", args.concurrency, pairs_rps * 2.0);
+    println!(
+        "| pair requests vs `/healthz` requests | {:.0}% |",
+        100.0 * pairs_rps * 2.0 / healthz_rps.max(1.0)
+    );
+    println!(
+        "| open loop: offered | {} pairs/s for {}s ({} pairs, {:.1}s) |",
+        args.rate, args.seconds, total, elapsed
+    );
+    println!(
+        "| open loop: completed / dropped / errors | {} / {} / {} |",
+        ph.len(),
+        dropped.load(Ordering::Relaxed),
+        ctx.errors.load(Ordering::Relaxed)
+    );
+    println!(
+        "| open loop: reserve latency p50 / p99 / max | {:.3} / {:.3} / {:.3} ms |",
+        ms(rh.value_at_quantile(0.5)),
+        ms(rh.value_at_quantile(0.99)),
+        ms(rh.max())
+    );
+    println!(
+        "| open loop: pair latency from schedule p50 / p99 / max | {:.3} / {:.3} / {:.3} ms |",
+        ms(ph.value_at_quantile(0.5)),
+        ms(ph.value_at_quantile(0.99)),
+        ms(ph.max())
+    );
+    Ok(())
+}

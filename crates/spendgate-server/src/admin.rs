@@ -1,0 +1,196 @@
+//! Admin API (admin token) and the operator dashboard page.
+
+use crate::api::{require_admin, usage_json, Body, Shared};
+use crate::error::{ApiError, ApiResult};
+use axum::extract::{Query, State};
+use axum::http::{header, HeaderMap};
+use axum::response::{Html, IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::json;
+use spendgate_core::{rfc3339, ReservationState, ScopeKey, ScopeKind, MICROS_MAX};
+
+/// Most rows an admin listing returns.
+pub const ADMIN_ROWS_MAX: usize = 1000;
+/// Longest adjustment or cutoff reason.
+pub const REASON_BYTES_MAX: usize = 500;
+
+pub async fn summary(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<Response> {
+    require_admin(&state, &headers)?;
+    let s = state.store.summary().await?;
+    let global = state.store.usage(vec![(ScopeKey::global(), 1)]).await?;
+    Ok(Json(json!({
+        "ledger_seq": s.seq,
+        "store": state.store.kind(),
+        "cutoff": {"engaged": s.cutoff.is_some(), "reason": s.cutoff},
+        "runs_active": s.runs_active,
+        "reservations": s.reservations,
+        "held_micros": s.held_micros.0,
+        "charged_micros": s.charged_micros.0,
+        "overruns": s.overruns,
+        "dry_run": state.config.server.dry_run,
+        "global": usage_json(&global)["scopes"],
+    }))
+    .into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ScopesQuery {
+    pub kind: Option<String>,
+    pub top: Option<usize>,
+}
+
+pub async fn scopes(
+    State(state): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<ScopesQuery>,
+) -> ApiResult<Response> {
+    require_admin(&state, &headers)?;
+    let kind = match q.kind.as_deref() {
+        None | Some("") => None,
+        Some(k) => Some(
+            ScopeKind::parse(k)
+                .ok_or_else(|| ApiError::invalid(format!("unknown scope kind {k:?}")))?,
+        ),
+    };
+    let top = q.top.unwrap_or(20).min(ADMIN_ROWS_MAX);
+    let rows = state.store.top_counters(kind, top).await?;
+    let rows: Vec<_> = rows
+        .into_iter()
+        .map(|(k, c)| {
+            json!({
+                "scope": k.scope.to_string(),
+                "kind": k.scope.kind.name(),
+                "window": k.window.to_string(),
+                "limit_micros": c.limit.0,
+                "used_micros": c.used.0,
+                "reserved_micros": c.reserved.0,
+                "overrun": c.overrun,
+                "resets_at": k.window.resets_at().map(rfc3339),
+            })
+        })
+        .collect();
+    Ok(Json(json!({"scopes": rows})).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReservationsQuery {
+    pub state: Option<String>,
+    pub limit: Option<usize>,
+}
+
+pub async fn reservations(
+    State(state): State<Shared>,
+    headers: HeaderMap,
+    Query(q): Query<ReservationsQuery>,
+) -> ApiResult<Response> {
+    require_admin(&state, &headers)?;
+    let st = match q.state.as_deref() {
+        None | Some("") => None,
+        Some(s) => Some(
+            ReservationState::parse(s)
+                .ok_or_else(|| ApiError::invalid(format!("unknown state {s:?}")))?,
+        ),
+    };
+    let rows = state
+        .store
+        .reservations(st, q.limit.unwrap_or(100).min(ADMIN_ROWS_MAX))
+        .await?;
+    let rows: Vec<_> = rows
+        .into_iter()
+        .map(|r| {
+            json!({
+                "id": r.id.0,
+                "run_id": r.run_id.0,
+                "kind": match &r.kind {
+                    spendgate_core::ReservationKind::Model { model, .. } => format!("model:{model}"),
+                    spendgate_core::ReservationKind::Tool { tool, .. } => format!("tool:{tool}"),
+                    spendgate_core::ReservationKind::RunHold => "run_hold".to_string(),
+                },
+                "state": r.state.name(),
+                "reserved_micros": r.amount.0,
+                "charged_micros": r.charged.0,
+                "overrun": r.overrun,
+                "created": rfc3339(r.created),
+                "resolved_at": r.resolved_at.map(rfc3339),
+            })
+        })
+        .collect();
+    Ok(Json(json!({"reservations": rows})).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CutoffBody {
+    pub engaged: bool,
+    #[serde(default)]
+    pub reason: String,
+}
+
+pub async fn cutoff(
+    State(state): State<Shared>,
+    headers: HeaderMap,
+    body: Body<CutoffBody>,
+) -> ApiResult<Response> {
+    require_admin(&state, &headers)?;
+    let b = body.value;
+    if b.reason.len() > REASON_BYTES_MAX {
+        return Err(ApiError::invalid(format!(
+            "reason is over {REASON_BYTES_MAX} bytes"
+        )));
+    }
+    let reason = if b.reason.is_empty() {
+        "engaged by an operator".to_string()
+    } else {
+        b.reason
+    };
+    tracing::warn!(engaged = b.engaged, reason = %reason, "spending cutoff changed");
+    let applied = state.store.set_cutoff(b.engaged, reason.clone()).await?;
+    Ok(Json(json!({"engaged": b.engaged, "reason": if b.engaged { Some(reason) } else { None }, "ledger_seq": applied.seq})).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdjustBody {
+    pub scope: String,
+    pub amount_micros: i64,
+    pub reason: String,
+}
+
+pub async fn adjust(
+    State(state): State<Shared>,
+    headers: HeaderMap,
+    body: Body<AdjustBody>,
+) -> ApiResult<Response> {
+    require_admin(&state, &headers)?;
+    let b = body.value;
+    let scope = ScopeKey::parse(&b.scope).ok_or_else(|| {
+        ApiError::invalid(format!(
+            "scope {:?} is not global, ip:P, session:ID or conversation:ID",
+            b.scope
+        ))
+    })?;
+    if b.amount_micros.unsigned_abs() > MICROS_MAX.0 {
+        return Err(ApiError::invalid("amount_micros is out of range"));
+    }
+    if b.reason.is_empty() || b.reason.len() > REASON_BYTES_MAX {
+        return Err(ApiError::invalid(format!(
+            "reason is required, at most {REASON_BYTES_MAX} bytes"
+        )));
+    }
+    tracing::warn!(scope = %scope, amount = b.amount_micros, reason = %b.reason, "ledger adjustment");
+    let applied = state.store.adjust(scope, b.amount_micros).await?;
+    let mut body = usage_json(&applied.value);
+    body["ledger_seq"] = json!(applied.seq);
+    Ok(Json(body).into_response())
+}
+
+pub async fn dashboard() -> Response {
+    (
+        [(header::CACHE_CONTROL, "no-store")],
+        Html(include_str!("dashboard.html")),
+    )
+        .into_response()
+}

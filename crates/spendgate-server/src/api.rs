@@ -1,0 +1,747 @@
+//! The decision API (SPEC §6): thin handlers that parse, call the core through the store,
+//! and map answers and errors.
+
+use crate::config::{Config, Tokenizer};
+use crate::error::{ApiError, ApiResult};
+use crate::identity::{self, SessionKeys};
+use crate::metrics::Metrics;
+use axum::extract::{ConnectInfo, FromRequest, Path, Query, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use bytes::Bytes;
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use spendgate_core::*;
+use spendgate_store::Store;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+/// Largest decision-API request body.
+pub const API_BODY_BYTES_MAX: usize = 256 * 1024;
+/// Largest `Idempotency-Key`.
+pub const IDEMPOTENCY_KEY_BYTES_MAX: usize = 100;
+/// Longest conversation id.
+pub const CONVERSATION_ID_BYTES_MAX: usize = 100;
+
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub store: Arc<dyn Store>,
+    pub keys: SessionKeys,
+    pub service_tokens: Vec<String>,
+    pub admin_tokens: Vec<String>,
+    pub metrics: Metrics,
+    pub http: reqwest::Client,
+    /// Upstreams by name, resolved at start (the demo adds its built-in mock).
+    pub upstreams: std::collections::BTreeMap<String, crate::proxy::Upstream>,
+    /// Session creation was busy at the last creation (adaptive challenges apply).
+    pub pressure: std::sync::atomic::AtomicBool,
+}
+
+impl AppState {
+    /// Marks a single-use token as used, in the shared store; true for the first use only.
+    pub async fn consume_nonce(&self, nonce: &str) -> ApiResult<bool> {
+        let ttl = crate::challenge::CHALLENGE_TTL_S * 1000 * 2;
+        Ok(self
+            .store
+            .consume_once(format!("pow:{nonce}"), ttl)
+            .await?
+            .value)
+    }
+}
+
+pub type Shared = Arc<AppState>;
+
+pub fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// A JSON body parsed strictly; its rejections are `ApiError`s. Keeps a digest of the raw
+/// bytes for `Idempotency-Key` checks.
+pub struct Body<T> {
+    pub value: T,
+    pub digest: String,
+}
+
+impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
+    type Rejection = ApiError;
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::payload_too_large("request body is too large")
+            } else {
+                ApiError::invalid(format!("could not read the request body: {e}"))
+            }
+        })?;
+        let value = if bytes.is_empty() {
+            serde_json::from_slice(b"{}")
+        } else {
+            serde_json::from_slice(&bytes)
+        }
+        .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))?;
+        Ok(Body {
+            value,
+            digest: hex::encode(Sha256::digest(&bytes)),
+        })
+    }
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
+    v.strip_prefix("Bearer ")
+        .or_else(|| v.strip_prefix("bearer "))
+        .map(str::trim)
+}
+
+pub fn require_service(state: &AppState, headers: &HeaderMap) -> ApiResult<()> {
+    match bearer(headers) {
+        Some(t) if identity::token_matches(t, &state.service_tokens) => Ok(()),
+        Some(_) => Err(ApiError::unauthorized("invalid service token")),
+        None => Err(ApiError::unauthorized(
+            "missing service token (Authorization: Bearer ...)",
+        )),
+    }
+}
+
+pub fn require_admin(state: &AppState, headers: &HeaderMap) -> ApiResult<()> {
+    match bearer(headers) {
+        Some(t) if identity::token_matches(t, &state.admin_tokens) => Ok(()),
+        Some(_) => Err(ApiError::unauthorized("invalid admin token")),
+        None => Err(ApiError::unauthorized(
+            "missing admin token (Authorization: Bearer ...)",
+        )),
+    }
+}
+
+pub fn cookie_name(config: &Config) -> &'static str {
+    if config.sessions.secure_cookie {
+        "__Host-spendgate_session"
+    } else {
+        "spendgate_session"
+    }
+}
+
+pub fn session_from_cookie(state: &AppState, headers: &HeaderMap) -> Option<String> {
+    let name = cookie_name(&state.config);
+    for v in headers.get_all(header::COOKIE) {
+        let Ok(s) = v.to_str() else { continue };
+        for part in s.split(';') {
+            if let Some((k, val)) = part.trim().split_once('=') {
+                if k == name {
+                    return Some(val.to_string());
+                }
+            }
+        }
+    }
+    None
+}
+
+pub fn client_ip_of(state: &AppState, peer: SocketAddr, headers: &HeaderMap) -> IpAddr {
+    let xff = headers.get("x-forwarded-for").and_then(|v| v.to_str().ok());
+    identity::client_addr(peer, xff, &state.config.server.trusted_proxies)
+}
+
+pub fn ip_scopes(state: &AppState, ip: IpAddr) -> Vec<IpScope> {
+    let id = &state.config.identity;
+    identity::ip_scopes(ip, id.ipv4_prefix, id.ipv6_prefix, &id.ipv6_wider)
+}
+
+pub fn parse_ip(s: &str) -> ApiResult<IpAddr> {
+    s.trim()
+        .parse::<IpAddr>()
+        .map_err(|_| ApiError::invalid(format!("client_ip {s:?} is not an IP address")))
+}
+
+pub fn check_conversation(c: &str) -> ApiResult<()> {
+    if c.is_empty() || c.len() > CONVERSATION_ID_BYTES_MAX || c.chars().any(char::is_control) {
+        return Err(ApiError::invalid(format!(
+            "conversation must be 1 to {CONVERSATION_ID_BYTES_MAX} bytes without control characters"
+        )));
+    }
+    Ok(())
+}
+
+pub fn idempotency(
+    headers: &HeaderMap,
+    namespace: &str,
+    digest: &str,
+) -> ApiResult<Option<IdempotencyKey>> {
+    let Some(v) = headers.get("idempotency-key") else {
+        return Ok(None);
+    };
+    let k = v
+        .to_str()
+        .map_err(|_| ApiError::invalid("Idempotency-Key must be visible ASCII"))?;
+    if k.is_empty() || k.len() > IDEMPOTENCY_KEY_BYTES_MAX {
+        return Err(ApiError::invalid(format!(
+            "Idempotency-Key must be 1 to {IDEMPOTENCY_KEY_BYTES_MAX} characters"
+        )));
+    }
+    // Hash the key so that the stored key length is fixed whatever the client sends.
+    let h = hex::encode(&Sha256::digest(format!("{namespace}\n{k}"))[..16]);
+    Ok(Some(IdempotencyKey {
+        key: format!("{namespace}:{h}"),
+        fingerprint: digest.to_string(),
+    }))
+}
+
+pub fn new_id(prefix: &str) -> String {
+    let id: [u8; 16] = rand::random();
+    format!("{prefix}_{}", hex::encode(id))
+}
+
+fn seq_header(resp: &mut Response, seq: u64) {
+    if let Ok(v) = HeaderValue::from_str(&seq.to_string()) {
+        resp.headers_mut().insert("spendgate-ledger-seq", v);
+    }
+}
+
+/// Maps an admission outcome to a response: a grant with `status`, or the refusal.
+fn grant(
+    metrics: &Metrics,
+    what: &'static str,
+    out: Result<Value, Refusal>,
+    status: StatusCode,
+    seq: u64,
+) -> Response {
+    match out {
+        Ok(mut body) => {
+            metrics.admitted(what);
+            body["ledger_seq"] = json!(seq);
+            let mut resp = (status, Json(body)).into_response();
+            seq_header(&mut resp, seq);
+            resp
+        }
+        Err(r) => {
+            metrics.refused(what, r.code.name(), r.scope);
+            let mut resp = ApiError::from(&r).into_response();
+            seq_header(&mut resp, seq);
+            resp
+        }
+    }
+}
+
+fn bounds_json(b: &RunBounds) -> Value {
+    json!({
+        "max_input_bytes": b.max_input_bytes,
+        "max_context_tokens": b.max_context_tokens,
+        "max_output_tokens": b.max_output_tokens,
+        "max_tool_result_bytes": b.max_tool_result_bytes,
+        "max_model_rounds": b.max_model_rounds,
+        "max_tool_calls": b.max_tool_calls,
+        "max_retries": b.max_retries,
+        "max_seconds": b.max_seconds,
+        "max_cost_micros": b.max_cost.0,
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Sessions
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSessionBody {
+    pub challenge: Option<Value>,
+    pub solution: Option<String>,
+}
+
+pub async fn create_session(
+    State(state): State<Shared>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Body<CreateSessionBody>,
+) -> ApiResult<Response> {
+    let ip = client_ip_of(&state, peer, &headers);
+    let ips = ip_scopes(&state, ip);
+    crate::challenge::check(&state, &ips, &body.value).await?;
+    let started = Instant::now();
+    let applied = state.store.create_session(ips).await;
+    state.metrics.store_call(started.elapsed());
+    let applied = applied?;
+    let grant = match applied.value {
+        Ok(g) => g,
+        Err(r) => {
+            state.metrics.refused("session", r.code.name(), r.scope);
+            return Err(ApiError::from(&r));
+        }
+    };
+    state
+        .pressure
+        .store(grant.pressure, std::sync::atomic::Ordering::Relaxed);
+    let ttl = state.config.sessions.ttl.as_secs();
+    let (token, session) = state.keys.issue(now_unix(), ttl);
+    state.metrics.admitted("session");
+    let expires_at = rfc3339(UnixMs(session.expires_unix * 1000));
+    let cookie = format!(
+        "{}={token}; {}HttpOnly; SameSite=Lax; Path=/; Max-Age={ttl}",
+        cookie_name(&state.config),
+        if state.config.sessions.secure_cookie {
+            "Secure; "
+        } else {
+            ""
+        },
+    );
+    let mut resp = (
+        StatusCode::CREATED,
+        Json(json!({"session": token, "expires_at": expires_at, "ledger_seq": applied.seq})),
+    )
+        .into_response();
+    if let Ok(v) = HeaderValue::from_str(&cookie) {
+        resp.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    Ok(resp)
+}
+
+// ---------------------------------------------------------------------------------------
+// Runs and steps
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateRunBody {
+    pub session: String,
+    pub client_ip: String,
+    pub conversation: String,
+    pub input_text: Option<String>,
+    pub input_bytes: Option<u64>,
+}
+
+pub async fn create_run(
+    State(state): State<Shared>,
+    headers: HeaderMap,
+    body: Body<CreateRunBody>,
+) -> ApiResult<Response> {
+    require_service(&state, &headers)?;
+    let b = &body.value;
+    let session = state.keys.verify(&b.session, now_unix())?;
+    let ip = parse_ip(&b.client_ip)?;
+    check_conversation(&b.conversation)?;
+    let input_bytes = match (&b.input_text, b.input_bytes) {
+        (Some(t), None) => t.len() as u64,
+        (None, Some(n)) => n,
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of input_text and input_bytes",
+            ))
+        }
+    };
+    let req = RunRequest {
+        run_id: RunId(new_id("run")),
+        session: session.id,
+        ips: ip_scopes(&state, ip),
+        conversation: b.conversation.clone(),
+        input_bytes,
+    };
+    let idem = idempotency(&headers, "run", &body.digest)?;
+    let started = Instant::now();
+    let applied = state.store.admit_run(req, idem).await;
+    state.metrics.store_call(started.elapsed());
+    let applied = applied?;
+    let out = applied.value.map(|a| {
+        json!({
+            "run_id": a.run_id.0,
+            "deadline": rfc3339(a.deadline),
+            "bounds": bounds_json(&a.bounds),
+            "reserved_micros": a.reserved.0,
+        })
+    });
+    let mut resp = grant(&state.metrics, "run", out, StatusCode::CREATED, applied.seq);
+    if resp.status() == StatusCode::CREATED {
+        rate_limit_policy(&state, &mut resp);
+    }
+    Ok(resp)
+}
+
+/// `RateLimit-Policy` (IETF httpapi draft) naming the request-rate policies that apply.
+fn rate_limit_policy(state: &AppState, resp: &mut Response) {
+    let p = &state.config.policy;
+    let mut parts = Vec::new();
+    for (name, sp) in [
+        ("session", &p.session),
+        ("ip", &p.ip),
+        ("global", &p.global),
+    ] {
+        if let Some(r) = sp.rate {
+            parts.push(format!(
+                "\"{name}\";q={};w={}",
+                r.count,
+                r.period_ms.div_ceil(1000)
+            ));
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(&parts.join(", ")) {
+        if !parts.is_empty() {
+            resp.headers_mut().insert("ratelimit-policy", v);
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]
+pub enum StepBody {
+    Model {
+        model: String,
+        prompt_tokens: Option<u64>,
+        prompt_text: Option<String>,
+        max_output_tokens: Option<u64>,
+        #[serde(default)]
+        retry: bool,
+    },
+    Tool {
+        tool: String,
+        units: Option<u64>,
+    },
+}
+
+/// Builds the core step from a request, with the configured price: no price, no call.
+pub fn step_kind(config: &Config, body: &StepBody) -> ApiResult<StepKind> {
+    match body {
+        StepBody::Model {
+            model,
+            prompt_tokens,
+            prompt_text,
+            max_output_tokens,
+            retry,
+        } => {
+            let m = config.models.get(model).ok_or_else(|| {
+                ApiError::model_not_allowed(format!("model {model:?} is not configured"))
+            })?;
+            let prompt_tokens = match (prompt_tokens, prompt_text) {
+                (Some(n), None) => *n,
+                (None, Some(t)) => {
+                    crate::tokens::count(m.tokenizer, t)
+                        + crate::tokens::TOKENS_PER_MESSAGE
+                        + crate::tokens::TOKENS_PER_REQUEST
+                }
+                _ => {
+                    return Err(ApiError::invalid(
+                        "give exactly one of prompt_tokens and prompt_text",
+                    ))
+                }
+            };
+            Ok(StepKind::Model {
+                model: model.clone(),
+                price: m.price,
+                prompt_tokens,
+                max_output_tokens: *max_output_tokens,
+                retry: *retry,
+            })
+        }
+        StepBody::Tool { tool, units } => {
+            let price = config.tools.get(tool).ok_or_else(|| {
+                ApiError::model_not_allowed(format!("tool {tool:?} has no configured price"))
+            })?;
+            Ok(StepKind::Tool {
+                tool: tool.clone(),
+                price: *price,
+                units: units.unwrap_or(1),
+            })
+        }
+    }
+}
+
+pub fn check_id_path(what: &str, id: &str) -> ApiResult<()> {
+    if id.is_empty()
+        || id.len() > ID_BYTES_MAX
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.' || b == b'-')
+    {
+        return Err(ApiError::not_found(format!("{what} {id:?} not found")));
+    }
+    Ok(())
+}
+
+pub async fn create_step(
+    State(state): State<Shared>,
+    Path(run_id): Path<String>,
+    headers: HeaderMap,
+    body: Body<StepBody>,
+) -> ApiResult<Response> {
+    require_service(&state, &headers)?;
+    check_id_path("run", &run_id)?;
+    let kind = step_kind(&state.config, &body.value)?;
+    let req = StepRequest {
+        run_id: RunId(run_id.clone()),
+        step_id: ReservationId(new_id("stp")),
+        kind,
+    };
+    let idem = idempotency(&headers, &format!("step:{run_id}"), &body.digest)?;
+    let started = Instant::now();
+    let applied = state.store.reserve_step(req, idem).await;
+    state.metrics.store_call(started.elapsed());
+    let applied = applied?;
+    let shrunk = matches!(&applied.value, Ok(s) if s.shrunk);
+    let out = applied.value.map(|s| {
+        json!({
+            "step_id": s.step_id.0,
+            "reserved_micros": s.reserved.0,
+            "max_output_tokens": s.max_output_tokens,
+            "output_shrunk": s.shrunk,
+        })
+    });
+    let mut resp = grant(
+        &state.metrics,
+        "step",
+        out,
+        StatusCode::CREATED,
+        applied.seq,
+    );
+    if shrunk {
+        resp.headers_mut()
+            .insert("spendgate-output-shrunk", HeaderValue::from_static("true"));
+    }
+    Ok(resp)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UsageBody {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    #[serde(default)]
+    pub cached_tokens: u64,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CommitBody {
+    pub usage: Option<UsageBody>,
+    pub units: Option<u64>,
+    pub result_bytes: Option<u64>,
+}
+
+fn resolved_response(state: &AppState, applied: Applied<Resolved>) -> Response {
+    let r = applied.value;
+    if r.overrun && !r.repeated {
+        state.metrics.overrun();
+        tracing::warn!(
+            charged = r.charged.0,
+            reserved = r.reserved.0,
+            "overrun: observed usage above the reservation, charged in full"
+        );
+    }
+    let mut body = json!({
+        "state": r.state.name(),
+        "charged_micros": r.charged.0,
+        "reserved_micros": r.reserved.0,
+        "overrun": r.overrun,
+        "repeated": r.repeated,
+        "ledger_seq": applied.seq,
+    });
+    if r.result_too_large {
+        body["result_too_large"] = json!(true);
+        body["message"] = json!("tool result is over max_tool_result_bytes: charged, but it must not be fed back to the model");
+    }
+    let mut resp = (StatusCode::OK, Json(body)).into_response();
+    seq_header(&mut resp, applied.seq);
+    resp
+}
+
+pub async fn commit_step(
+    State(state): State<Shared>,
+    Path(step_id): Path<String>,
+    headers: HeaderMap,
+    body: Body<CommitBody>,
+) -> ApiResult<Response> {
+    require_service(&state, &headers)?;
+    check_id_path("step", &step_id)?;
+    let b = &body.value;
+    let settlement = match (&b.usage, b.units, b.result_bytes) {
+        (Some(u), None, None) => Settlement::Tokens(TokenUsage {
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            cached_tokens: u.cached_tokens,
+        }),
+        (None, Some(n), None) => Settlement::Units(n),
+        (None, None, Some(n)) => Settlement::ResultBytes(n),
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of usage, units and result_bytes",
+            ))
+        }
+    };
+    resolve(&state, step_id, Resolution::Commit(settlement)).await
+}
+
+async fn resolve(state: &AppState, step_id: String, how: Resolution) -> ApiResult<Response> {
+    let started = Instant::now();
+    let applied = state.store.resolve(ReservationId(step_id), how).await;
+    state.metrics.store_call(started.elapsed());
+    Ok(resolved_response(state, applied?))
+}
+
+pub async fn release_step(
+    State(state): State<Shared>,
+    Path(step_id): Path<String>,
+    headers: HeaderMap,
+    _b: Body<Empty>,
+) -> ApiResult<Response> {
+    require_service(&state, &headers)?;
+    check_id_path("step", &step_id)?;
+    resolve(&state, step_id, Resolution::Release).await
+}
+
+pub async fn unknown_step(
+    State(state): State<Shared>,
+    Path(step_id): Path<String>,
+    headers: HeaderMap,
+    _b: Body<Empty>,
+) -> ApiResult<Response> {
+    require_service(&state, &headers)?;
+    check_id_path("step", &step_id)?;
+    resolve(&state, step_id, Resolution::Unknown).await
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Empty {}
+
+pub async fn heartbeat(
+    State(state): State<Shared>,
+    Path(run_id): Path<String>,
+    headers: HeaderMap,
+    _b: Body<Empty>,
+) -> ApiResult<Response> {
+    require_service(&state, &headers)?;
+    check_id_path("run", &run_id)?;
+    let applied = state.store.heartbeat(RunId(run_id)).await?;
+    let h = applied.value;
+    let mut resp = Json(json!({
+        "lease_until": rfc3339(h.lease_until),
+        "deadline": rfc3339(h.deadline),
+        "ledger_seq": applied.seq,
+    }))
+    .into_response();
+    seq_header(&mut resp, applied.seq);
+    Ok(resp)
+}
+
+pub async fn finish(
+    State(state): State<Shared>,
+    Path(run_id): Path<String>,
+    headers: HeaderMap,
+    _b: Body<Empty>,
+) -> ApiResult<Response> {
+    require_service(&state, &headers)?;
+    check_id_path("run", &run_id)?;
+    let applied = state.store.finish(RunId(run_id)).await?;
+    let f = applied.value;
+    let mut resp = Json(json!({
+        "state": format!("{:?}", f.state).to_lowercase(),
+        "charged_micros": f.charged.0,
+        "steps": f.steps,
+        "repeated": f.repeated,
+        "ledger_seq": applied.seq,
+    }))
+    .into_response();
+    seq_header(&mut resp, applied.seq);
+    Ok(resp)
+}
+
+// ---------------------------------------------------------------------------------------
+// Usage
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UsageQuery {
+    pub session: Option<String>,
+    pub client_ip: Option<String>,
+    pub conversation: Option<String>,
+}
+
+pub fn usage_json(lines: &[UsageLine]) -> Value {
+    let scopes: Vec<Value> = lines
+        .iter()
+        .map(|l| {
+            json!({
+                "kind": l.scope.kind.name(),
+                "id": if l.scope.kind == ScopeKind::Global { None } else { Some(&l.scope.id) },
+                "window": l.window.window.name(),
+                "window_id": l.window.to_string(),
+                "limit_micros": l.limit.0,
+                "used_micros": l.used.0,
+                "reserved_micros": l.reserved.0,
+                "remaining_micros": l.limit.saturating_sub(l.used).saturating_sub(l.reserved).0,
+                "overrun": l.overrun,
+                "resets_at": l.resets_at.map(rfc3339),
+            })
+        })
+        .collect();
+    json!({ "scopes": scopes })
+}
+
+pub async fn usage(
+    State(state): State<Shared>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    Query(q): Query<UsageQuery>,
+) -> ApiResult<Response> {
+    let (token, ip, conversation) = if bearer(&headers).is_some() {
+        require_service(&state, &headers)?;
+        let token = q
+            .session
+            .clone()
+            .ok_or_else(|| ApiError::invalid("?session= is required with a service token"))?;
+        let ip = q.client_ip.as_deref().map(parse_ip).transpose()?;
+        (token, ip, q.conversation.clone())
+    } else {
+        let token = session_from_cookie(&state, &headers)
+            .ok_or_else(|| ApiError::unauthorized("no session cookie and no service token"))?;
+        (
+            token,
+            Some(client_ip_of(&state, peer, &headers)),
+            q.conversation.clone(),
+        )
+    };
+    if let Some(c) = &conversation {
+        check_conversation(c)?;
+    }
+    let session = state.keys.verify(&token, now_unix())?;
+    let ips = ip.map(|ip| ip_scopes(&state, ip)).unwrap_or_default();
+    let scopes = Ledger::request_scopes(&session.id, &ips, conversation.as_deref());
+    let lines = state.store.usage(scopes).await?;
+    Ok(Json(usage_json(&lines)).into_response())
+}
+
+// ---------------------------------------------------------------------------------------
+// Operations
+
+pub async fn healthz() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+pub async fn readyz(State(state): State<Shared>) -> Response {
+    match state.store.ready().await {
+        Ok(()) => Json(json!({"status": "ready", "store": state.store.kind()})).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "not ready");
+            let mut resp = ApiError::store_unavailable().into_response();
+            *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            resp
+        }
+    }
+}
+
+pub async fn metrics(State(state): State<Shared>) -> Response {
+    let summary = state.store.summary().await.ok();
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        state.metrics.render(summary.as_ref()),
+    )
+        .into_response()
+}
+
+/// Any route that does not exist: an OpenAI-shaped 404.
+pub async fn fallback() -> ApiError {
+    ApiError::not_found("no such route")
+}
+
+pub fn tokenizer_of(config: &Config, model: &str) -> Option<Tokenizer> {
+    config.models.get(model).map(|m| m.tokenizer)
+}

@@ -1,0 +1,118 @@
+//! Protected session creation: a proof-of-work puzzle, signed, expiring and single-use.
+//!
+//! A puzzle is `{"nonce", "bits", "expires", "sig"}`; a solution is any string `s` such that
+//! SHA-256(`nonce:s`) starts with `bits` zero bits. The signature (HMAC with the first session
+//! key) makes puzzles unforgeable; `expires` bounds their life; single use is enforced through
+//! the shared store (an idempotency record per nonce), so one solution opens one session on
+//! every replica together.
+
+use crate::api::{now_unix, AppState, CreateSessionBody};
+use crate::config::ChallengeMode;
+use crate::error::ApiError;
+use axum::http::StatusCode;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
+use base64::Engine;
+use hmac::{Hmac, Mac};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use spendgate_core::IpScope;
+
+/// How long a puzzle may be solved.
+pub const CHALLENGE_TTL_S: u64 = 300;
+
+fn sign(state: &AppState, payload: &str) -> String {
+    let key = state.keys.signing_key();
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| {
+        <Hmac<Sha256> as Mac>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
+    });
+    m.update(payload.as_bytes());
+    B64.encode(m.finalize().into_bytes())
+}
+
+pub fn issue(state: &AppState) -> Value {
+    let nonce = hex::encode(rand::random::<[u8; 16]>());
+    let bits = state.config.sessions.challenge_bits;
+    let expires = now_unix() + CHALLENGE_TTL_S;
+    let sig = sign(state, &format!("pow.{nonce}.{bits}.{expires}"));
+    json!({"kind": "pow", "nonce": nonce, "bits": bits, "expires": expires, "sig": sig,
+           "algorithm": "find s such that sha256(nonce + \":\" + s) has `bits` leading zero bits"})
+}
+
+pub fn leading_zero_bits(d: &[u8]) -> u32 {
+    let mut n = 0;
+    for b in d {
+        if *b == 0 {
+            n += 8;
+        } else {
+            n += b.leading_zeros();
+            break;
+        }
+    }
+    n
+}
+
+/// Solves a puzzle (for tests, demos and clients written in Rust).
+pub fn solve(nonce: &str, bits: u8) -> String {
+    (0u64..)
+        .map(|i| i.to_string())
+        .find(|s| leading_zero_bits(&Sha256::digest(format!("{nonce}:{s}"))) >= u32::from(bits))
+        .unwrap_or_default()
+}
+
+fn required(code_msg: &str, state: &AppState) -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::FORBIDDEN,
+        "challenge_required",
+        code_msg.to_string(),
+    );
+    e.challenge = Some(issue(state));
+    e
+}
+
+/// Checks the challenge when one is required. `Ok` means session creation may go on.
+pub async fn check(
+    state: &AppState,
+    ips: &[IpScope],
+    body: &CreateSessionBody,
+) -> Result<(), ApiError> {
+    let mode = state.config.sessions.challenge;
+    let needed = match mode {
+        ChallengeMode::Off => false,
+        ChallengeMode::Always => true,
+        ChallengeMode::Adaptive => state.pressure.load(std::sync::atomic::Ordering::Relaxed),
+    };
+    let _ = ips;
+    if !needed {
+        return Ok(());
+    }
+    let (Some(ch), Some(solution)) = (&body.challenge, &body.solution) else {
+        return Err(required(
+            "solve the challenge and post it back with its solution",
+            state,
+        ));
+    };
+    let nonce = ch.get("nonce").and_then(Value::as_str).unwrap_or("");
+    let bits = ch.get("bits").and_then(Value::as_u64).unwrap_or(0);
+    let expires = ch.get("expires").and_then(Value::as_u64).unwrap_or(0);
+    let sig = ch.get("sig").and_then(Value::as_str).unwrap_or("");
+    let expect = sign(state, &format!("pow.{nonce}.{bits}.{expires}"));
+    let sig_ok: bool = subtle::ConstantTimeEq::ct_eq(expect.as_bytes(), sig.as_bytes()).into();
+    if !sig_ok || nonce.len() != 32 || solution.len() > 64 {
+        return Err(required("challenge is not one of ours", state));
+    }
+    if expires <= now_unix() {
+        return Err(required("challenge expired", state));
+    }
+    if bits < u64::from(state.config.sessions.challenge_bits)
+        || u64::from(leading_zero_bits(&Sha256::digest(format!(
+            "{nonce}:{solution}"
+        )))) < bits
+    {
+        return Err(required("wrong solution", state));
+    }
+    // Single use: the first to present this nonce wins, across replicas.
+    if !state.consume_nonce(nonce).await? {
+        return Err(required("challenge already used", state));
+    }
+    Ok(())
+}

@@ -1,0 +1,186 @@
+//! The one error type of the HTTP edge, rendered in OpenAI's error shape so that OpenAI client
+//! libraries surface refusals as their own errors:
+//! `{"error": {"type", "code", "message", "scope", "retry_after_s"}}`.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+use spendgate_core::{LedgerError, Refusal, RefusalCode, ScopeKind};
+use spendgate_store::StoreError;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub code: &'static str,
+    pub message: String,
+    pub scope: Option<ScopeKind>,
+    pub retry_after_s: Option<u64>,
+    /// A challenge to solve (`challenge_required`).
+    pub challenge: Option<serde_json::Value>,
+}
+
+impl ApiError {
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+            scope: None,
+            retry_after_s: None,
+            challenge: None,
+        }
+    }
+    pub fn invalid(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+    }
+    pub fn unauthorized(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+    }
+    pub fn not_found(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
+    }
+    pub fn model_not_allowed(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::BAD_REQUEST, "model_not_allowed", message)
+    }
+    pub fn payload_too_large(message: impl Into<String>) -> ApiError {
+        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message)
+    }
+    pub fn store_unavailable() -> ApiError {
+        ApiError {
+            retry_after_s: Some(1),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store_unavailable",
+                "the spending ledger cannot be reached; nothing new is admitted",
+            )
+        }
+    }
+    pub fn with_scope(mut self, scope: ScopeKind) -> ApiError {
+        self.scope = Some(scope);
+        self
+    }
+
+    /// The OpenAI error `type` for this status.
+    fn kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            400 | 409 | 413 | 431 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            _ => "server_error",
+        }
+    }
+}
+
+impl From<&Refusal> for ApiError {
+    fn from(r: &Refusal) -> ApiError {
+        let status = match r.code {
+            RefusalCode::RateLimited
+            | RefusalCode::ConcurrencyLimited
+            | RefusalCode::BudgetExhausted => StatusCode::TOO_MANY_REQUESTS,
+            RefusalCode::RunBoundExceeded | RefusalCode::ContextTooLarge => StatusCode::BAD_REQUEST,
+            RefusalCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            RefusalCode::CutoffEngaged => StatusCode::SERVICE_UNAVAILABLE,
+        };
+        let retry = match status {
+            StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
+                Some(r.retry_after_s.unwrap_or(1).max(1))
+            }
+            _ => None,
+        };
+        ApiError {
+            status,
+            code: r.code.name(),
+            message: r.message.clone(),
+            scope: r.scope,
+            retry_after_s: retry,
+            challenge: None,
+        }
+    }
+}
+
+impl From<Refusal> for ApiError {
+    fn from(r: Refusal) -> ApiError {
+        ApiError::from(&r)
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> ApiError {
+        match e {
+            StoreError::Ledger(l) => l.into(),
+            other => {
+                tracing::warn!(error = %other, "store call failed; refusing");
+                ApiError::store_unavailable()
+            }
+        }
+    }
+}
+
+impl From<LedgerError> for ApiError {
+    fn from(e: LedgerError) -> ApiError {
+        match e {
+            LedgerError::NotFound(what) => ApiError::not_found(format!("{what} not found")),
+            LedgerError::Closed { state, charged } => ApiError::new(
+                StatusCode::CONFLICT,
+                "reservation_closed",
+                format!(
+                    "reservation is already {} and was charged {charged}",
+                    state.name()
+                ),
+            ),
+            LedgerError::RunClosed(state) => ApiError::new(
+                StatusCode::CONFLICT,
+                "run_closed",
+                format!("run is already {}", format!("{state:?}").to_lowercase()),
+            ),
+            LedgerError::IdempotencyConflict => ApiError::new(
+                StatusCode::CONFLICT,
+                "idempotency_conflict",
+                "this Idempotency-Key was used with a different request",
+            ),
+            LedgerError::Invalid(m) => ApiError::invalid(m),
+            LedgerError::Full(_) => ApiError::store_unavailable(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut body = json!({
+            "error": {
+                "type": self.kind(),
+                "code": self.code,
+                "message": self.message,
+                "param": null,
+                "scope": self.scope.map(|s| s.name()),
+                "retry_after_s": self.retry_after_s,
+            }
+        });
+        if let Some(c) = self.challenge {
+            body["error"]["challenge"] = c.clone();
+            body["challenge"] = c;
+        }
+        let mut resp = (self.status, axum::Json(body)).into_response();
+        let h = resp.headers_mut();
+        if let Some(s) = self.retry_after_s {
+            if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
+                h.insert(header::RETRY_AFTER, v);
+            }
+        }
+        // A spent budget does not come back by retrying: tell OpenAI clients not to hammer it.
+        // Everything else that is not a rate or concurrency limit is not worth retrying either.
+        let retry = matches!(
+            self.code,
+            "rate_limited" | "concurrency_limited" | "store_unavailable"
+        );
+        h.insert(
+            "x-should-retry",
+            HeaderValue::from_static(if retry { "true" } else { "false" }),
+        );
+        resp
+    }
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;

@@ -1,0 +1,290 @@
+//! Client addresses and guest session tokens.
+
+use crate::error::ApiError;
+use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
+use base64::Engine;
+use hmac::{Hmac, Mac};
+use ipnet::IpNet;
+use sha2::{Digest, Sha256};
+use spendgate_core::IpScope;
+use std::net::{IpAddr, SocketAddr};
+use subtle::ConstantTimeEq;
+
+/// Longest session token accepted.
+pub const SESSION_TOKEN_BYTES_MAX: usize = 256;
+/// Most `X-Forwarded-For` entries looked at.
+pub const FORWARDED_ENTRIES_MAX: usize = 32;
+
+/// IPv4-mapped IPv6 addresses count as IPv4.
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map(IpAddr::V4)
+            .unwrap_or(IpAddr::V6(v6)),
+        v4 => v4,
+    }
+}
+
+/// The client's address: the socket peer, unless the peer is a trusted proxy; then the
+/// rightmost `X-Forwarded-For` entry that is not a trusted proxy.
+pub fn client_addr(peer: SocketAddr, forwarded_for: Option<&str>, trusted: &[IpNet]) -> IpAddr {
+    let peer = canonical(peer.ip());
+    let is_trusted = |ip: &IpAddr| trusted.iter().any(|n| n.contains(ip));
+    if !is_trusted(&peer) {
+        return peer;
+    }
+    let Some(xff) = forwarded_for else {
+        return peer;
+    };
+    let entries: Vec<&str> = xff.rsplit(',').take(FORWARDED_ENTRIES_MAX).collect();
+    let mut last = peer;
+    for e in entries {
+        let Ok(ip) = e.trim().parse::<IpAddr>().map(canonical) else {
+            // An unparseable hop: stop believing the chain here.
+            return last;
+        };
+        if !is_trusted(&ip) {
+            return ip;
+        }
+        last = ip;
+    }
+    last
+}
+
+/// The address prefixes a client is limited by: IPv4 at `v4` bits; IPv6 at `v6` bits and at
+/// each wider prefix with its factor.
+pub fn ip_scopes(ip: IpAddr, v4: u8, v6: u8, v6_wider: &[(u8, u64)]) -> Vec<IpScope> {
+    let ip = canonical(ip);
+    let net = |bits: u8| {
+        IpNet::new(ip, bits)
+            .map(|n| n.trunc().to_string())
+            .unwrap_or_else(|_| ip.to_string())
+    };
+    match ip {
+        IpAddr::V4(_) => vec![IpScope {
+            prefix: net(v4),
+            factor: 1,
+        }],
+        IpAddr::V6(_) => {
+            let mut v = vec![IpScope {
+                prefix: net(v6),
+                factor: 1,
+            }];
+            for (bits, factor) in v6_wider {
+                if *bits < v6 {
+                    v.push(IpScope {
+                        prefix: net(*bits),
+                        factor: *factor,
+                    });
+                }
+            }
+            v
+        }
+    }
+}
+
+/// Signs and verifies guest session tokens: `v1.KID.ID.EXP.MAC`, where ID is a random 128-bit
+/// id, EXP the expiry in Unix seconds, KID names the key, MAC is HMAC-SHA256 over the rest.
+/// The first key signs; every key verifies (rotation).
+#[derive(Clone)]
+pub struct SessionKeys {
+    keys: Vec<(String, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for SessionKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionKeys")
+            .field("count", &self.keys.len())
+            .finish()
+    }
+}
+
+pub struct Session {
+    pub id: String,
+    pub expires_unix: u64,
+}
+
+fn kid_of(key: &[u8]) -> String {
+    hex::encode(&Sha256::digest(key)[..4])
+}
+
+impl SessionKeys {
+    pub fn new(keys: Vec<Vec<u8>>) -> Option<SessionKeys> {
+        if keys.is_empty() || keys.iter().any(|k| k.len() < 16) {
+            return None;
+        }
+        Some(SessionKeys {
+            keys: keys.into_iter().map(|k| (kid_of(&k), k)).collect(),
+        })
+    }
+
+    fn mac(key: &[u8], payload: &str) -> Vec<u8> {
+        // HMAC accepts keys of any length; this cannot fail.
+        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| {
+            <Hmac<Sha256> as Mac>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
+        });
+        m.update(payload.as_bytes());
+        m.finalize().into_bytes().to_vec()
+    }
+
+    /// The key that signs (the first configured).
+    pub fn signing_key(&self) -> &[u8] {
+        &self.keys[0].1
+    }
+
+    pub fn issue(&self, now_unix: u64, ttl_s: u64) -> (String, Session) {
+        let id: [u8; 16] = rand::random();
+        let id_hex = hex::encode(id);
+        let exp = now_unix.saturating_add(ttl_s);
+        let (kid, key) = &self.keys[0];
+        let payload = format!("v1.{kid}.{id_hex}.{exp}");
+        let mac = B64.encode(Self::mac(key, &payload));
+        (
+            format!("{payload}.{mac}"),
+            Session {
+                id: id_hex,
+                expires_unix: exp,
+            },
+        )
+    }
+
+    pub fn verify(&self, token: &str, now_unix: u64) -> Result<Session, ApiError> {
+        let bad = || ApiError::unauthorized("invalid or expired session token");
+        if token.len() > SESSION_TOKEN_BYTES_MAX {
+            return Err(bad());
+        }
+        let (payload, mac) = token.rsplit_once('.').ok_or_else(bad)?;
+        let parts: Vec<&str> = payload.split('.').collect();
+        let [v, kid, id, exp] = parts.as_slice() else {
+            return Err(bad());
+        };
+        if *v != "v1" || id.len() != 32 || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(bad());
+        }
+        let exp: u64 = exp.parse().map_err(|_| bad())?;
+        let given = B64.decode(mac).map_err(|_| bad())?;
+        let key = self.keys.iter().find(|(k, _)| k == kid).ok_or_else(bad)?;
+        let expect = Self::mac(&key.1, payload);
+        if !bool::from(expect.ct_eq(&given)) {
+            return Err(bad());
+        }
+        if exp <= now_unix {
+            return Err(bad());
+        }
+        Ok(Session {
+            id: id.to_ascii_lowercase(),
+            expires_unix: exp,
+        })
+    }
+}
+
+/// Compares a presented bearer token against the configured ones in constant time per token
+/// (digests first, so lengths do not leak either).
+pub fn token_matches(presented: &str, allowed: &[String]) -> bool {
+    let p = Sha256::digest(presented.as_bytes());
+    let mut ok = subtle::Choice::from(0);
+    for a in allowed {
+        let d = Sha256::digest(a.as_bytes());
+        ok |= p.as_slice().ct_eq(d.as_slice());
+    }
+    bool::from(ok) && !allowed.is_empty()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_addr_trusts_only_configured_proxies() {
+        let trusted: Vec<IpNet> = vec!["10.0.0.0/8".parse().expect("net")];
+        let peer: SocketAddr = "10.1.2.3:5555".parse().expect("addr");
+        let outside: SocketAddr = "198.51.100.9:5555".parse().expect("addr");
+        assert_eq!(
+            client_addr(peer, Some("203.0.113.5, 10.9.9.9"), &trusted).to_string(),
+            "203.0.113.5"
+        );
+        assert_eq!(
+            client_addr(peer, Some("1.1.1.1, 203.0.113.5"), &trusted).to_string(),
+            "203.0.113.5",
+            "rightmost untrusted entry, not the leftmost (spoofable) one"
+        );
+        assert_eq!(
+            client_addr(outside, Some("203.0.113.5"), &trusted).to_string(),
+            "198.51.100.9"
+        );
+        assert_eq!(client_addr(peer, None, &trusted).to_string(), "10.1.2.3");
+        assert_eq!(
+            client_addr(peer, Some("garbage"), &trusted).to_string(),
+            "10.1.2.3"
+        );
+        let mapped: SocketAddr = "[::ffff:192.0.2.1]:1".parse().expect("addr");
+        assert_eq!(client_addr(mapped, None, &[]).to_string(), "192.0.2.1");
+    }
+
+    #[test]
+    fn prefixes() {
+        let v4 = ip_scopes(
+            "192.0.2.77".parse().expect("ip"),
+            24,
+            64,
+            &[(56, 4), (48, 16)],
+        );
+        assert_eq!(
+            v4,
+            vec![IpScope {
+                prefix: "192.0.2.0/24".into(),
+                factor: 1
+            }]
+        );
+        let v6 = ip_scopes(
+            "2001:db8:1:2:3::1".parse().expect("ip"),
+            32,
+            64,
+            &[(56, 4), (48, 16)],
+        );
+        let p: Vec<_> = v6.iter().map(|s| (s.prefix.as_str(), s.factor)).collect();
+        assert_eq!(
+            p,
+            vec![
+                ("2001:db8:1:2::/64", 1),
+                ("2001:db8:1::/56", 4),
+                ("2001:db8:1::/48", 16)
+            ]
+        );
+    }
+
+    #[test]
+    fn session_tokens_verify_and_reject_tampering() {
+        let keys = SessionKeys::new(vec![b"0123456789abcdef0123".to_vec()]).expect("keys");
+        let (tok, s) = keys.issue(1000, 60);
+        assert_eq!(keys.verify(&tok, 1001).expect("valid").id, s.id);
+        assert!(keys.verify(&tok, 1060).is_err(), "expired");
+        let mut t = tok.clone().into_bytes();
+        let i = t.len() / 2;
+        t[i] = if t[i] == b'a' { b'b' } else { b'a' };
+        assert!(
+            keys.verify(&String::from_utf8_lossy(&t), 1001).is_err(),
+            "tampered"
+        );
+        assert!(keys.verify("", 1001).is_err());
+        assert!(keys.verify("v1.x.y.z.w", 1001).is_err());
+        // Rotation: a new first key signs, the old one still verifies.
+        let rotated = SessionKeys::new(vec![
+            b"another-key-0123456789".to_vec(),
+            b"0123456789abcdef0123".to_vec(),
+        ])
+        .expect("keys");
+        assert!(rotated.verify(&tok, 1001).is_ok());
+        let other = SessionKeys::new(vec![b"another-key-0123456789".to_vec()]).expect("keys");
+        assert!(other.verify(&tok, 1001).is_err());
+    }
+
+    #[test]
+    fn tokens_compare() {
+        let allowed = vec!["secret-a".to_string(), "secret-b".to_string()];
+        assert!(token_matches("secret-b", &allowed));
+        assert!(!token_matches("secret-c", &allowed));
+        assert!(!token_matches("", &[]));
+    }
+}

@@ -1,0 +1,671 @@
+//! OpenAI-compatible proxy (`POST /v1/chat/completions`, SPEC §6): bounds the prompt, clamps
+//! the output, reserves, forwards (streams pass through as they arrive), and reconciles from
+//! the upstream's `usage`. Whatever cannot be known is charged in full.
+//!
+//! Terminal states:
+//! - upstream answered with usage (streamed or not) → `committed` at the observed usage;
+//! - upstream answered an error status and the upstream is configured `release_on_error` →
+//!   `released` (no paid work started);
+//! - connection lost, timeout, client gone mid-stream, an answer without usage → `unknown`,
+//!   charged in full; unless a usage chunk had already been read whole, which is trusted.
+
+use crate::api::{self, Shared};
+use crate::config::Tokenizer;
+use crate::error::{ApiError, ApiResult};
+use crate::tokens::{self, TOKENS_PER_MESSAGE, TOKENS_PER_REQUEST};
+use axum::body::Body as AxumBody;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use spendgate_core::*;
+use spendgate_store::Store;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Largest proxied request body.
+pub const PROXY_BODY_BYTES_MAX: usize = 4 * 1024 * 1024;
+/// Idle upstream connections kept per host.
+pub const UPSTREAM_IDLE_CONNECTIONS_MAX: usize = 256;
+/// Largest non-streamed upstream answer read.
+pub const UPSTREAM_BODY_BYTES_MAX: usize = 16 * 1024 * 1024;
+/// Longest SSE line buffered while looking for the usage chunk.
+pub const SSE_LINE_BYTES_MAX: usize = 1024 * 1024;
+/// Messages in one request.
+pub const MESSAGES_MAX: usize = 4096;
+
+/// One configured upstream, resolved at start.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    pub base_url: String,
+    pub api_key: String,
+    pub timeout: Duration,
+    pub release_on_error: bool,
+}
+
+/// Who is calling and which run the call belongs to.
+struct Caller {
+    session: String,
+    ips: Vec<IpScope>,
+    conversation: String,
+    run: Option<String>,
+    retry: bool,
+}
+
+fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+}
+
+fn caller(state: &api::AppState, peer: SocketAddr, headers: &HeaderMap) -> ApiResult<Caller> {
+    let run = header_str(headers, "spendgate-run").map(str::to_string);
+    let retry = matches!(header_str(headers, "spendgate-retry"), Some("1" | "true"));
+    if headers.contains_key(header::AUTHORIZATION) {
+        api::require_service(state, headers)?;
+        let token = header_str(headers, "spendgate-session")
+            .ok_or_else(|| ApiError::invalid("Spendgate-Session header is required"))?;
+        let session = state.keys.verify(token, api::now_unix())?;
+        let ip = api::parse_ip(
+            header_str(headers, "spendgate-client-ip")
+                .ok_or_else(|| ApiError::invalid("Spendgate-Client-Ip header is required"))?,
+        )?;
+        let conversation = header_str(headers, "spendgate-conversation")
+            .ok_or_else(|| ApiError::invalid("Spendgate-Conversation header is required"))?
+            .to_string();
+        api::check_conversation(&conversation)?;
+        return Ok(Caller {
+            session: session.id,
+            ips: api::ip_scopes(state, ip),
+            conversation,
+            run,
+            retry,
+        });
+    }
+    if !state.config.server.browser_direct {
+        return Err(ApiError::unauthorized(
+            "missing service token (Authorization: Bearer ...)",
+        ));
+    }
+    let token = api::session_from_cookie(state, headers).ok_or_else(|| {
+        ApiError::unauthorized("no session cookie; create one with POST /v1/sessions")
+    })?;
+    let session = state.keys.verify(&token, api::now_unix())?;
+    let ip = api::client_ip_of(state, peer, headers);
+    let conversation = header_str(headers, "spendgate-conversation")
+        .unwrap_or(&session.id)
+        .to_string();
+    api::check_conversation(&conversation)?;
+    Ok(Caller {
+        session: session.id,
+        ips: api::ip_scopes(state, ip),
+        conversation,
+        run,
+        retry,
+    })
+}
+
+/// The text of a message's content: a string, or the text parts of an array. Non-text parts
+/// are counted by their JSON size (an upper bound on what they can cost in tokens here).
+fn content_text(content: &Value, out: &mut String) {
+    match content {
+        Value::String(s) => out.push_str(s),
+        Value::Array(parts) => {
+            for p in parts {
+                match p.get("text").and_then(Value::as_str) {
+                    Some(t) => out.push_str(t),
+                    None => out.push_str(&p.to_string()),
+                }
+            }
+        }
+        Value::Null => {}
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+/// Prompt bound of a request: every message's text, tool calls and names, and the tool
+/// schemas, through the model's tokenizer, plus per-message and per-request overhead.
+pub fn prompt_tokens(tokenizer: Tokenizer, body: &Value) -> ApiResult<(u64, u64, u64)> {
+    let messages = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ApiError::invalid("\"messages\" must be an array"))?;
+    if messages.is_empty() || messages.len() > MESSAGES_MAX {
+        return Err(ApiError::invalid(format!(
+            "\"messages\" must hold 1 to {MESSAGES_MAX} messages"
+        )));
+    }
+    let mut total = TOKENS_PER_REQUEST;
+    let mut largest_tool_result = 0u64;
+    let mut last_user_bytes = 0u64;
+    for m in messages {
+        let mut text = String::new();
+        if let Some(c) = m.get("content") {
+            content_text(c, &mut text);
+        }
+        let role = m.get("role").and_then(Value::as_str).unwrap_or("");
+        if role == "tool" || role == "function" {
+            largest_tool_result = largest_tool_result.max(text.len() as u64);
+        }
+        if role == "user" {
+            last_user_bytes = text.len() as u64;
+        }
+        if let Some(calls) = m.get("tool_calls") {
+            text.push_str(&calls.to_string());
+        }
+        for k in ["name", "tool_call_id", "refusal"] {
+            if let Some(v) = m.get(k).and_then(Value::as_str) {
+                text.push_str(v);
+            }
+        }
+        total += tokens::count(tokenizer, &text) + TOKENS_PER_MESSAGE;
+    }
+    for k in ["tools", "functions", "response_format", "tool_choice"] {
+        if let Some(v) = body.get(k) {
+            total += tokens::count(tokenizer, &v.to_string());
+        }
+    }
+    Ok((total, largest_tool_result, last_user_bytes))
+}
+
+/// Resolves a step exactly once; if dropped unresolved (client gone, task cancelled), the
+/// step is marked `unknown` (charged in full) and a one-step run is finished.
+struct StepGuard {
+    store: Arc<dyn Store>,
+    step: Option<ReservationId>,
+    run: Option<RunId>,
+    metrics_unknown: Option<Arc<api::AppState>>,
+}
+
+impl StepGuard {
+    async fn resolve(mut self, how: Resolution) -> Option<Applied<Resolved>> {
+        let step = self.step.take()?;
+        let r = self.store.resolve(step, how).await;
+        if let Some(run) = self.run.take() {
+            let _ = self.store.finish(run).await;
+        }
+        match r {
+            Ok(a) => Some(a),
+            Err(e) => {
+                // The hold stays; it expires and is charged in full.
+                tracing::warn!(error = %e, "could not resolve a proxied step; it will expire and be charged in full");
+                None
+            }
+        }
+    }
+}
+
+impl Drop for StepGuard {
+    fn drop(&mut self) {
+        let (Some(step), run) = (self.step.take(), self.run.take()) else {
+            return;
+        };
+        let store = self.store.clone();
+        if let Some(s) = &self.metrics_unknown {
+            s.metrics.unknown_outcome();
+        }
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(async move {
+                let _ = store.resolve(step, Resolution::Unknown).await;
+                if let Some(run) = run {
+                    let _ = store.finish(run).await;
+                }
+            });
+        }
+    }
+}
+
+fn usage_of(v: &Value) -> Option<TokenUsage> {
+    let u = v.get("usage")?;
+    if u.is_null() {
+        return None;
+    }
+    let prompt_tokens = u.get("prompt_tokens")?.as_u64()?;
+    let completion_tokens = u.get("completion_tokens")?.as_u64()?;
+    let cached_tokens = u
+        .get("prompt_tokens_details")
+        .and_then(|d| d.get("cached_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    Some(TokenUsage {
+        prompt_tokens,
+        completion_tokens,
+        cached_tokens,
+    })
+}
+
+/// Response headers passed through from the upstream (hop-by-hop and length headers are not).
+fn pass_headers(from: &reqwest::header::HeaderMap, to: &mut HeaderMap) {
+    for (k, v) in from {
+        let name = k.as_str();
+        if matches!(
+            name,
+            "connection"
+                | "keep-alive"
+                | "transfer-encoding"
+                | "content-length"
+                | "te"
+                | "trailer"
+                | "upgrade"
+                | "set-cookie"
+        ) {
+            continue;
+        }
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(k.as_ref()),
+            HeaderValue::from_bytes(v.as_bytes()),
+        ) {
+            to.insert(n, v);
+        }
+    }
+}
+
+pub async fn chat_completions(
+    State(state): State<Shared>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: api::Body<Value>,
+) -> ApiResult<Response> {
+    let who = caller(&state, peer, &headers)?;
+    let mut req = body.value;
+    if !req.is_object() {
+        return Err(ApiError::invalid("the request body must be a JSON object"));
+    }
+    let model_name = req
+        .get("model")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ApiError::invalid("\"model\" is required"))?
+        .to_string();
+    let model = state
+        .config
+        .models
+        .get(&model_name)
+        .ok_or_else(|| {
+            ApiError::model_not_allowed(format!("model {model_name:?} is not allowed here"))
+        })?
+        .clone();
+    let upstream = state
+        .upstreams
+        .get(&model.upstream)
+        .ok_or_else(|| {
+            ApiError::model_not_allowed(format!("model {model_name:?} has no reachable upstream"))
+        })?
+        .clone();
+    let bounds = state.config.policy.run;
+    let (prompt, largest_tool_result, input_bytes) = prompt_tokens(model.tokenizer, &req)?;
+    if largest_tool_result > bounds.max_tool_result_bytes {
+        return Err(ApiError::from(&Refusal {
+            code: RefusalCode::RunBoundExceeded,
+            scope: Some(ScopeKind::Run),
+            retry_after_s: None,
+            message: format!(
+                "a tool result of {largest_tool_result} bytes is over max_tool_result_bytes ({})",
+                bounds.max_tool_result_bytes
+            ),
+        }));
+    }
+    // The effective output bound: the smallest of every alias the request carries and ours.
+    let mut requested: Option<u64> = None;
+    for k in ["max_tokens", "max_completion_tokens"] {
+        match req.get(k) {
+            None | Some(Value::Null) => {}
+            Some(v) => {
+                let n = v.as_u64().ok_or_else(|| {
+                    ApiError::invalid(format!("\"{k}\" must be a non-negative integer"))
+                })?;
+                requested = Some(requested.map_or(n, |r| r.min(n)));
+            }
+        }
+    }
+    let n_choices = req.get("n").and_then(Value::as_u64).unwrap_or(1);
+    if n_choices != 1 {
+        return Err(ApiError::invalid(
+            "only n = 1 is supported (each choice is paid)",
+        ));
+    }
+    let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
+
+    // Open a one-step run unless the call is a step of an existing run.
+    let (run_id, own_run) = match &who.run {
+        Some(r) => {
+            api::check_id_path("run", r)?;
+            (RunId(r.clone()), false)
+        }
+        None => {
+            let run = RunRequest {
+                run_id: RunId(api::new_id("run")),
+                session: who.session.clone(),
+                ips: who.ips.clone(),
+                conversation: who.conversation.clone(),
+                input_bytes,
+            };
+            let applied = state.store.admit_run(run, None).await?;
+            match applied.value {
+                Ok(a) => (a.run_id, true),
+                Err(r) => {
+                    state.metrics.refused("proxy_run", r.code.name(), r.scope);
+                    return Err(ApiError::from(&r));
+                }
+            }
+        }
+    };
+    let step_id = ReservationId(api::new_id("stp"));
+    let step = StepRequest {
+        run_id: run_id.clone(),
+        step_id: step_id.clone(),
+        kind: StepKind::Model {
+            model: model_name.clone(),
+            price: model.price,
+            prompt_tokens: prompt,
+            max_output_tokens: requested,
+            retry: who.retry,
+        },
+    };
+    let reserved = match state.store.reserve_step(step, None).await {
+        Ok(a) => a.value,
+        Err(e) => {
+            if own_run {
+                let _ = state.store.finish(run_id.clone()).await;
+            }
+            return Err(e.into());
+        }
+    };
+    let reserved = match reserved {
+        Ok(r) => r,
+        Err(r) => {
+            if own_run {
+                let _ = state.store.finish(run_id.clone()).await;
+            }
+            state.metrics.refused("proxy_step", r.code.name(), r.scope);
+            return Err(ApiError::from(&r));
+        }
+    };
+    state.metrics.admitted("proxy_step");
+    let guard = StepGuard {
+        store: state.store.clone(),
+        step: Some(step_id.clone()),
+        run: own_run.then(|| run_id.clone()),
+        metrics_unknown: Some(state.clone()),
+    };
+
+    // The forwarded request: exactly one output bound, usage asked for in streams.
+    let out = reserved
+        .max_output_tokens
+        .unwrap_or(bounds.max_output_tokens);
+    if let Some(o) = req.as_object_mut() {
+        let alias = if o.contains_key("max_completion_tokens") && !o.contains_key("max_tokens") {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        o.remove("max_tokens");
+        o.remove("max_completion_tokens");
+        o.insert(alias.to_string(), json!(out));
+        if let Some(name) = &model.upstream_model {
+            o.insert("model".into(), json!(name));
+        }
+        if stream {
+            let so = o.entry("stream_options").or_insert_with(|| json!({}));
+            if let Some(so) = so.as_object_mut() {
+                so.insert("include_usage".into(), json!(true));
+            } else {
+                *so = json!({"include_usage": true});
+            }
+        }
+    }
+    let mut extra = HeaderMap::new();
+    extra.insert(
+        "spendgate-run",
+        HeaderValue::from_str(&run_id.0).unwrap_or(HeaderValue::from_static("")),
+    );
+    extra.insert(
+        "spendgate-step",
+        HeaderValue::from_str(&step_id.0).unwrap_or(HeaderValue::from_static("")),
+    );
+    if let Ok(v) = HeaderValue::from_str(&reserved.reserved.0.to_string()) {
+        extra.insert("spendgate-reserved-micros", v);
+    }
+    if reserved.shrunk {
+        extra.insert("spendgate-output-shrunk", HeaderValue::from_static("true"));
+    }
+
+    let url = format!(
+        "{}/chat/completions",
+        upstream.base_url.trim_end_matches('/')
+    );
+    let mut builder = state.http.post(&url).json(&req);
+    if !upstream.api_key.is_empty() {
+        builder = builder.bearer_auth(&upstream.api_key);
+    }
+    for h in [
+        "x-mock-fault",
+        "x-mock-completion-tokens",
+        "x-mock-latency-ms",
+        "x-mock-cached-tokens",
+        "x-mock-tokens-per-second",
+    ] {
+        if let Some(v) = headers.get(h) {
+            builder = builder.header(h, v.clone());
+        }
+    }
+    if !stream {
+        builder = builder.timeout(upstream.timeout);
+    }
+    let started = Instant::now();
+    let resp = match tokio::time::timeout(upstream.timeout, builder.send()).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "upstream request failed; charging the step in full");
+            let _ = guard.resolve(Resolution::Unknown).await;
+            state.metrics.unknown_outcome();
+            return Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "the upstream could not be reached",
+            ));
+        }
+        Err(_) => {
+            let _ = guard.resolve(Resolution::Unknown).await;
+            state.metrics.unknown_outcome();
+            return Err(ApiError::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream_timeout",
+                "the upstream did not answer in time",
+            ));
+        }
+    };
+    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let mut out_headers = HeaderMap::new();
+    pass_headers(resp.headers(), &mut out_headers);
+    out_headers.extend(extra);
+
+    if !status.is_success() {
+        // An error answer: by default no paid work started.
+        let bytes = read_capped(resp, upstream.timeout).await;
+        let how = if upstream.release_on_error && bytes.is_some() {
+            Resolution::Release
+        } else {
+            Resolution::Unknown
+        };
+        let _ = guard.resolve(how).await;
+        state.metrics.upstream_call(started.elapsed());
+        let mut r = (status, bytes.unwrap_or_default()).into_response();
+        r.headers_mut().extend(out_headers);
+        return Ok(r);
+    }
+
+    if !stream {
+        let Some(bytes) = read_capped(resp, upstream.timeout).await else {
+            let _ = guard.resolve(Resolution::Unknown).await;
+            return Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "the upstream answer was cut off",
+            ));
+        };
+        state.metrics.upstream_call(started.elapsed());
+        let usage = serde_json::from_slice::<Value>(&bytes)
+            .ok()
+            .as_ref()
+            .and_then(usage_of);
+        let how = match usage {
+            Some(u) => Resolution::Commit(Settlement::Tokens(u)),
+            None => Resolution::Unknown,
+        };
+        if let Some(a) = guard.resolve(how).await {
+            note_resolution(&state, &a, &mut out_headers);
+        }
+        let mut r = (status, bytes).into_response();
+        r.headers_mut().extend(out_headers);
+        return Ok(r);
+    }
+
+    // Streaming: pass every chunk through as it arrives; watch for the usage chunk.
+    let idle = upstream.timeout;
+    let upstream_stream = resp.bytes_stream();
+    let state2 = state.clone();
+    let body_stream = async_stream(upstream_stream, guard, idle, state2);
+    let mut r = Response::new(AxumBody::from_stream(body_stream));
+    *r.status_mut() = status;
+    r.headers_mut().extend(out_headers);
+    Ok(r)
+}
+
+fn note_resolution(state: &api::AppState, a: &Applied<Resolved>, headers: &mut HeaderMap) {
+    if a.value.overrun {
+        state.metrics.overrun();
+        tracing::warn!(
+            charged = a.value.charged.0,
+            reserved = a.value.reserved.0,
+            "overrun: upstream usage above the reservation"
+        );
+    }
+    if let Ok(v) = HeaderValue::from_str(&a.value.charged.0.to_string()) {
+        headers.insert("spendgate-charged-micros", v);
+    }
+}
+
+async fn read_capped(resp: reqwest::Response, timeout: Duration) -> Option<Bytes> {
+    let mut s = resp.bytes_stream();
+    let mut buf = Vec::new();
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        match tokio::time::timeout_at(deadline, s.next()).await {
+            Ok(Some(Ok(chunk))) => {
+                if buf.len() + chunk.len() > UPSTREAM_BODY_BYTES_MAX {
+                    return None;
+                }
+                buf.extend_from_slice(&chunk);
+            }
+            Ok(Some(Err(_))) | Err(_) => return None,
+            Ok(None) => return Some(Bytes::from(buf)),
+        }
+    }
+}
+
+/// Scans SSE `data:` lines for a chunk carrying `usage`.
+#[derive(Default)]
+struct UsageScanner {
+    line: Vec<u8>,
+    usage: Option<TokenUsage>,
+    done: bool,
+    overflow: bool,
+}
+
+impl UsageScanner {
+    fn feed(&mut self, chunk: &[u8]) {
+        for &b in chunk {
+            if b == b'\n' {
+                self.line_end();
+            } else if self.line.len() < SSE_LINE_BYTES_MAX {
+                self.line.push(b);
+            } else {
+                self.overflow = true;
+            }
+        }
+    }
+    fn line_end(&mut self) {
+        let line = std::mem::take(&mut self.line);
+        let text = String::from_utf8_lossy(&line);
+        let text = text.trim_end_matches('\r');
+        if let Some(data) = text.strip_prefix("data:") {
+            let data = data.trim();
+            if data == "[DONE]" {
+                self.done = true;
+            } else if let Ok(v) = serde_json::from_str::<Value>(data) {
+                if let Some(u) = usage_of(&v) {
+                    self.usage = Some(u);
+                }
+            }
+        }
+    }
+}
+
+fn async_stream(
+    upstream: impl futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
+    guard: StepGuard,
+    idle: Duration,
+    state: Shared,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+    struct S<U> {
+        upstream: U,
+        guard: Option<StepGuard>,
+        scan: UsageScanner,
+        idle: Duration,
+        state: Shared,
+        started: Instant,
+    }
+    let s = S {
+        upstream,
+        guard: Some(guard),
+        scan: UsageScanner::default(),
+        idle,
+        state,
+        started: Instant::now(),
+    };
+    futures::stream::unfold(s, |mut s| async move {
+        let guard = s.guard.as_ref()?;
+        let _ = guard;
+        match tokio::time::timeout(s.idle, s.upstream.next()).await {
+            Ok(Some(Ok(chunk))) => {
+                s.scan.feed(&chunk);
+                Some((Ok(chunk), s))
+            }
+            Ok(None) => {
+                // The stream ended: commit from a usage chunk read whole, else charge in full.
+                s.scan.line_end();
+                let how = match s.scan.usage {
+                    Some(u) => Resolution::Commit(Settlement::Tokens(u)),
+                    None => Resolution::Unknown,
+                };
+                s.state.metrics.upstream_call(s.started.elapsed());
+                if let Some(g) = s.guard.take() {
+                    if let Some(a) = g.resolve(how).await {
+                        if a.value.overrun {
+                            s.state.metrics.overrun();
+                        }
+                    }
+                }
+                None
+            }
+            Ok(Some(Err(_))) | Err(_) => {
+                // Lost mid-stream: trust a usage chunk that was read whole, else unknown.
+                let how = match s.scan.usage {
+                    Some(u) => Resolution::Commit(Settlement::Tokens(u)),
+                    None => Resolution::Unknown,
+                };
+                if how == Resolution::Unknown {
+                    s.state.metrics.unknown_outcome();
+                }
+                if let Some(g) = s.guard.take() {
+                    let _ = g.resolve(how).await;
+                }
+                Some((Err(std::io::Error::other("upstream stream failed")), s))
+            }
+        }
+    })
+}

@@ -1,0 +1,629 @@
+//! SPEC §6 decision API against a real `spendgate serve` process on sqlite.
+
+use crate::harness::*;
+use serde_json::{json, Value};
+use std::sync::Arc;
+
+const TOOL_BUDGET: &str = r#"
+[limits.global]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = [{ amount = "1.00", window = "day" }]
+
+[limits.ip]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = []
+
+[limits.session]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = []
+
+[limits.conversation]
+concurrency = 1
+budgets = []
+
+[run]
+max_tool_calls = 1000
+max_cost = "100"
+
+[tools.web_search]
+per_call = "0.01"
+"#;
+
+/// Acceptance: global budget 1.00, tool at 0.01; 20 sessions × 1 run; steps from 20 tasks
+/// until refused: exactly 100 granted, later ones 429 budget_exhausted (scope global); after a
+/// restart on the same file the budget is still spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn exactly_the_budget_is_granted_and_survives_restart() {
+    let mut server = Server::start(TOOL_BUDGET);
+    let server_ref = &server;
+    let mut runs = Vec::new();
+    for i in 0..20 {
+        let s = server_ref.session().await;
+        runs.push(
+            server_ref
+                .run(&s, &format!("10.0.0.{i}"), &format!("conv-{i}"))
+                .await,
+        );
+    }
+    let srv = Arc::new(server.http.clone());
+    let base = server.url("");
+    let mut tasks = Vec::new();
+    for run in runs {
+        let (http, base) = (srv.clone(), base.clone());
+        tasks.push(tokio::spawn(async move {
+            let (mut granted, mut refused) = (0u32, Vec::new());
+            loop {
+                let r = http
+                    .post(format!("{base}/v1/runs/{run}/steps"))
+                    .bearer_auth(SERVICE)
+                    .json(&json!({"kind": "tool", "tool": "web_search"}))
+                    .send()
+                    .await
+                    .expect("send");
+                let status = r.status().as_u16();
+                let retry_after = r.headers().get("retry-after").is_some();
+                let should_retry = r
+                    .headers()
+                    .get("x-should-retry")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_string);
+                let v: Value = r.json().await.expect("json");
+                if status == 201 {
+                    granted += 1;
+                    assert_eq!(v["reserved_micros"], 10_000);
+                    let step = v["step_id"].as_str().expect("step");
+                    let c = http
+                        .post(format!("{base}/v1/steps/{step}/commit"))
+                        .bearer_auth(SERVICE)
+                        .json(&json!({"units": 0}))
+                        .send()
+                        .await
+                        .expect("commit");
+                    assert_eq!(c.status().as_u16(), 200);
+                } else {
+                    assert!(retry_after, "429 carries Retry-After");
+                    assert_eq!(should_retry.as_deref(), Some("false"));
+                    refused.push((status, v));
+                    if refused.len() >= 2 {
+                        return (granted, refused);
+                    }
+                }
+            }
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        let (g, refused) = t.await.expect("task");
+        total += g;
+        for (status, v) in refused {
+            assert_eq!(status, 429, "{v}");
+            assert_eq!(code(&v), "budget_exhausted");
+            assert_eq!(v["error"]["scope"], "global");
+        }
+    }
+    assert_eq!(total, 100, "exactly 1.00 / 0.01 steps are granted");
+    let g = server.global_usage().await;
+    assert_eq!(g["used_micros"], 1_000_000);
+    assert_eq!(g["reserved_micros"], 0);
+
+    // Restart on the same file: still spent.
+    server.terminate();
+    server.spawn();
+    let g = server.global_usage().await;
+    assert_eq!(g["used_micros"], 1_000_000, "spend survives a restart");
+    let s = server.session().await;
+    let (status, v) = server
+        .post("/v1/runs", json!({"session": s, "client_ip": "10.9.9.9", "conversation": "after", "input_text": "hi"}))
+        .await;
+    assert_eq!((status, code(&v)), (429, "budget_exhausted"), "{v}");
+    assert_eq!(v["error"]["scope"], "global");
+}
+
+const BOUNDS: &str = r#"
+lease_ttl_s = 1
+
+[limits.global]
+rate = "100000/second"
+burst = 100000
+budgets = [{ amount = "10.00", window = "day" }]
+
+[limits.ip]
+rate = "100000/second"
+burst = 100000
+budgets = []
+
+[limits.session]
+rate = "100000/second"
+burst = 100000
+concurrency = 100
+budgets = []
+
+[run]
+max_model_rounds = 2
+max_tool_calls = 2
+max_retries = 1
+max_seconds = 2
+max_input_bytes = 64
+max_context_tokens = 1000
+max_output_tokens = 100
+
+[models."m-1"]
+upstream = "mock"
+input_per_million = "1.00"
+output_per_million = "2.00"
+tokenizer = "bytes"
+
+[tools.web_search]
+per_call = "0.01"
+"#;
+
+/// Acceptance: one active run per conversation; finish frees it; each run bound refuses with
+/// `run_bound_exceeded`; the deadline too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversation_concurrency_and_run_bounds() {
+    let server = Server::start(BOUNDS);
+    let s = server.session().await;
+    let run = server.run(&s, "192.0.2.1", "c1").await;
+    let (status, v) = server
+        .post("/v1/runs", json!({"session": s, "client_ip": "192.0.2.1", "conversation": "c1", "input_text": "again"}))
+        .await;
+    assert_eq!((status, code(&v)), (429, "concurrency_limited"), "{v}");
+    assert_eq!(v["error"]["scope"], "conversation");
+
+    let model = json!({"kind": "model", "model": "m-1", "prompt_tokens": 10});
+    let retry = json!({"kind": "model", "model": "m-1", "prompt_tokens": 10, "retry": true});
+    let tool = json!({"kind": "tool", "tool": "web_search"});
+    let path = format!("/v1/runs/{run}/steps");
+    for (body, allowed) in [(&model, 2), (&retry, 1), (&tool, 2)] {
+        for _ in 0..allowed {
+            let (status, v) = server.post(&path, body.clone()).await;
+            assert_eq!(status, 201, "{v}");
+        }
+        let (status, v) = server.post(&path, body.clone()).await;
+        assert_eq!(
+            (status, code(&v)),
+            (400, "run_bound_exceeded"),
+            "{body}: {v}"
+        );
+    }
+    let (status, v) = server
+        .post(&format!("/v1/runs/{run}/finish"), json!({}))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["state"], "finished");
+    // 2 model steps of 10*1 + 100*2 = 210 micros, 1 retry the same, 2 tools at 10_000: all
+    // held steps are charged in full (unknown) at finish.
+    assert_eq!(v["charged_micros"], 3 * 210 + 2 * 10_000);
+    let again = server.run(&s, "192.0.2.1", "c1").await;
+
+    // Context and output bounds.
+    let path = format!("/v1/runs/{again}/steps");
+    let (status, v) = server
+        .post(
+            &path,
+            json!({"kind": "model", "model": "m-1", "prompt_tokens": 1001}),
+        )
+        .await;
+    assert_eq!((status, code(&v)), (400, "context_too_large"), "{v}");
+    let (status, v) = server
+        .post(&path, json!({"kind": "model", "model": "m-1", "prompt_tokens": 5, "max_output_tokens": 100000}))
+        .await;
+    assert_eq!(status, 201, "{v}");
+    assert_eq!(
+        v["max_output_tokens"], 100,
+        "clamped to run.max_output_tokens"
+    );
+    let (status, v) = server
+        .post(
+            &path,
+            json!({"kind": "model", "model": "nope", "prompt_tokens": 5}),
+        )
+        .await;
+    assert_eq!((status, code(&v)), (400, "model_not_allowed"), "{v}");
+
+    // The deadline: heartbeats keep the lease alive, but past max_seconds every step is
+    // refused and the lease ends with it.
+    for _ in 0..3 {
+        tokio::time::sleep(std::time::Duration::from_millis(700)).await;
+        let (status, v) = server
+            .post(&format!("/v1/runs/{again}/heartbeat"), json!({}))
+            .await;
+        assert_eq!(status, 200, "{v}");
+        assert!(
+            v["lease_until"].as_str() <= v["deadline"].as_str(),
+            "lease never extends past the deadline: {v}"
+        );
+    }
+    let (status, v) = server
+        .post(&path, json!({"kind": "tool", "tool": "web_search"}))
+        .await;
+    assert_eq!((status, code(&v)), (400, "run_bound_exceeded"), "{v}");
+}
+
+/// Acceptance: a process killed with SIGKILL while holding reservations; after restart and
+/// `lease_ttl_s`, they are `expired`, charged in full, and the slots are free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_process_reservations_expire_charged_in_full() {
+    let mut server = Server::start(BOUNDS);
+    let s = server.session().await;
+    let run = server.run(&s, "192.0.2.7", "crash").await;
+    let (status, v) = server
+        .post(
+            &format!("/v1/runs/{run}/steps"),
+            json!({"kind": "tool", "tool": "web_search"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{v}");
+    let step = v["step_id"].as_str().expect("step").to_string();
+    server.kill();
+    server.spawn();
+    tokio::time::sleep(std::time::Duration::from_millis(1600)).await;
+    let expired = server
+        .admin_get("/admin/v1/reservations?state=expired")
+        .await;
+    let row = expired["reservations"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .find(|r| r["id"] == step.as_str())
+        .cloned()
+        .unwrap_or_else(|| panic!("step {step} not expired: {expired}"));
+    assert_eq!(row["charged_micros"], 10_000);
+    assert_eq!(server.global_usage().await["used_micros"], 10_000);
+    // The slot is free again: a new run on the same conversation is admitted.
+    server.run(&s, "192.0.2.7", "crash").await;
+    // Commit after expiry is refused, and the charge stays the reserved amount.
+    let (status, v) = server
+        .post(&format!("/v1/steps/{step}/commit"), json!({"units": 0}))
+        .await;
+    assert_eq!((status, code(&v)), (409, "reservation_closed"), "{v}");
+    assert_eq!(server.global_usage().await["used_micros"], 10_000);
+}
+
+/// Acceptance: bad input gets its SPEC code and status; the server stays up and nothing is
+/// half-applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_is_refused_cleanly() {
+    let server = Server::start(BOUNDS);
+    let s = server.session().await;
+    let before = server.admin_get("/admin/v1/summary").await;
+    let http = &server.http;
+    let raw = |body: &'static str| {
+        http.post(server.url("/v1/runs"))
+            .bearer_auth(SERVICE)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    for (body, status) in [
+        ("{not json", 400),
+        ("", 400),
+        (
+            r#"{"session": "x", "client_ip": "1.2.3.4", "conversation": "c", "input_bytes": -1}"#,
+            400,
+        ),
+        (
+            r#"{"session": "x", "client_ip": "1.2.3.4", "conversation": "c", "input_bytes": 99999999999999999999999}"#,
+            400,
+        ),
+    ] {
+        let r = raw(body).await.expect("send");
+        assert_eq!(r.status().as_u16(), status, "{body}");
+        let v: Value = r.json().await.expect("json");
+        assert_eq!(code(&v), "invalid_request", "{body}: {v}");
+    }
+    let cases = [
+        (
+            json!({"session": s, "client_ip": "1.2.3.4", "conversation": "c", "input_text": "x", "extra": 1}),
+            400,
+            "invalid_request",
+        ),
+        (
+            json!({"session": s, "client_ip": "1.2.3.4", "conversation": "c", "input_text": "x".repeat(65)}),
+            413,
+            "payload_too_large",
+        ),
+        (
+            json!({"session": format!("{s}x"), "client_ip": "1.2.3.4", "conversation": "c", "input_text": "x"}),
+            401,
+            "unauthorized",
+        ),
+        (
+            json!({"session": s, "client_ip": "not-an-ip", "conversation": "c", "input_text": "x"}),
+            400,
+            "invalid_request",
+        ),
+    ];
+    for (body, status, c) in cases {
+        let (st, v) = server.post("/v1/runs", body.clone()).await;
+        assert_eq!((st, code(&v)), (status, c), "{body}: {v}");
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
+    }
+    // Missing and wrong service tokens.
+    let body =
+        json!({"session": s, "client_ip": "1.2.3.4", "conversation": "c", "input_text": "x"});
+    let r = http
+        .post(server.url("/v1/runs"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 401);
+    let r = http
+        .post(server.url("/v1/runs"))
+        .bearer_auth("wrong")
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 401);
+    // Overflowing numbers on a step; an unknown step.
+    let run = server.run(&s, "1.2.3.4", "ok").await;
+    let (st, v) = server
+        .post(
+            &format!("/v1/runs/{run}/steps"),
+            json!({"kind": "model", "model": "m-1", "prompt_tokens": 1e30}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (400, "invalid_request"), "{v}");
+    let (st, v) = server
+        .post("/v1/steps/stp_nope/commit", json!({"units": 1}))
+        .await;
+    assert_eq!((st, code(&v)), (404, "not_found"), "{v}");
+    // Nothing was reserved by any of that, and the server is still up.
+    let after = server.admin_get("/admin/v1/summary").await;
+    assert_eq!(after["held_micros"], before["held_micros"]);
+    assert_eq!(after["global"][0]["reserved_micros"], 0);
+    assert_eq!(after["global"][0]["used_micros"], 0);
+    let r = http
+        .get(server.url("/healthz"))
+        .send()
+        .await
+        .expect("healthz");
+    assert_eq!(r.status().as_u16(), 200);
+}
+
+const LAST_CENT: &str = r#"
+[limits.global]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = [{ amount = "0.05", window = "day" }]
+
+[limits.ip]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = []
+
+[limits.session]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = []
+
+[run]
+max_tool_calls = 1000
+
+[tools.web_search]
+per_call = "0.01"
+"#;
+
+/// Acceptance: 100 concurrent requests for the last 0.01: exactly one granted. Idempotent
+/// step retries hold once; a double commit charges once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn last_cent_idempotency_and_double_commit() {
+    let server = Server::start(LAST_CENT);
+    let s = server.session().await;
+    let run = server.run(&s, "198.51.100.1", "one").await;
+    let path = format!("/v1/runs/{run}/steps");
+    let tool = json!({"kind": "tool", "tool": "web_search"});
+    // Spend 0.04 of 0.05, leaving one cent.
+    for _ in 0..4 {
+        let (st, v) = server.post(&path, tool.clone()).await;
+        assert_eq!(st, 201, "{v}");
+        let step = v["step_id"].as_str().expect("step");
+        let (st, v) = server
+            .post(&format!("/v1/steps/{step}/commit"), json!({"units": 0}))
+            .await;
+        assert_eq!(st, 200, "{v}");
+    }
+    let mut tasks = Vec::new();
+    for _ in 0..100 {
+        let (http, url) = (server.http.clone(), server.url(&path));
+        let tool = tool.clone();
+        tasks.push(tokio::spawn(async move {
+            http.post(url)
+                .bearer_auth(SERVICE)
+                .json(&tool)
+                .send()
+                .await
+                .expect("send")
+                .status()
+                .as_u16()
+        }));
+    }
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.expect("task"));
+    }
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 201).count(),
+        1,
+        "exactly one granted: {statuses:?}"
+    );
+    assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 99);
+
+    // With the budget spent, new runs are refused too.
+    let s2 = server.session().await;
+    let (st, v) = server.post("/v1/runs", json!({"session": s2, "client_ip": "198.51.100.2", "conversation": "two", "input_text": "x"})).await;
+    assert_eq!(
+        (st, code(&v)),
+        (429, "budget_exhausted"),
+        "budget is spent, runs are refused: {v}"
+    );
+    let held = server.global_usage().await;
+    assert_eq!(
+        held["used_micros"].as_u64().unwrap_or(0) + held["reserved_micros"].as_u64().unwrap_or(0),
+        50_000
+    );
+}
+
+const ROOMY: &str = r#"
+[limits.global]
+rate = "100000/second"
+burst = 100000
+budgets = [{ amount = "5.00", window = "day" }]
+
+[run]
+max_tool_calls = 1000
+
+[tools.web_search]
+per_call = "0.01"
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idempotent_steps_and_commits() {
+    let server = Server::start(ROOMY);
+    let s = server.session().await;
+    let run = server.run(&s, "203.0.113.1", "idem").await;
+    let url = server.url(&format!("/v1/runs/{run}/steps"));
+    let send = |key: &'static str, body: Value| {
+        server
+            .http
+            .post(url.clone())
+            .bearer_auth(SERVICE)
+            .header("idempotency-key", key)
+            .json(&body)
+            .send()
+    };
+    let tool = json!({"kind": "tool", "tool": "web_search"});
+    let a: Value = send("k1", tool.clone())
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("json");
+    let b: Value = send("k1", tool.clone())
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(
+        a["step_id"], b["step_id"],
+        "the repeat returns the first answer"
+    );
+    assert_eq!(
+        server.global_usage().await["reserved_micros"],
+        10_000,
+        "held once"
+    );
+    let r = send(
+        "k1",
+        json!({"kind": "tool", "tool": "web_search", "units": 3}),
+    )
+    .await
+    .expect("send");
+    assert_eq!(r.status().as_u16(), 409);
+    let v: Value = r.json().await.expect("json");
+    assert_eq!(code(&v), "idempotency_conflict");
+
+    let step = a["step_id"].as_str().expect("step");
+    let (st1, c1) = server
+        .post(&format!("/v1/steps/{step}/commit"), json!({"units": 0}))
+        .await;
+    let (st2, c2) = server
+        .post(&format!("/v1/steps/{step}/commit"), json!({"units": 0}))
+        .await;
+    assert_eq!((st1, st2), (200, 200));
+    assert_eq!(c1["charged_micros"], 10_000);
+    assert_eq!(c2["charged_micros"], 10_000);
+    assert_eq!(c2["repeated"], true);
+    assert!(c1["ledger_seq"].as_u64() > a["ledger_seq"].as_u64());
+    let g = server.global_usage().await;
+    assert_eq!(
+        (g["used_micros"].as_u64(), g["reserved_micros"].as_u64()),
+        (Some(10_000), Some(0)),
+        "charged once"
+    );
+    let (st, v) = server
+        .post(&format!("/v1/steps/{step}/release"), json!({}))
+        .await;
+    assert_eq!((st, code(&v)), (409, "reservation_closed"), "{v}");
+
+    // Usage as the guest sees it (service token form).
+    let r = server
+        .http
+        .get(server.url(&format!(
+            "/v1/usage?session={s}&client_ip=203.0.113.1&conversation=idem"
+        )))
+        .bearer_auth(SERVICE)
+        .send()
+        .await
+        .expect("usage");
+    let u: Value = r.json().await.expect("json");
+    let kinds: Vec<&str> = u["scopes"]
+        .as_array()
+        .expect("scopes")
+        .iter()
+        .filter_map(|s| s["kind"].as_str())
+        .collect();
+    assert!(
+        kinds.contains(&"global") && kinds.contains(&"session"),
+        "{u}"
+    );
+    assert!(u["scopes"][0]["resets_at"]
+        .as_str()
+        .is_some_and(|r| r.ends_with("T00:00:00Z")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_cookie_and_graceful_shutdown() {
+    let mut server = Server::start(ROOMY);
+    let r = server
+        .http
+        .post(server.url("/v1/sessions"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 201);
+    let cookie = r
+        .headers()
+        .get("set-cookie")
+        .and_then(|v| v.to_str().ok())
+        .expect("cookie")
+        .to_string();
+    assert!(cookie.starts_with("spendgate_session="), "{cookie}");
+    for attr in ["HttpOnly", "SameSite=Lax", "Path=/", "Max-Age="] {
+        assert!(cookie.contains(attr), "{cookie} lacks {attr}");
+    }
+    assert!(!cookie.contains("Domain"));
+    let v: Value = r.json().await.expect("json");
+    let token = v["session"].as_str().expect("token");
+    let r = server
+        .http
+        .get(server.url("/v1/usage"))
+        .header("cookie", format!("spendgate_session={token}"))
+        .send()
+        .await
+        .expect("usage");
+    assert_eq!(r.status().as_u16(), 200);
+    let ready = server
+        .http
+        .get(server.url("/readyz"))
+        .send()
+        .await
+        .expect("readyz");
+    assert_eq!(ready.status().as_u16(), 200);
+    let status = server.terminate();
+    assert!(status.success(), "SIGTERM drains and exits 0: {status:?}");
+}

@@ -1,0 +1,155 @@
+//! Starts `spendgate serve` processes on free ports with a config in a temp dir.
+
+use serde_json::{json, Value};
+use spendgate_testkit::{free_port, wait_for_port, ChildGuard};
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+pub const SERVICE: &str = "test-service-token-0123456789";
+pub const ADMIN: &str = "test-admin-token-0123456789";
+pub const SESSION_KEY: &str = "test-session-key-0123456789abcdef";
+
+pub struct Server {
+    pub dir: tempfile::TempDir,
+    pub port: u16,
+    pub child: Option<ChildGuard>,
+    pub http: reqwest::Client,
+    config: PathBuf,
+}
+
+/// A config with the test tokens and the given extra TOML (appended; it must not repeat
+/// `[server]`/`[sessions]` keys set here).
+pub fn config_text(port: u16, db: &str, extra: &str) -> String {
+    format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+service_tokens = ["{SERVICE}"]
+admin_tokens = ["{ADMIN}"]
+
+[sessions]
+keys = ["{SESSION_KEY}"]
+secure_cookie = false
+create_rate_per_ip = "100000/second"
+create_rate_global = "100000/second"
+
+[store]
+kind = "sqlite"
+path = "{db}"
+{extra}
+"#
+    )
+}
+
+impl Server {
+    /// `extra` is appended to the config: `[limits.*]`, `[run]`, `[tools.*]` sections and a
+    /// `lease_ttl_s = N` line that belongs to `[store]` (put it first).
+    pub fn start(extra: &str) -> Server {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let port = free_port();
+        let db = dir.path().join("spendgate.db");
+        let config = dir.path().join("spendgate.toml");
+        std::fs::write(&config, config_text(port, &db.display().to_string(), extra))
+            .expect("write config");
+        spendgate_server::install_crypto();
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()
+            .expect("client");
+        let mut s = Server {
+            dir,
+            port,
+            child: None,
+            http,
+            config,
+        };
+        s.spawn();
+        s
+    }
+
+    pub fn spawn(&mut self) {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_spendgate"));
+        cmd.arg("serve")
+            .arg("--config")
+            .arg(&self.config)
+            .env("RUST_LOG", "warn");
+        let child = ChildGuard::spawn(cmd).expect("spawn spendgate");
+        if wait_for_port(self.port, Duration::from_secs(20)).is_err() {
+            panic!("spendgate did not start:\n{}", child.output());
+        }
+        self.child = Some(child);
+    }
+
+    /// SIGKILL, like a crash.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            c.kill().expect("kill");
+        }
+    }
+
+    /// SIGTERM, graceful.
+    pub fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut c = self.child.take().expect("running");
+        c.terminate().expect("terminate")
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    pub async fn post(&self, path: &str, body: Value) -> (u16, Value) {
+        let r = self
+            .http
+            .post(self.url(path))
+            .bearer_auth(SERVICE)
+            .json(&body)
+            .send()
+            .await
+            .expect("send");
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or(Value::Null))
+    }
+
+    pub async fn admin_get(&self, path: &str) -> Value {
+        let r = self
+            .http
+            .get(self.url(path))
+            .bearer_auth(ADMIN)
+            .send()
+            .await
+            .expect("send");
+        assert!(r.status().is_success(), "{path}: {}", r.status());
+        r.json().await.expect("json")
+    }
+
+    pub async fn session(&self) -> String {
+        let r = self
+            .http
+            .post(self.url("/v1/sessions"))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status().as_u16(), 201);
+        let v: Value = r.json().await.expect("json");
+        v["session"].as_str().expect("session").to_string()
+    }
+
+    /// Opens a run; panics unless admitted.
+    pub async fn run(&self, session: &str, ip: &str, conversation: &str) -> String {
+        let (s, v) = self
+            .post("/v1/runs", json!({"session": session, "client_ip": ip, "conversation": conversation, "input_text": "hi"}))
+            .await;
+        assert_eq!(s, 201, "run refused: {v}");
+        v["run_id"].as_str().expect("run_id").to_string()
+    }
+
+    pub async fn global_usage(&self) -> Value {
+        let s = self.admin_get("/admin/v1/summary").await;
+        s["global"][0].clone()
+    }
+}
+
+pub fn code(v: &Value) -> &str {
+    v["error"]["code"].as_str().unwrap_or("")
+}

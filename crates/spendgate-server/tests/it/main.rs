@@ -1,0 +1,5 @@
+//! Integration tests of the `spendgate` binary: real processes, real HTTP, real SQLite files.
+
+mod harness;
+
+mod decision_api;

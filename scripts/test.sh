@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh Debian machine with Rust: installs what the tests need
+# (redis-server for the tests that start their own Redis; a Python virtualenv with the
+# official `openai` package for the proxy's real-client tests), then checks formatting and
+# lints and runs every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+apt_updated=0
+apt_install() {
+  if [ "$apt_updated" = 0 ]; then as_root apt-get update -qq; apt_updated=1; fi
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"
+}
+
+command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+command -v python3 >/dev/null 2>&1 || apt_install python3 python3-venv
+
+# The official OpenAI Python client, for tests that drive the proxy with it.
+VENV=.venv
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV" 2>/dev/null || { apt_install python3-venv; python3 -m venv "$VENV"; }
+fi
+"$VENV/bin/python" -c 'import openai' 2>/dev/null || "$VENV/bin/pip" install -q 'openai>=1.40,<3'
+export SPENDGATE_TEST_PYTHON="$PWD/$VENV/bin/python"
+
+rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt clippy || true
+
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+cargo test --workspace --locked

@@ -1002,8 +1002,12 @@ impl Ledger {
         if req.ips.is_empty() || req.ips.len() > 4 {
             return Err(LedgerError::Invalid("one to four address prefixes".into()));
         }
-        for ip in &req.ips {
+        for (i, ip) in req.ips.iter().enumerate() {
             check_id("address prefix", &ip.prefix)?;
+            // The same prefix twice would be checked once but held twice (I1).
+            if req.ips[..i].iter().any(|o| o.prefix == ip.prefix) {
+                return Err(LedgerError::Invalid("address prefixes must be distinct".into()));
+            }
         }
         if self.runs.contains_key(&req.run_id) {
             return Err(LedgerError::Invalid("run id already exists".into()));

@@ -1,1 +1,660 @@
-//! placeholder
+//! spendgate's `redis` store: every ledger operation is one atomic server-side Lua script.
+//!
+//! # Design
+//!
+//! * **One script, one operation per call.** `ledger.lua` is a transcription of
+//!   `spendgate_core::Ledger`: the same checks in the same order, the same answers, the same
+//!   `ledger_seq` arithmetic (one `HINCRBY` per change, inside the script). It is loaded with
+//!   `SCRIPT LOAD` and called with `EVALSHA`; on `NOSCRIPT` (script cache flushed, server
+//!   restarted) it is loaded again and re-run, which is safe because a `NOSCRIPT` answer means
+//!   the script did not run. No other failure is retried: an answer that was lost leaves the
+//!   outcome unknown, and a reservation made that way stays held until it expires and is
+//!   charged in full (I3). Read-only operations run in a second copy of the script flagged
+//!   `no-writes`.
+//! * **One clock.** With [`ClockSource::Server`] the script reads the Redis server's `TIME`,
+//!   so replicas with skewed clocks agree on windows, GCRA and leases. Window ids (including
+//!   UTC calendar months) are computed inside the script with the same civil-date arithmetic
+//!   as `spendgate_core::window`, so no boundary retry dance is needed. As in the core, the
+//!   clock is held at the largest value seen (`meta.clock`) and never goes back.
+//! * **Keys.** Every key is `{prefix}:...`: one hash tag per deployment (Redis Cluster safe;
+//!   the prefix may not contain braces). Outside identifiers (run, step, session,
+//!   conversation, address prefix, idempotency key) only appear in key names as SHA-1 hex of
+//!   the identifier (fixed length; no hash-tag injection). `KEYS[1]` is the `{prefix}` base;
+//!   the script derives the other keys of that same slot.
+//! * **Exact integers.** Every amount, timestamp and TAT is an integer below 2^53 (exact in a
+//!   Lua double); numbers are formatted with `%d`, never with Lua's 14-digit `tostring`.
+//!   Price × tokens products (u128 in the core) are computed exactly by splitting counts into
+//!   10^6 limbs, saturating at [`MICROS_MAX`] like the core. [`RedisStore::open`] refuses a
+//!   policy with a figure above 2^53 - 1.
+//! * **Check before writing.** An operation decides completely before its first write; the
+//!   only writes that may precede a refusal are due expiries, which the core applies first
+//!   too. Loops are bounded: 256 expiries per call, 1024 per sweep, bounded listings.
+//! * **Redis as a ledger.** `ready()` fails unless `maxmemory-policy` is `noeviction`
+//!   (admissions are refused too); it logs a warning when AOF is off or `appendfsync` is not
+//!   `always`. An epoch hash (`{prefix}:epoch`) is written when a deployment is initialised.
+//!   Each store remembers the epoch id and the highest `ledger_seq` it has seen; a script that
+//!   finds the epoch missing (Redis came back empty), different (re-initialised) or the seq
+//!   lower (restored from an old snapshot) refuses, and the store answers
+//!   [`StoreError::Unavailable`] until [`RedisStore::accept_reset`] writes a new epoch, which
+//!   every store adopts.
+//!
+//! Limitations, documented rather than hidden: operator adjustments are summed in a double
+//! (`Counter::adjusted` is exact while it stays below 2^53 in magnitude); a sweep processes at
+//! most 1024 expiries, 1024 idle rates and 1024 stale counters per call (the core does all);
+//! listings return at most 100 000 entries.
+
+mod protocol;
+
+use protocol::{Call, Item};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use sha2::{Digest, Sha256};
+use spendgate_core::{Command, Policy, Rate, Reply, ReservationMode, ScopeKind, MICROS_MAX};
+use spendgate_store::{Clock, Store, StoreError};
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use protocol::LISTING_MAX;
+
+/// The ledger script, with the shebang of the writing copy.
+const SCRIPT_BODY: &str = include_str!("ledger.lua");
+/// How often admissions re-check the server's configuration (eviction policy, persistence).
+const HEALTH_EVERY: Duration = Duration::from_secs(5);
+/// The lowest seq a store accepts once it detected a rollback: nothing, until a reset.
+const LATCHED_MIN_SEQ: &str = "9007199254740992";
+/// Longest accepted key prefix.
+const PREFIX_BYTES_MAX: usize = 64;
+/// Attempts of one call when the epoch changed under it by an accepted reset.
+const EPOCH_ATTEMPTS: usize = 3;
+
+/// Where `now` comes from.
+#[derive(Clone)]
+pub enum ClockSource {
+    /// Redis `TIME`, read inside each script (production).
+    Server,
+    /// Test only: `now` comes from this clock and is passed to the scripts as an argument
+    /// (the conformance suite drives time by hand).
+    Manual(Arc<dyn Clock>),
+}
+
+impl fmt::Debug for ClockSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ClockSource::Server => f.write_str("Server"),
+            ClockSource::Manual(c) => write!(f, "Manual({:?})", c.now()),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct RedisOptions {
+    /// `redis://host:port/db`
+    pub url: String,
+    /// Key prefix of this deployment (`store.prefix`): letters, digits, `_ . : -`.
+    pub prefix: String,
+    /// `store.timeout_ms`: past it a call answers unavailable.
+    pub timeout: Duration,
+    pub clock: ClockSource,
+}
+
+#[derive(Debug, Default)]
+struct EpochState {
+    /// The epoch id this store works under; `None` until first contact.
+    id: Option<String>,
+    /// The highest `ledger_seq` seen under that epoch.
+    min_seq: u64,
+    /// A rollback was detected: refuse until the epoch changes by an accepted reset.
+    latched: bool,
+}
+
+#[derive(Debug, Default)]
+struct Health {
+    checked: Option<Instant>,
+    fault: Option<String>,
+    warned: Option<String>,
+}
+
+/// The Redis ledger backend. Cheap to share behind an `Arc`; one multiplexed connection
+/// (reconnected automatically by [`ConnectionManager`]).
+pub struct RedisStore {
+    opts: RedisOptions,
+    base: String,
+    policy_arg: String,
+    conn: ConnectionManager,
+    write: redis::Script,
+    read: redis::Script,
+    epoch: Mutex<EpochState>,
+    health: tokio::sync::Mutex<Health>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("base", &self.base)
+            .field("timeout", &self.opts.timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+fn write_script() -> redis::Script {
+    redis::Script::new(&format!("#!lua\n{SCRIPT_BODY}"))
+}
+
+fn read_script() -> redis::Script {
+    redis::Script::new(&format!("#!lua flags=no-writes\n{SCRIPT_BODY}"))
+}
+
+fn script_code(read: bool) -> String {
+    if read {
+        format!("#!lua flags=no-writes\n{SCRIPT_BODY}")
+    } else {
+        format!("#!lua\n{SCRIPT_BODY}")
+    }
+}
+
+fn unavailable(msg: impl Into<String>) -> StoreError {
+    StoreError::Unavailable(msg.into())
+}
+
+fn check_prefix(prefix: &str) -> Result<String, StoreError> {
+    let ok = !prefix.is_empty()
+        && prefix.len() <= PREFIX_BYTES_MAX
+        && prefix
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_.:-".contains(&b));
+    if !ok {
+        return Err(unavailable(format!(
+            "store.prefix {prefix:?} must be 1 to {PREFIX_BYTES_MAX} letters, digits, '_', '.', ':' or '-'"
+        )));
+    }
+    Ok(format!("{{{prefix}}}"))
+}
+
+/// The policy as the script reads it (see `parse_policy` in ledger.lua). Refuses figures the
+/// script could not represent exactly.
+fn policy_arg(p: &Policy) -> Result<String, StoreError> {
+    struct Out(Vec<String>);
+    impl Out {
+        fn word(&mut self, w: &str) {
+            self.0.push(w.to_string());
+        }
+        fn num(&mut self, v: u64, what: &str) -> Result<(), StoreError> {
+            if v > MICROS_MAX.0 {
+                return Err(unavailable(format!(
+                    "{what} = {v} is above 2^53 - 1, which the redis store cannot keep exact"
+                )));
+            }
+            self.0.push(v.to_string());
+            Ok(())
+        }
+        fn rate(&mut self, r: &Option<Rate>, what: &str) -> Result<(), StoreError> {
+            let Some(r) = r else {
+                self.word("0");
+                return Ok(());
+            };
+            // The script computes with period * 1000 and interval * burst: keep them exact too.
+            let tolerance = r.interval_us().saturating_mul(r.burst.max(1));
+            if r.period_ms.saturating_mul(1000) > MICROS_MAX.0 || tolerance > MICROS_MAX.0 {
+                return Err(unavailable(format!("{what} is too large for the redis store")));
+            }
+            self.word("1");
+            self.num(r.count, what)?;
+            self.num(r.period_ms, what)?;
+            self.num(r.burst, what)
+        }
+    }
+    let mut out = Out(Vec::new());
+    for kind in [
+        ScopeKind::Global,
+        ScopeKind::Ip,
+        ScopeKind::Session,
+        ScopeKind::Conversation,
+    ] {
+        let sp = p
+            .for_kind(kind)
+            .ok_or_else(|| unavailable("policy has no limits for a scope kind"))?;
+        let what = format!("limits.{}", kind.name());
+        out.num(sp.budgets.len() as u64, &what)?;
+        for b in &sp.budgets {
+            out.word(b.window.name());
+            out.num(b.amount.0, &what)?;
+        }
+        out.rate(&sp.rate, &what)?;
+        match sp.concurrency {
+            None => out.word("0"),
+            Some(c) => {
+                out.word("1");
+                out.num(u64::from(c), &what)?;
+            }
+        }
+    }
+    let b = &p.run;
+    for (v, what) in [
+        (b.max_input_bytes, "run.max_input_bytes"),
+        (b.max_context_tokens, "run.max_context_tokens"),
+        (b.max_output_tokens, "run.max_output_tokens"),
+        (b.max_tool_result_bytes, "run.max_tool_result_bytes"),
+        (u64::from(b.max_model_rounds), "run.max_model_rounds"),
+        (u64::from(b.max_tool_calls), "run.max_tool_calls"),
+        (u64::from(b.max_retries), "run.max_retries"),
+        (b.max_seconds, "run.max_seconds"),
+        (b.max_cost.0, "run.max_cost"),
+        (u64::from(b.shrink_to_fit), "run.shrink_to_fit"),
+        (b.min_output_tokens, "run.min_output_tokens"),
+    ] {
+        out.num(v, what)?;
+    }
+    if b.max_seconds.saturating_mul(1000) > MICROS_MAX.0 {
+        return Err(unavailable("run.max_seconds is too large for the redis store"));
+    }
+    out.word(match p.mode {
+        ReservationMode::PerStep => "per_step",
+        ReservationMode::WholeRun => "whole_run",
+    });
+    out.num(p.lease_ttl_ms, "store.lease_ttl")?;
+    out.rate(&p.session_create_per_ip, "sessions.create_rate_per_ip")?;
+    out.rate(&p.session_create_global, "sessions.create_rate_global")?;
+    Ok(out.0.join(" "))
+}
+
+/// A fresh epoch id: unique per call (time, process, counter), not secret.
+fn new_epoch_id(prefix: &str) -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let mut h = Sha256::new();
+    h.update(nanos.to_le_bytes());
+    h.update(std::process::id().to_le_bytes());
+    h.update(COUNTER.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+    h.update(prefix.as_bytes());
+    hex::encode(&h.finalize()[..16])
+}
+
+fn connection(opts: &RedisOptions) -> Result<ConnectionManager, StoreError> {
+    let client = redis::Client::open(opts.url.as_str())
+        .map_err(|e| unavailable(format!("store.url is not a usable redis url: {e}")))?;
+    // Timeouts from store.timeout_ms (redis 1.x would default to 1 s / 500 ms); a short
+    // reconnect backoff so that service resumes soon after Redis returns.
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(opts.timeout))
+        .set_response_timeout(Some(opts.timeout))
+        .set_number_of_retries(2)
+        .set_min_delay(Duration::from_millis(50))
+        .set_max_delay(Duration::from_millis(250));
+    client
+        .get_connection_manager_lazy(config)
+        .map_err(|e| unavailable(format!("redis: {e}")))
+}
+
+fn map_redis_error(e: redis::RedisError, timeout: Duration) -> StoreError {
+    if e.is_timeout() {
+        return StoreError::Timeout(timeout);
+    }
+    let what = match e.code() {
+        Some("BUSY") => "redis is busy running a script",
+        Some("READONLY") => "redis is a read-only replica",
+        Some("OOM") => "redis is out of memory",
+        Some("LOADING") => "redis is loading its data",
+        Some("MASTERDOWN") => "redis master is down",
+        _ if e.is_io_error() || e.is_connection_dropped() => "redis connection failed",
+        _ => "redis error",
+    };
+    unavailable(format!("{what}: {e}"))
+}
+
+fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+}
+
+impl RedisStore {
+    /// Opens the store. Does not fail because Redis is down: calls answer unavailable until
+    /// it is reachable, and `ready()` says whether it is. Fails on an unusable url, prefix or
+    /// policy.
+    pub async fn open(opts: RedisOptions, policy: Policy) -> Result<RedisStore, StoreError> {
+        let base = check_prefix(&opts.prefix)?;
+        let policy_arg = policy_arg(&policy)?;
+        let conn = connection(&opts)?;
+        let store = RedisStore {
+            base,
+            policy_arg,
+            conn,
+            write: write_script(),
+            read: read_script(),
+            epoch: Mutex::new(EpochState::default()),
+            health: tokio::sync::Mutex::new(Health::default()),
+            opts,
+        };
+        if let Err(e) = store.ready().await {
+            tracing::warn!(error = %e, prefix = %store.opts.prefix, "redis store not ready yet");
+        }
+        Ok(store)
+    }
+
+    /// `spendgate store accept-reset`: acknowledges that Redis lost or rolled back ledger
+    /// data. Writes a new epoch; every store adopts it and resumes with what Redis now holds.
+    pub async fn accept_reset(opts: &RedisOptions) -> Result<(), StoreError> {
+        let base = check_prefix(&opts.prefix)?;
+        let mut conn = connection(opts)?;
+        let id = new_epoch_id(&opts.prefix);
+        let now = match &opts.clock {
+            ClockSource::Server => String::new(),
+            ClockSource::Manual(c) => c.now().0.to_string(),
+        };
+        let fut = async {
+            let argv = ["epoch_reset", now.as_str(), "", "0", "", id.as_str()];
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(script_code(false)).arg(1).arg(&base).arg(&argv[..]);
+            cmd.query_async::<redis::Value>(&mut conn)
+                .await
+                .map_err(|e| map_redis_error(e, opts.timeout))
+        };
+        tokio::time::timeout(opts.timeout.max(Duration::from_secs(5)), fut)
+            .await
+            .map_err(|_| StoreError::Timeout(opts.timeout))??;
+        tracing::warn!(prefix = %opts.prefix, epoch = %id, "ledger reset accepted: replicas resume with what Redis holds now");
+        Ok(())
+    }
+
+    fn now_arg(&self) -> String {
+        match &self.opts.clock {
+            ClockSource::Server => String::new(),
+            ClockSource::Manual(c) => c.now().0.to_string(),
+        }
+    }
+
+    /// `EVALSHA`, loading the script first when Redis does not know it (NOSCRIPT: the script
+    /// did not run, so running it now is not a retry of an unknown outcome).
+    async fn eval(&self, read: bool, argv: &[&str]) -> Result<Item, StoreError> {
+        let script = if read { &self.read } else { &self.write };
+        let mut conn = self.conn.clone();
+        let build = || {
+            let mut c = redis::cmd("EVALSHA");
+            c.arg(script.get_hash()).arg(1).arg(&self.base).arg(argv);
+            c
+        };
+        let t = self.opts.timeout;
+        let value = match build().query_async::<redis::Value>(&mut conn).await {
+            Ok(v) => v,
+            Err(e) if e.code() == Some("NOSCRIPT") => {
+                redis::cmd("SCRIPT")
+                    .arg("LOAD")
+                    .arg(script_code(read))
+                    .query_async::<String>(&mut conn)
+                    .await
+                    .map_err(|e| map_redis_error(e, t))?;
+                build()
+                    .query_async::<redis::Value>(&mut conn)
+                    .await
+                    .map_err(|e| map_redis_error(e, t))?
+            }
+            Err(e) => return Err(map_redis_error(e, t)),
+        };
+        Item::from_value(value)
+    }
+
+    /// The epoch id and lowest acceptable seq for a call; initialises the deployment's epoch
+    /// on first contact with an empty prefix.
+    async fn epoch_args(&self) -> Result<(String, String), StoreError> {
+        {
+            let st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(id) = &st.id {
+                let min = if st.latched {
+                    LATCHED_MIN_SEQ.to_string()
+                } else {
+                    st.min_seq.to_string()
+                };
+                return Ok((id.clone(), min));
+            }
+        }
+        let id = new_epoch_id(&self.opts.prefix);
+        let now = self.now_arg();
+        let item = self
+            .eval(false, &["epoch_init", &now, "", "0", "", &id])
+            .await?;
+        let mut f = protocol::Fields::new(item.list()?);
+        match f.s()?.as_str() {
+            "OK" => {
+                let id = f.s()?;
+                let _kind = f.s()?;
+                let seq = f.u()?;
+                let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+                if st.id.is_none() {
+                    st.id = Some(id);
+                    st.min_seq = seq;
+                    st.latched = false;
+                }
+                let min = st.min_seq.to_string();
+                Ok((st.id.clone().unwrap_or_default(), min))
+            }
+            _ => Err(unavailable(
+                "redis holds ledger data but no epoch key: refusing until `spendgate store accept-reset`",
+            )),
+        }
+    }
+
+    /// Runs one script call; handles store-level refusals (epoch, rollback).
+    async fn call(&self, call: &Call) -> Result<Vec<Item>, StoreError> {
+        for _ in 0..EPOCH_ATTEMPTS {
+            let (epoch, min_seq) = self.epoch_args().await?;
+            let now = self.now_arg();
+            let mut argv: Vec<&str> = vec![call.op, &now, &epoch, &min_seq, &self.policy_arg];
+            argv.extend(call.args.iter().map(String::as_str));
+            let item = self.eval(call.read, &argv).await?;
+            let items = match item {
+                Item::List(items) => items,
+                Item::Str(s) => return Err(unavailable(format!("redis store: answer {s:?}"))),
+            };
+            let mut f = protocol::Fields::new(&items);
+            match f.s()?.as_str() {
+                "OK" | "E" => {
+                    let seq = f.u()?;
+                    let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+                    if st.id.as_deref() == Some(epoch.as_str()) {
+                        st.min_seq = st.min_seq.max(seq);
+                    }
+                    return Ok(items);
+                }
+                "X" => match f.s()?.as_str() {
+                    "epoch_missing" => {
+                        return Err(unavailable(
+                            "ledger epoch key is missing: Redis lost its data (restarted empty?); \
+                             refusing until `spendgate store accept-reset`",
+                        ))
+                    }
+                    "epoch_changed" => {
+                        let id = f.s()?;
+                        let kind = f.s()?;
+                        if kind != "reset" {
+                            return Err(unavailable(
+                                "ledger epoch changed: Redis was re-initialised without an accepted \
+                                 reset; refusing until `spendgate store accept-reset`",
+                            ));
+                        }
+                        tracing::warn!(epoch = %id, "adopting a ledger reset accepted by an operator");
+                        let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+                        st.id = Some(id);
+                        st.min_seq = 0;
+                        st.latched = false;
+                    }
+                    "rolled_back" => {
+                        let seq = f.u()?;
+                        let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+                        let seen = st.min_seq;
+                        st.latched = true;
+                        return Err(unavailable(format!(
+                            "ledger rolled back (ledger_seq {seq} is below {seen}, seen before): \
+                             Redis restarted from an old snapshot? refusing until \
+                             `spendgate store accept-reset`"
+                        )));
+                    }
+                    other => return Err(unavailable(format!("redis store refused: {other}"))),
+                },
+                other => return Err(unavailable(format!("redis store: answer tag {other:?}"))),
+            }
+        }
+        Err(unavailable("ledger epoch keeps changing"))
+    }
+
+    /// PING, eviction policy, persistence warnings. Cached for admissions.
+    async fn check_server(&self) -> Result<(), StoreError> {
+        let t = self.opts.timeout;
+        let mut conn = self.conn.clone();
+        let map = |e| map_redis_error(e, t);
+        redis::cmd("PING")
+            .query_async::<redis::Value>(&mut conn)
+            .await
+            .map_err(map)?;
+        let mem: String = redis::cmd("INFO")
+            .arg("memory")
+            .query_async(&mut conn)
+            .await
+            .map_err(map)?;
+        let persistence: String = redis::cmd("INFO")
+            .arg("persistence")
+            .query_async(&mut conn)
+            .await
+            .map_err(map)?;
+        let fsync = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("appendfsync")
+            .query_async::<Vec<String>>(&mut conn)
+            .await
+            .ok()
+            .and_then(|v| v.get(1).cloned());
+        let policy = info_field(&mem, "maxmemory_policy").unwrap_or("unknown");
+        let fault = (policy != "noeviction").then(|| {
+            format!(
+                "redis maxmemory-policy is {policy}: Redis may evict ledger keys and forget \
+                 spending; set maxmemory-policy to noeviction"
+            )
+        });
+        let aof = info_field(&persistence, "aof_enabled") == Some("1");
+        let warning = match (aof, fsync.as_deref()) {
+            (false, _) => Some(
+                "redis AOF is off: a Redis restart loses acknowledged ledger writes (spend and \
+                 holds); the epoch check will then close the service until an operator \
+                 accepts the reset"
+                    .to_string(),
+            ),
+            (true, Some("always")) => None,
+            (true, Some(other)) => Some(format!(
+                "redis appendfsync is {other}, not always: a crash can lose the last \
+                 acknowledged ledger writes"
+            )),
+            (true, None) => Some(
+                "cannot read redis appendfsync (CONFIG disabled?): persistence of every \
+                 acknowledged ledger write is not verified"
+                    .to_string(),
+            ),
+        };
+        let mut h = self.health.lock().await;
+        if warning != h.warned {
+            if let Some(w) = &warning {
+                tracing::warn!(prefix = %self.opts.prefix, "{w}");
+            }
+            h.warned = warning;
+        }
+        if let Some(f) = &fault {
+            if h.fault.as_ref() != Some(f) {
+                tracing::error!(prefix = %self.opts.prefix, "{f}");
+            }
+        }
+        h.fault = fault.clone();
+        h.checked = Some(Instant::now());
+        match fault {
+            Some(f) => Err(unavailable(f)),
+            None => Ok(()),
+        }
+    }
+
+    /// The cached server check, refreshed every few seconds.
+    async fn healthy(&self) -> Result<(), StoreError> {
+        {
+            let h = self.health.lock().await;
+            if let Some(at) = h.checked {
+                if at.elapsed() < HEALTH_EVERY {
+                    return match &h.fault {
+                        Some(f) => Err(unavailable(f.clone())),
+                        None => Ok(()),
+                    };
+                }
+            }
+        }
+        self.check_server().await
+    }
+
+    async fn execute_inner(&self, cmd: Command) -> Result<Reply, StoreError> {
+        if cmd.needs_durability() {
+            self.healthy().await?;
+        }
+        let call = protocol::encode(&cmd);
+        let items = self.call(&call).await?;
+        protocol::decode(&cmd, &items)
+    }
+
+    async fn ready_inner(&self) -> Result<(), StoreError> {
+        self.check_server().await?;
+        let items = self
+            .call(&Call {
+                read: true,
+                op: "check",
+                args: vec![],
+            })
+            .await?;
+        match items.first().map(Item::str) {
+            Some(Ok("OK")) => Ok(()),
+            _ => Err(unavailable("redis store: unexpected readiness answer")),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Store for RedisStore {
+    async fn execute(&self, cmd: Command) -> Result<Reply, StoreError> {
+        tokio::time::timeout(self.opts.timeout, self.execute_inner(cmd))
+            .await
+            .map_err(|_| StoreError::Timeout(self.opts.timeout))?
+    }
+
+    async fn ready(&self) -> Result<(), StoreError> {
+        tokio::time::timeout(self.opts.timeout, self.ready_inner())
+            .await
+            .map_err(|_| StoreError::Timeout(self.opts.timeout))?
+    }
+
+    fn kind(&self) -> &'static str {
+        "redis"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefixes_cannot_inject_hash_tags() {
+        assert_eq!(check_prefix("spendgate").expect("valid"), "{spendgate}");
+        for bad in ["", "a{b", "a}b", "a b", &"x".repeat(65)] {
+            assert!(check_prefix(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn default_policy_encodes() {
+        let s = policy_arg(&Policy::default()).expect("default policy fits");
+        assert!(s.starts_with("2 day 50000000 month 1000000000 1 100 1000 20 1 64 "));
+        assert!(s.contains(" per_step 30000 1 10 3600000 10 1 600 60000 600"));
+    }
+
+    #[test]
+    fn too_large_figures_are_refused() {
+        let mut p = Policy::default();
+        p.run.max_output_tokens = u64::MAX;
+        assert!(policy_arg(&p).is_err());
+    }
+}

@@ -1,0 +1,1176 @@
+-- spendgate ledger for Redis: one script, one ledger operation per call.
+--
+-- This is a transcription of spendgate-core's `Ledger` (ledger.rs): every operation gives the
+-- same answers and leaves the same state. See lib.rs for the calling protocol:
+--   KEYS[1] = the deployment's base key "{prefix}" (every key below starts with it, so all
+--             keys share one hash tag and one cluster slot)
+--   ARGV[1] = operation, ARGV[2] = now in ms ("" = this server's TIME), ARGV[3] = epoch id the
+--   caller knows, ARGV[4] = lowest ledger_seq the caller accepts, ARGV[5] = policy, ARGV[6..] =
+--   the operation's arguments.
+--
+-- Rules kept throughout:
+-- * Every number is an integer below 2^53 (exact in a Lua double). Numbers are turned into
+--   strings only through S() (Lua's own tostring/.. would print 14 significant digits).
+-- * Decisions are made before the first write of an operation; the only writes that precede a
+--   refusal or an error are due expiries, which are complete changes of their own (exactly as
+--   the core's `advance` applies them before the operation).
+-- * Loops are bounded: expiries per call, sweep batches, ties in listings.
+
+local B = KEYS[1]
+local MAX = 9007199254740991
+local RETENTION = 3600000
+local IDEM_RETENTION = 600000
+local RECORDS_MAX = 2000000
+local EXPIRIES_PER_CALL = 256
+local SWEEP_EXPIRIES = 1024
+local SWEEP_BATCH = 1024
+local ID_MAX = 128
+local TIES_MAX = 10000
+local LIFETIME_RETRY = 86400
+
+local K_META = B .. ':meta'
+local K_EPOCH = B .. ':epoch'
+local K_TIMERS = B .. ':timers'
+local K_RATES = B .. ':rates'
+local K_SLOTS = B .. ':slots'
+local K_TOP = B .. ':top'
+local K_CWIN = B .. ':cwin'
+local K_RZ = B .. ':rz'
+
+local function h(s) return redis.sha1hex(s) end
+local function kRun(id) return B .. ':r:' .. h(id) end
+local function kSteps(id) return B .. ':rs:' .. h(id) end
+local function kRes(id) return B .. ':s:' .. h(id) end
+local function kIdem(k) return B .. ':i:' .. h(k) end
+local function kCounter(enc) return B .. ':c:' .. h(enc) end
+
+local function S(x) return string.format('%d', x) end
+local function N(s) return tonumber(s) end
+local function B01(b) if b then return '1' end return '0' end
+
+-- floor(a / b) for non-negative integers a, b with a < 2^53
+local function idiv(a, b)
+  local q = math.floor(a / b)
+  if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
+  return q
+end
+local function ceil_div(a, b)
+  local q = idiv(a, b)
+  if q * b < a then q = q + 1 end
+  return q
+end
+
+-- netstring lists ("3:abc0:2:xy"), for lists stored inside one hash field
+local function enc(list)
+  local out = {}
+  for i = 1, #list do
+    local s = list[i]
+    out[#out + 1] = S(#s) .. ':' .. s
+  end
+  return table.concat(out)
+end
+local function dec(s)
+  local r = {}
+  if not s then return r end
+  local pos, n = 1, #s
+  while pos <= n do
+    local c = string.find(s, ':', pos, true)
+    if not c then break end
+    local len = N(string.sub(s, pos, c - 1))
+    r[#r + 1] = string.sub(s, c + 1, c + len)
+    pos = c + 1 + len
+  end
+  return r
+end
+
+---------------------------------------------------------------- calendar (window.rs)
+
+local function civil_from_days(z)
+  z = z + 719468
+  local era = math.floor(z / 146097)
+  local doe = z - era * 146097
+  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
+  local y = yoe + era * 400
+  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
+  local mp = math.floor((5 * doy + 2) / 153)
+  local d = doy - math.floor((153 * mp + 2) / 5) + 1
+  local m
+  if mp < 10 then m = mp + 3 else m = mp - 9 end
+  if m <= 2 then y = y + 1 end
+  return y, m, d
+end
+
+local function days_from_civil(y, m, d)
+  if m <= 2 then y = y - 1 end
+  local era = math.floor(y / 400)
+  local yoe = y - era * 400
+  local mm
+  if m > 2 then mm = m - 3 else mm = m + 9 end
+  local doy = math.floor((153 * mm + 2) / 5) + d - 1
+  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
+  return era * 146097 + doe - 719468
+end
+
+local function window_index(w, now)
+  local secs = idiv(now, 1000)
+  if w == 'hour' then return idiv(secs, 3600) end
+  if w == 'day' then return idiv(secs, 86400) end
+  if w == 'month' then
+    local y, m = civil_from_days(idiv(secs, 86400))
+    return y * 12 + m - 1
+  end
+  return 0
+end
+
+local function resets_at(w, idx)
+  if w == 'hour' then return (idx + 1) * 3600000 end
+  if w == 'day' then return (idx + 1) * 86400000 end
+  if w == 'month' then
+    local nx = idx + 1
+    return days_from_civil(math.floor(nx / 12), nx % 12 + 1, 1) * 86400000
+  end
+  return nil
+end
+
+---------------------------------------------------------------- money (money.rs)
+
+-- Splits a decimal string of up to 20 digits into hi * 10^6 + lo, both exact.
+local function split6(xs)
+  if #xs > 6 then return N(string.sub(xs, 1, -7)), N(string.sub(xs, -6)) end
+  return 0, N(xs)
+end
+
+-- For terms {count_string, price}: the sum of count * price as floor(sum / 10^6), the
+-- remainder, and whether the quotient exceeds MAX. Exact for counts below 2^64 and prices
+-- below 2^53 (the core computes the same in u128).
+local function mulsum(terms)
+  local I, F, over = 0, 0, false
+  for _, t in ipairs(terms) do
+    local xh, xl = split6(t[1])
+    local p = t[2]
+    local pa = idiv(p, 1000000)
+    local pb = p - pa * 1000000
+    local a = xh * p
+    if a > MAX then over = true else I = I + a end
+    I = I + xl * pa
+    F = F + xl * pb
+    if I > MAX then over = true end
+  end
+  local fq = idiv(F, 1000000)
+  I = I + fq
+  if I > MAX then over = true end
+  return I, F - fq * 1000000, over
+end
+
+-- ceil(sum / 10^6), saturating at MAX (ModelPrice::bound / ::charge)
+local function price_ceil(terms)
+  local I, R, over = mulsum(terms)
+  if over then return MAX end
+  if R > 0 then I = I + 1 end
+  return math.min(I, MAX)
+end
+
+-- ToolPrice::cost: per_call + per_unit * units, saturating at MAX
+local function tool_cost(pc, pu, units_s)
+  if pu == 0 then return math.min(pc, MAX) end
+  local u = N(units_s)
+  if u > MAX then return MAX end
+  local prod = pu * u
+  if prod > MAX then return MAX end
+  return math.min(prod + pc, MAX)
+end
+
+-- The largest out <= cap with prompt * ip + out * op <= room * 10^6, or nil when not even
+-- out = 0 fits (ModelPrice::max_output_within(...).min(cap)).
+local function fit_output(prompt_s, ip, op, room, cap)
+  local function fits(o)
+    local I, R, over = mulsum({ { prompt_s, ip }, { S(o), op } })
+    if over then return false end
+    return I < room or (I == room and R == 0)
+  end
+  if not fits(0) then return nil end
+  if op == 0 or fits(cap) then return cap end
+  local lo, hi = 0, cap -- fits(lo), not fits(hi)
+  while hi - lo > 1 do
+    local mid = lo + math.floor((hi - lo) / 2)
+    if fits(mid) then lo = mid else hi = mid end
+  end
+  return lo
+end
+
+---------------------------------------------------------------- policy
+
+local P = nil
+local function parse_policy(s)
+  local t = {}
+  for w in string.gmatch(s, '%S+') do t[#t + 1] = w end
+  local i = 0
+  local function nx() i = i + 1; return t[i] end
+  local function nn() return N(nx()) end
+  local p = { kinds = {} }
+  for _, kind in ipairs({ 'global', 'ip', 'session', 'conversation' }) do
+    local kp = { budgets = {} }
+    local nb = nn()
+    for _ = 1, nb do
+      local w = nx()
+      kp.budgets[#kp.budgets + 1] = { w, nn() }
+    end
+    if nn() == 1 then kp.rate = { nn(), nn(), nn() } end
+    if nn() == 1 then kp.conc = nn() end
+    p.kinds[kind] = kp
+  end
+  local r = {}
+  for _, f in ipairs({ 'in', 'ctx', 'out', 'trb', 'rounds', 'tools', 'retries', 'secs', 'cost', 'shrink', 'minout' }) do
+    r[f] = nn()
+  end
+  p.run = r
+  p.mode = nx()
+  p.ttl = nn()
+  if nn() == 1 then p.sc_ip = { nn(), nn(), nn() } end
+  if nn() == 1 then p.sc_global = { nn(), nn(), nn() } end
+  return p
+end
+
+---------------------------------------------------------------- rates (rate.rs)
+
+local function rate_scaled(r, f)
+  return { r[1] * f, r[2], r[3] * f }
+end
+local function rate_interval(r)
+  return math.max(ceil_div(r[2] * 1000, math.max(r[1], 1)), 1)
+end
+local function rate_tolerance(r)
+  return rate_interval(r) * math.max(r[3], 1)
+end
+-- true, new_tat | false, wait_us
+local function rate_check(r, tat, now_us)
+  local iv = rate_interval(r)
+  local tol = iv * math.max(r[3], 1)
+  local new = math.max(tat, now_us) + iv
+  local ahead = new - now_us
+  if ahead <= tol then return true, new end
+  return false, ahead - tol
+end
+local function rate_get(key)
+  local v = redis.call('ZSCORE', K_RATES, key)
+  if v then return N(v) end
+  return 0
+end
+local function wait_secs(wait_us)
+  return math.max(ceil_div(wait_us, 1000000), 1)
+end
+
+---------------------------------------------------------------- meta
+
+local SEQ = 0
+local function bump()
+  SEQ = SEQ + 1
+  redis.call('HSET', K_META, 'seq', S(SEQ))
+end
+local function mincr(f, n)
+  if n ~= 0 then redis.call('HINCRBY', K_META, f, S(n)) end
+end
+local function records_held()
+  return N(redis.call('HGET', K_META, 'nrec') or '0')
+end
+local function cutoff()
+  return redis.call('HGET', K_META, 'cutoff')
+end
+
+---------------------------------------------------------------- scopes
+
+local function disp(kind, id)
+  if kind == 'global' then return 'global' end
+  return kind .. ':' .. id
+end
+
+local function run_scopes(session, ips, conv)
+  local v = { { 'global', '', 1 } }
+  for _, ip in ipairs(ips) do v[#v + 1] = { 'ip', ip[1], math.max(ip[2], 1) } end
+  v[#v + 1] = { 'session', session, 1 }
+  v[#v + 1] = { 'conversation', conv, 1 }
+  return v
+end
+
+local function check_id(what, id)
+  if #id == 0 or #id > ID_MAX then
+    return what .. ' must be 1 to ' .. S(ID_MAX) .. ' bytes'
+  end
+  return nil
+end
+
+---------------------------------------------------------------- counters
+
+local function cenc(window, index, kind, id)
+  return window .. '|' .. S(index) .. '|' .. kind .. '|' .. id
+end
+local function cparts(e)
+  local w, idx, kind = string.match(e, '^([^|]*)|([^|]*)|([^|]*)|')
+  return w, N(idx), kind
+end
+local function cload(e)
+  local f = redis.call('HMGET', kCounter(e), 'limit', 'used', 'reserved', 'overrun', 'adjusted')
+  if not f[1] then
+    return { enc = e, limit = 0, used = 0, reserved = 0, overrun = 0, adjusted = 0, new = true }
+  end
+  return { enc = e, limit = N(f[1]), used = N(f[2]), reserved = N(f[3]), overrun = N(f[4]), adjusted = N(f[5]) }
+end
+local function csave(c)
+  redis.call('HSET', kCounter(c.enc), 'limit', S(c.limit), 'used', S(c.used), 'reserved', S(c.reserved),
+    'overrun', S(c.overrun), 'adjusted', S(c.adjusted))
+  local w, idx, kind = cparts(c.enc)
+  local score = S(math.min(c.used + c.reserved, MAX))
+  redis.call('ZADD', K_TOP, score, c.enc)
+  redis.call('ZADD', K_TOP .. ':' .. kind, score, c.enc)
+  if c.new then
+    local r = resets_at(w, idx)
+    if kind ~= 'global' and r then redis.call('ZADD', K_CWIN, S(r), c.enc) end
+    c.new = false
+  end
+end
+local function cdel(e)
+  local _, _, kind = cparts(e)
+  redis.call('DEL', kCounter(e))
+  redis.call('ZREM', K_TOP, e)
+  redis.call('ZREM', K_TOP .. ':' .. kind, e)
+  redis.call('ZREM', K_CWIN, e)
+end
+local function remaining(c)
+  if c.overrun == 1 then return 0 end
+  return math.max(math.max(c.limit - c.used, 0) - c.reserved, 0)
+end
+
+-- The budget counters (and limits) of these scopes at `now` (Ledger::budget_counters).
+local function budget_counters(scopes, now)
+  local v = {}
+  for _, s in ipairs(scopes) do
+    local kp = P.kinds[s[1]]
+    if kp then
+      for _, b in ipairs(kp.budgets) do
+        local amt = b[2]
+        if s[3] ~= 1 then amt = math.min(amt * s[3], MAX) end
+        local idx = window_index(b[1], now)
+        v[#v + 1] = { enc = cenc(b[1], idx, s[1], s[2]), limit = amt, kind = s[1], window = b[1], index = idx }
+      end
+    end
+  end
+  return v
+end
+
+local function budget_refusal(k, c, now)
+  return { 'refused', 'budget_exhausted', k.kind, '', 'budget', k.window, S(k.index), S(c.used), S(c.reserved),
+    S(k.limit), S(now) }
+end
+
+local function check_budgets(counters, amount, now)
+  for _, k in ipairs(counters) do
+    local c = cload(k.enc)
+    c.limit = k.limit
+    if not (c.overrun == 0 and c.used + c.reserved + amount <= k.limit) then
+      return budget_refusal(k, c, now)
+    end
+  end
+  return nil
+end
+
+local function hold(counters, amount)
+  for _, k in ipairs(counters) do
+    local c = cload(k.enc)
+    c.limit = k.limit
+    c.reserved = math.min(c.reserved + amount, MAX)
+    csave(c)
+  end
+end
+
+---------------------------------------------------------------- reservations
+
+local function res_remove(id)
+  local k = kRes(id)
+  local f = redis.call('HMGET', k, 'state', 'kind', 'amount', 'charged', 'overrun')
+  if not f[1] then return end
+  local state, kind = f[1], f[2]
+  redis.call('ZREM', K_RZ, id)
+  redis.call('ZREM', K_RZ .. ':' .. state, id)
+  mincr('st:' .. state, -1)
+  mincr('nrec', -1)
+  if kind ~= 'hold' then
+    if state == 'held' then mincr('held_sum', -N(f[3])) end
+    mincr('charged_sum', -N(f[4]))
+    mincr('overruns', -N(f[5]))
+  end
+  redis.call('DEL', k)
+end
+
+-- fields: flat list of field, value pairs (strings) including 'kind' and 'amount'
+local function res_create(id, fields, kind, amount, created)
+  local k = kRes(id)
+  if redis.call('EXISTS', k) == 1 then res_remove(id) end
+  redis.call('HSET', k, unpack(fields))
+  redis.call('ZADD', K_RZ, S(created), id)
+  redis.call('ZADD', K_RZ .. ':held', S(created), id)
+  mincr('st:held', 1)
+  mincr('nrec', 1)
+  if kind ~= 'hold' then mincr('held_sum', amount) end
+end
+
+-- Ledger::settle: a held reservation reaches a terminal state, charging `charged`.
+local function settle(id, state, charged, now)
+  local k = kRes(id)
+  local f = redis.call('HMGET', k, 'state', 'kind', 'amount', 'charged', 'overrun', 'counters', 'created')
+  if not f[1] then return end
+  local old, kind, amount = f[1], f[2], N(f[3])
+  local overrun = 0
+  if charged > amount then overrun = 1 end
+  redis.call('HSET', k, 'state', state, 'charged', S(charged), 'resolved', S(now), 'overrun', S(overrun))
+  redis.call('ZREM', K_RZ .. ':' .. old, id)
+  redis.call('ZADD', K_RZ .. ':' .. state, f[7], id)
+  mincr('st:' .. old, -1)
+  mincr('st:' .. state, 1)
+  if kind ~= 'hold' then
+    if old == 'held' then mincr('held_sum', -amount) end
+    mincr('charged_sum', charged - N(f[4]))
+    mincr('overruns', overrun - N(f[5]))
+  end
+  for _, e in ipairs(dec(f[6])) do
+    local c = cload(e)
+    c.reserved = math.max(c.reserved - amount, 0)
+    c.used = math.min(c.used + charged, MAX)
+    if c.used > c.limit then c.overrun = 1 end
+    csave(c)
+  end
+end
+
+---------------------------------------------------------------- runs
+
+local RUN_FIELDS = { 'id', 'session', 'conv', 'ips', 'created', 'deadline', 'lease_until', 'rounds', 'tools',
+  'retries', 'state', 'ended_at', 'slots', 'hold', 'mode', 'b_in', 'b_ctx', 'b_out', 'b_trb', 'b_rounds',
+  'b_tools', 'b_retries', 'b_secs', 'b_cost', 'b_shrink', 'b_minout' }
+
+local function run_load(id)
+  local f = redis.call('HMGET', kRun(id), unpack(RUN_FIELDS))
+  if not f[1] then return nil end
+  local r = {}
+  for i, name in ipairs(RUN_FIELDS) do r[name] = f[i] end
+  for _, name in ipairs({ 'created', 'deadline', 'lease_until', 'rounds', 'tools', 'retries', 'b_in', 'b_ctx',
+    'b_out', 'b_trb', 'b_rounds', 'b_tools', 'b_retries', 'b_secs', 'b_cost', 'b_shrink', 'b_minout' }) do
+    r[name] = N(r[name])
+  end
+  local flat = dec(r.ips)
+  local ips = {}
+  for i = 1, #flat, 2 do ips[#ips + 1] = { flat[i], N(flat[i + 1]) } end
+  r.ips = ips
+  return r
+end
+
+local function run_counter(run_id, cost)
+  return { enc = cenc('lifetime', 0, 'run', run_id), limit = cost, kind = 'run', window = 'lifetime', index = 0 }
+end
+
+-- Ledger::renew: extends an active run's lease by one TTL, never past its deadline.
+local function renew(id, now, ttl)
+  local rk = kRun(id)
+  local f = redis.call('HMGET', rk, 'state', 'deadline', 'lease_until')
+  if f[1] ~= 'active' then return nil end
+  local deadline, lease = N(f[2]), N(f[3])
+  local new = math.max(math.min(now + ttl, deadline), math.min(lease, deadline))
+  if new ~= lease then
+    redis.call('ZADD', K_TIMERS, S(new), '1|' .. id)
+    redis.call('HSET', rk, 'lease_until', S(new))
+  end
+  return new
+end
+
+-- Ledger::end_run: held steps charged in full, whole-run hold reconciled, slots freed.
+local function end_run(id, now, endstate)
+  local rk = kRun(id)
+  local f = redis.call('HMGET', rk, 'hold', 'slots')
+  local step_end = 'unknown'
+  if endstate == 'expired' then step_end = 'expired' end
+  for _, s in ipairs(redis.call('LRANGE', kSteps(id), '0', '-1')) do
+    local r = redis.call('HMGET', kRes(s), 'state', 'amount')
+    if r[1] == 'held' then settle(s, step_end, N(r[2]), now) end
+  end
+  local hid = f[1]
+  if hid and hid ~= '' then
+    local used = N(redis.call('HGET', kCounter(cenc('lifetime', 0, 'run', id)), 'used') or '0')
+    local amount = N(redis.call('HGET', kRes(hid), 'amount') or '0')
+    if endstate == 'expired' then
+      settle(hid, 'expired', math.max(amount, used), now)
+    else
+      settle(hid, 'committed', used, now)
+    end
+  end
+  for _, s in ipairs(dec(f[2])) do
+    local n = redis.call('HGET', K_SLOTS, s)
+    if n then
+      n = N(n) - 1
+      if n <= 0 then redis.call('HDEL', K_SLOTS, s) else redis.call('HSET', K_SLOTS, s, S(n)) end
+    end
+  end
+  redis.call('ZREM', K_TIMERS, '1|' .. id)
+  redis.call('ZADD', K_TIMERS, S(now + RETENTION), '2|' .. id)
+  redis.call('HSET', rk, 'state', endstate, 'ended_at', S(now))
+  mincr('active', -1)
+end
+
+local function purge_run(id)
+  local rk = kRun(id)
+  local hid = redis.call('HGET', rk, 'hold')
+  if not hid then return end
+  for _, s in ipairs(redis.call('LRANGE', kSteps(id), '0', '-1')) do res_remove(s) end
+  if hid ~= '' then res_remove(hid) end
+  cdel(cenc('lifetime', 0, 'run', id))
+  redis.call('DEL', rk, kSteps(id))
+  mincr('nrec', -1)
+end
+
+---------------------------------------------------------------- timers
+
+-- Ledger::expire_due: timers are "1|run" (lease), "2|run" (purge), "3|key" (idempotency),
+-- ordered like the core's (time, Timer) set.
+local function expire_due(now, max)
+  local done, pops = 0, 0
+  while done < max and pops < max * 4 do
+    local t = redis.call('ZRANGE', K_TIMERS, '0', '0', 'WITHSCORES')
+    if #t == 0 or N(t[2]) > now then break end
+    redis.call('ZREM', K_TIMERS, t[1])
+    pops = pops + 1
+    local typ, id = string.sub(t[1], 1, 1), string.sub(t[1], 3)
+    if typ == '1' then
+      if redis.call('HGET', kRun(id), 'state') == 'active' then
+        end_run(id, now, 'expired')
+        bump()
+        done = done + 1
+      end
+    elseif typ == '2' then
+      purge_run(id)
+      done = done + 1
+    else
+      local ex = redis.call('HGET', kIdem(id), 'expires')
+      if ex and N(ex) <= now then
+        redis.call('DEL', kIdem(id))
+        mincr('nrec', -1)
+        done = done + 1
+      end
+    end
+  end
+  return done
+end
+
+---------------------------------------------------------------- idempotency
+
+-- nil | {kind, outcome list} | error string
+local function recall(key, fp)
+  local bad = check_id('idempotency key', key)
+  if bad then return nil, { 'invalid', bad } end
+  local f = redis.call('HMGET', kIdem(key), 'fp', 'kind', 'outcome')
+  if not f[1] then return nil, nil end
+  if f[1] ~= fp then return nil, { 'conflict' } end
+  return { f[2], dec(f[3]) }, nil
+end
+
+local function remember(key, fp, kind, outcome, now)
+  local expires = now + math.max(IDEM_RETENTION, P.ttl)
+  redis.call('HSET', kIdem(key), 'key', key, 'fp', fp, 'kind', kind, 'outcome', enc(outcome), 'expires', S(expires))
+  redis.call('ZADD', K_TIMERS, S(expires), '3|' .. key)
+  mincr('nrec', 1)
+end
+
+---------------------------------------------------------------- replies
+
+local function ok(changed, payload)
+  local r = { 'OK', S(SEQ), B01(changed) }
+  for _, x in ipairs(payload) do r[#r + 1] = x end
+  return r
+end
+local function err(list)
+  local r = { 'E', S(SEQ) }
+  for _, x in ipairs(list) do r[#r + 1] = x end
+  return r
+end
+local function text_refusal(code, scope, retry, msg)
+  return { 'refused', code, scope, retry, 'text', msg }
+end
+local function cutoff_refusal(reason)
+  return text_refusal('cutoff_engaged', 'global', '60', 'spending cutoff engaged: ' .. reason)
+end
+
+---------------------------------------------------------------- operations
+
+local OPS = {}
+
+-- args: run_id session conv input_bytes has_idem idem_key idem_fp n_ips (prefix factor)*
+function OPS.admit_run(now, swept, A)
+  local run_id, session, conv, input = A[1], A[2], A[3], N(A[4])
+  local has_idem, ikey, ifp = A[5] == '1', A[6], A[7]
+  local ips = {}
+  for i = 1, N(A[8]) do ips[#ips + 1] = { A[7 + 2 * i], N(A[8 + 2 * i]) } end
+  if has_idem then
+    local rec, e = recall(ikey, ifp)
+    if e then return err(e) end
+    if rec then
+      if rec[1] == 'run' then return ok(swept, rec[2]) end
+      return err({ 'conflict' })
+    end
+  end
+  local bad = check_id('run id', run_id) or check_id('session', session) or check_id('conversation', conv)
+  if bad then return err({ 'invalid', bad }) end
+  if #ips == 0 or #ips > 4 then return err({ 'invalid', 'one to four address prefixes' }) end
+  for i, ip in ipairs(ips) do
+    bad = check_id('address prefix', ip[1])
+    if bad then return err({ 'invalid', bad }) end
+    for j = 1, i - 1 do
+      if ips[j][1] == ip[1] then return err({ 'invalid', 'address prefixes must be distinct' }) end
+    end
+  end
+  if redis.call('EXISTS', kRun(run_id)) == 1 then return err({ 'invalid', 'run id already exists' }) end
+  if records_held() >= RECORDS_MAX then return err({ 'full' }) end
+
+  -- decide_run
+  local outcome = nil
+  local b = P.run
+  local co = cutoff()
+  if co then
+    outcome = cutoff_refusal(co)
+  elseif input > b['in'] then
+    outcome = text_refusal('payload_too_large', 'run', '',
+      'input of ' .. A[4] .. ' bytes is over the limit of ' .. S(b['in']) .. ' bytes')
+  end
+  local scopes = run_scopes(session, ips, conv)
+  local now_us = now * 1000
+  local tats, slots = {}, {}
+  if not outcome then
+    for _, s in ipairs(scopes) do
+      local kp = P.kinds[s[1]]
+      if kp and kp.rate then
+        local r = rate_scaled(kp.rate, s[3])
+        local key = 'run|' .. disp(s[1], s[2])
+        local good, v = rate_check(r, rate_get(key), now_us)
+        if not good then
+          outcome = text_refusal('rate_limited', s[1], S(wait_secs(v)), s[1] .. ' request rate exceeded')
+          break
+        end
+        tats[#tats + 1] = { key, v }
+      end
+    end
+  end
+  if not outcome then
+    for _, s in ipairs(scopes) do
+      local kp = P.kinds[s[1]]
+      if kp and kp.conc then
+        local cap = math.min(kp.conc * s[3], 4294967295)
+        local d = disp(s[1], s[2])
+        local held = N(redis.call('HGET', K_SLOTS, d) or '0')
+        if held >= cap then
+          outcome = text_refusal('concurrency_limited', s[1], '1',
+            s[1] .. ' already has ' .. S(held) .. ' active run(s) (limit ' .. S(cap) .. ')')
+          break
+        end
+        slots[#slots + 1] = d
+      end
+    end
+  end
+  local counters = budget_counters(scopes, now)
+  if not outcome then
+    local need = 1
+    if P.mode == 'whole_run' then need = b.cost end
+    outcome = check_budgets(counters, need, now)
+  end
+  local admitted = false
+  if not outcome then
+    -- apply_run
+    admitted = true
+    for _, t in ipairs(tats) do redis.call('ZADD', K_RATES, S(t[2]), t[1]) end
+    for _, d in ipairs(slots) do redis.call('HINCRBY', K_SLOTS, d, '1') end
+    local deadline = now + b.secs * 1000
+    local lease = math.min(now + P.ttl, deadline)
+    local flat = {}
+    for _, ip in ipairs(ips) do
+      flat[#flat + 1] = ip[1]
+      flat[#flat + 1] = S(ip[2])
+    end
+    local reserved, hid = 0, ''
+    if P.mode == 'whole_run' then
+      hid = run_id .. '.hold'
+      hold(counters, b.cost)
+      reserved = b.cost
+      local encs = {}
+      for _, k in ipairs(counters) do encs[#encs + 1] = k.enc end
+      res_create(hid, { 'id', hid, 'run', run_id, 'kind', 'hold', 'name', '', 'p1', '0', 'p2', '0', 'p3', '0',
+        'retry', '0', 'units', '0', 'amount', S(b.cost), 'counters', enc(encs), 'state', 'held', 'charged', '0',
+        'created', S(now), 'resolved', '', 'maxout', '', 'overrun', '0' }, 'hold', b.cost, now)
+    end
+    redis.call('HSET', kRun(run_id), 'id', run_id, 'session', session, 'conv', conv, 'ips', enc(flat),
+      'created', S(now), 'deadline', S(deadline), 'lease_until', S(lease), 'rounds', '0', 'tools', '0',
+      'retries', '0', 'state', 'active', 'ended_at', '', 'slots', enc(slots), 'hold', hid, 'mode', P.mode,
+      'b_in', S(b['in']), 'b_ctx', S(b.ctx), 'b_out', S(b.out), 'b_trb', S(b.trb), 'b_rounds', S(b.rounds),
+      'b_tools', S(b.tools), 'b_retries', S(b.retries), 'b_secs', S(b.secs), 'b_cost', S(b.cost),
+      'b_shrink', S(b.shrink), 'b_minout', S(b.minout))
+    redis.call('ZADD', K_TIMERS, S(lease), '1|' .. run_id)
+    mincr('nrec', 1)
+    mincr('active', 1)
+    outcome = { 'run_ok', run_id, S(deadline), S(reserved), S(b['in']), S(b.ctx), S(b.out), S(b.trb),
+      S(b.rounds), S(b.tools), S(b.retries), S(b.secs), S(b.cost), S(b.shrink), S(b.minout) }
+  end
+  if has_idem then remember(ikey, ifp, 'run', outcome, now) end
+  local changed = swept or admitted or has_idem
+  if changed then bump() end
+  return ok(changed, outcome)
+end
+
+-- args: run_id step_id has_idem idem_key idem_fp kind name ...
+--   model: ip cp op prompt max_out('' = none) retry
+--   tool: pc pu units
+function OPS.reserve_step(now, swept, A)
+  local run_id, step_id = A[1], A[2]
+  local has_idem, ikey, ifp = A[3] == '1', A[4], A[5]
+  local kind, name = A[6], A[7]
+  if has_idem then
+    local rec, e = recall(ikey, ifp)
+    if e then return err(e) end
+    if rec then
+      if rec[1] == 'step' then return ok(swept, rec[2]) end
+      return err({ 'conflict' })
+    end
+  end
+  local bad = check_id('step id', step_id)
+  if bad then return err({ 'invalid', bad }) end
+  if redis.call('EXISTS', kRes(step_id)) == 1 then return err({ 'invalid', 'step id already exists' }) end
+  local run = run_load(run_id)
+  if not run then return err({ 'notfound', 'run ' .. run_id }) end
+  if records_held() >= RECORDS_MAX then return err({ 'full' }) end
+
+  -- decide_step
+  local outcome, plan = nil, nil
+  local function bound(msg) return text_refusal('run_bound_exceeded', 'run', '', msg) end
+  local co = cutoff()
+  if run.state == 'finished' then
+    outcome = bound('run is finished')
+  elseif run.state == 'expired' then
+    outcome = bound('run deadline or lease has passed')
+  elseif now >= run.deadline then
+    outcome = bound('run deadline has passed')
+  elseif co then
+    outcome = cutoff_refusal(co)
+  end
+  local amount, max_out, retry = 0, nil, false
+  local ip, cp, op, prompt_s
+  if not outcome then
+    if kind == 'model' then
+      ip, cp, op, prompt_s = N(A[8]), N(A[9]), N(A[10]), A[11]
+      retry = A[13] == '1'
+      if retry and run.retries >= run.b_retries then
+        outcome = bound('run already used its ' .. S(run.b_retries) .. ' retries')
+      elseif not retry and run.rounds >= run.b_rounds then
+        outcome = bound('run already used its ' .. S(run.b_rounds) .. ' model rounds')
+      elseif N(prompt_s) > run.b_ctx then
+        outcome = text_refusal('context_too_large', 'run', '',
+          'prompt of ' .. prompt_s .. ' tokens is over the context limit of ' .. S(run.b_ctx) .. ' tokens')
+      else
+        max_out = run.b_out
+        if A[12] ~= '' and N(A[12]) < max_out then max_out = N(A[12]) end
+        amount = price_ceil({ { prompt_s, ip }, { S(max_out), op } })
+      end
+    else
+      if run.tools >= run.b_tools then
+        outcome = bound('run already used its ' .. S(run.b_tools) .. ' tool calls')
+      else
+        amount = tool_cost(N(A[8]), N(A[9]), A[10])
+      end
+    end
+  end
+  local counters
+  if not outcome then
+    if run.mode == 'per_step' then
+      counters = budget_counters(run_scopes(run.session, run.ips, run.conv), now)
+    else
+      counters = {}
+    end
+    counters[#counters + 1] = run_counter(run_id, run.b_cost)
+    local refusal = check_budgets(counters, amount, now)
+    if not refusal then
+      plan = { amount = amount, max_out = max_out, shrunk = false }
+    else
+      if run.b_shrink == 1 and kind == 'model' then
+        local room = nil
+        for _, k in ipairs(counters) do
+          local c = cload(k.enc)
+          c.limit = k.limit
+          local r = remaining(c)
+          if room == nil or r < room then room = r end
+        end
+        local fit = fit_output(prompt_s, ip, op, room or 0, max_out or 0)
+        if fit and fit >= run.b_minout then
+          local a2 = price_ceil({ { prompt_s, ip }, { S(fit), op } })
+          local r2 = check_budgets(counters, a2, now)
+          if r2 then
+            outcome = r2
+          else
+            plan = { amount = a2, max_out = fit, shrunk = true }
+          end
+        end
+      end
+      if not plan and not outcome then
+        if refusal[3] == 'run' then
+          outcome = { 'refused', 'run_bound_exceeded', 'run', '', 'runcost', S(run.b_cost) }
+        else
+          outcome = refusal
+        end
+      end
+    end
+  end
+  if plan then
+    -- apply_step
+    hold(counters, plan.amount)
+    local encs = {}
+    for _, k in ipairs(counters) do encs[#encs + 1] = k.enc end
+    local fields
+    if kind == 'model' then
+      fields = { 'id', step_id, 'run', run_id, 'kind', 'model', 'name', name, 'p1', A[8], 'p2', A[9], 'p3', A[10],
+        'retry', B01(retry), 'units', '0', 'amount', S(plan.amount), 'counters', enc(encs), 'state', 'held',
+        'charged', '0', 'created', S(now), 'resolved', '', 'maxout', S(plan.max_out), 'overrun', '0' }
+    else
+      fields = { 'id', step_id, 'run', run_id, 'kind', 'tool', 'name', name, 'p1', A[8], 'p2', A[9], 'p3', '0',
+        'retry', '0', 'units', A[10], 'amount', S(plan.amount), 'counters', enc(encs), 'state', 'held',
+        'charged', '0', 'created', S(now), 'resolved', '', 'maxout', '', 'overrun', '0' }
+    end
+    res_create(step_id, fields, kind, plan.amount, now)
+    local field = 'tools'
+    if kind == 'model' then
+      if retry then field = 'retries' else field = 'rounds' end
+    end
+    redis.call('HINCRBY', kRun(run_id), field, '1')
+    redis.call('RPUSH', kSteps(run_id), step_id)
+    renew(run_id, now, P.ttl)
+    local mo = ''
+    if plan.max_out then mo = S(plan.max_out) end
+    outcome = { 'step_ok', step_id, S(plan.amount), mo, B01(plan.shrunk) }
+  end
+  if has_idem then remember(ikey, ifp, 'step', outcome, now) end
+  local changed = swept or plan ~= nil or has_idem
+  if changed then bump() end
+  return ok(changed, outcome)
+end
+
+-- args: step_id how ...; how = tokens uncached cached completion | units n | bytes n | release | unknown
+function OPS.resolve(now, swept, A)
+  local id, how = A[1], A[2]
+  local f = redis.call('HMGET', kRes(id), 'state', 'kind', 'amount', 'charged', 'overrun', 'run', 'p1', 'p2', 'p3')
+  if not f[1] or f[2] == 'hold' then return err({ 'notfound', 'step ' .. id }) end
+  local state, kind, amount = f[1], f[2], N(f[3])
+  local too_large = false
+  if how == 'bytes' then
+    local trb = redis.call('HGET', kRun(f[6]), 'b_trb')
+    too_large = trb and N(A[3]) > N(trb) or false
+  end
+  if state ~= 'held' then
+    local commit = how == 'tokens' or how == 'units' or how == 'bytes'
+    local same = (state == 'committed' and commit) or (state == 'released' and how == 'release')
+      or (state == 'unknown' and how == 'unknown')
+    if not same then return err({ 'closed', state, f[4] }) end
+    return ok(swept, { state, f[4], f[3], f[5], '1', B01(too_large) })
+  end
+  local new, charged
+  if how == 'release' then
+    new, charged = 'released', 0
+  elseif how == 'unknown' then
+    new, charged = 'unknown', amount
+  else
+    new = 'committed'
+    if kind == 'model' then
+      if how ~= 'tokens' then return err({ 'invalid', 'a model step commits with "usage"' }) end
+      charged = price_ceil({ { A[3], N(f[7]) }, { A[4], N(f[8]) }, { A[5], N(f[9]) } })
+    else
+      if how == 'tokens' then
+        return err({ 'invalid', 'a tool step commits with "units" or "result_bytes"' })
+      elseif how == 'units' then
+        charged = tool_cost(N(f[7]), N(f[8]), A[3])
+      else
+        charged = amount
+      end
+    end
+  end
+  settle(id, new, charged, now)
+  renew(f[6], now, P.ttl)
+  bump()
+  return ok(true, { new, S(charged), S(amount), B01(charged > amount), '0', B01(too_large) })
+end
+
+function OPS.heartbeat(now, swept, A)
+  local id = A[1]
+  local f = redis.call('HMGET', kRun(id), 'state', 'lease_until', 'deadline')
+  if not f[1] then return err({ 'notfound', 'run ' .. id }) end
+  if f[1] ~= 'active' then return err({ 'runclosed', f[1] }) end
+  local before = N(f[2])
+  local lease = renew(id, now, P.ttl) or before
+  local changed = swept or lease ~= before
+  if changed then bump() end
+  return ok(changed, { S(lease), f[3] })
+end
+
+function OPS.finish(now, swept, A)
+  local id = A[1]
+  local state = redis.call('HGET', kRun(id), 'state')
+  if not state then return err({ 'notfound', 'run ' .. id }) end
+  local repeated = state ~= 'active'
+  if state == 'expired' then return err({ 'runclosed', 'expired' }) end
+  if not repeated then
+    end_run(id, now, 'finished')
+    bump()
+    state = 'finished'
+  end
+  local steps = redis.call('LRANGE', kSteps(id), '0', '-1')
+  local charged = 0
+  for _, s in ipairs(steps) do
+    local c = redis.call('HGET', kRes(s), 'charged')
+    if c then charged = math.min(charged + N(c), MAX) end
+  end
+  return ok(swept or not repeated, { state, S(charged), S(#steps), B01(repeated) })
+end
+
+-- args: n (prefix factor)*
+function OPS.create_session(now, swept, A)
+  local now_us = now * 1000
+  local checks = {}
+  if P.sc_ip then
+    for i = 1, N(A[1]) do
+      local prefix, factor = A[2 * i], math.max(N(A[2 * i + 1]), 1)
+      local bad = check_id('address prefix', prefix)
+      if bad then return err({ 'invalid', bad }) end
+      checks[#checks + 1] = { 'create|ip:' .. prefix, rate_scaled(P.sc_ip, factor), 'ip' }
+    end
+  end
+  if P.sc_global then checks[#checks + 1] = { 'create|global', P.sc_global, 'global' } end
+  local tats, pressure = {}, false
+  for _, c in ipairs(checks) do
+    local good, v = rate_check(c[2], rate_get(c[1]), now_us)
+    if good then
+      if v - now_us > idiv(rate_tolerance(c[2]), 2) then pressure = true end
+      tats[#tats + 1] = { c[1], v }
+    else
+      if swept then bump() end
+      return ok(swept, text_refusal('rate_limited', c[3], S(wait_secs(v)),
+        'session creation rate exceeded (' .. c[3] .. ')'))
+    end
+  end
+  for _, t in ipairs(tats) do redis.call('ZADD', K_RATES, S(t[2]), t[1]) end
+  bump()
+  return ok(true, { 'session_ok', B01(pressure) })
+end
+
+local function scope_args(A, from)
+  local scopes = {}
+  for i = 1, N(A[from]) do
+    local j = from + 3 * (i - 1)
+    scopes[#scopes + 1] = { A[j + 1], A[j + 2], N(A[j + 3]) }
+  end
+  return scopes
+end
+
+local function lines(scopes, now)
+  local out = {}
+  for _, k in ipairs(budget_counters(scopes, now)) do
+    local c = cload(k.enc)
+    local _, _, _, id = string.match(k.enc, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+    out[#out + 1] = { k.kind, id, k.window, S(k.index), S(k.limit), S(c.used), S(c.reserved), S(c.overrun) }
+  end
+  return out
+end
+
+function OPS.set_cutoff(now, swept, A)
+  local engaged, reason = A[1] == '1', A[2]
+  local old = cutoff()
+  local changed
+  if engaged then
+    changed = old ~= reason
+    redis.call('HSET', K_META, 'cutoff', reason)
+  else
+    changed = old ~= false
+    redis.call('HDEL', K_META, 'cutoff')
+  end
+  if changed or swept then bump() end
+  return ok(changed or swept, { B01(engaged) })
+end
+
+-- args: kind id amount
+function OPS.adjust(now, swept, A)
+  local kind, id, amount = A[1], A[2], N(A[3])
+  if kind == 'run' then return err({ 'invalid', 'adjust a run through its steps' }) end
+  local scopes = { { kind, id, 1 } }
+  local counters = budget_counters(scopes, now)
+  if #counters == 0 then return err({ 'invalid', 'no budget applies to ' .. disp(kind, id) }) end
+  for _, k in ipairs(counters) do
+    local c = cload(k.enc)
+    c.limit = k.limit
+    if amount >= 0 then
+      c.used = math.min(c.used + amount, MAX)
+    else
+      c.used = c.used - math.min(-amount, c.used)
+    end
+    c.adjusted = c.adjusted + amount
+    if c.used > c.limit then c.overrun = 1 end
+    csave(c)
+  end
+  bump()
+  return ok(true, lines(scopes, now))
+end
+
+function OPS.sweep(now, swept, A)
+  local n = expire_due(now, SWEEP_EXPIRIES)
+  local now_us = now * 1000
+  local idle = redis.call('ZRANGEBYSCORE', K_RATES, '-inf', S(now_us), 'LIMIT', '0', S(SWEEP_BATCH))
+  for _, k in ipairs(idle) do redis.call('ZREM', K_RATES, k) end
+  local stale = redis.call('ZRANGEBYSCORE', K_CWIN, '-inf', S(now - RETENTION), 'LIMIT', '0', S(SWEEP_BATCH))
+  for _, e in ipairs(stale) do
+    local r = redis.call('HGET', kCounter(e), 'reserved')
+    if not r then
+      redis.call('ZREM', K_CWIN, e)
+    elseif N(r) == 0 then
+      cdel(e)
+      n = n + 1
+    end
+  end
+  return ok(n > 0, { S(n) })
+end
+
+-- args: key ttl_ms (Ledger::consume_once: single-use tokens share the idempotency records)
+function OPS.consume_once(now, swept, A)
+  local bad = check_id('single-use key', A[1])
+  if bad then return err({ 'invalid', bad }) end
+  local key = 'once:' .. A[1]
+  if redis.call('EXISTS', kIdem(key)) == 1 then return ok(swept, { '0' }) end
+  if records_held() >= RECORDS_MAX then return err({ 'full' }) end
+  local expires = now + N(A[2])
+  redis.call('HSET', kIdem(key), 'key', key, 'fp', '', 'kind', 'used', 'outcome', '', 'expires', S(expires))
+  redis.call('ZADD', K_TIMERS, S(expires), '3|' .. key)
+  mincr('nrec', 1)
+  bump()
+  return ok(true, { '1' })
+end
+
+---------------------------------------------------------------- reads
+
+local function top_with_ties(z, n)
+  if n <= 0 then return {} end
+  local r = redis.call('ZREVRANGE', z, '0', S(n - 1), 'WITHSCORES')
+  local seen, out = {}, {}
+  for i = 1, #r, 2 do
+    seen[r[i]] = true
+    out[#out + 1] = r[i]
+  end
+  if #r / 2 == n then
+    local thr = r[#r]
+    for _, m in ipairs(redis.call('ZRANGEBYSCORE', z, thr, thr, 'LIMIT', '0', S(TIES_MAX))) do
+      if not seen[m] then
+        seen[m] = true
+        out[#out + 1] = m
+      end
+    end
+  end
+  return out
+end
+
+local READS = {}
+
+function READS.check(now, A)
+  return { 'OK', S(SEQ) }
+end
+
+function READS.usage(now, A)
+  return { 'OK', S(SEQ), lines(scope_args(A, 1), now) }
+end
+
+function READS.summary(now, A)
+  local f = redis.call('HMGET', K_META, 'cutoff', 'active', 'st:held', 'st:committed', 'st:released',
+    'st:unknown', 'st:expired', 'held_sum', 'charged_sum', 'overruns')
+  local out = { 'OK', S(SEQ) }
+  if f[1] then
+    out[3] = '1'
+    out[4] = f[1]
+  else
+    out[3] = '0'
+    out[4] = ''
+  end
+  for i = 2, 10 do out[#out + 1] = f[i] or '0' end
+  return out
+end
+
+local RES_FIELDS = { 'id', 'run', 'kind', 'name', 'p1', 'p2', 'p3', 'retry', 'units', 'amount', 'counters', 'state',
+  'charged', 'created', 'resolved', 'maxout', 'overrun' }
+
+-- args: state ('' = all) limit
+function READS.reservations(now, A)
+  local z = K_RZ
+  if A[1] ~= '' then z = K_RZ .. ':' .. A[1] end
+  local rows = {}
+  for _, id in ipairs(top_with_ties(z, N(A[2]))) do
+    local f = redis.call('HMGET', kRes(id), unpack(RES_FIELDS))
+    if f[1] then
+      local row = {}
+      for i = 1, #RES_FIELDS do row[i] = f[i] or '' end
+      rows[#rows + 1] = row
+    end
+  end
+  return { 'OK', S(SEQ), rows }
+end
+
+-- args: kind ('' = all) top
+function READS.top(now, A)
+  local z = K_TOP
+  if A[1] ~= '' then z = K_TOP .. ':' .. A[1] end
+  local rows = {}
+  for _, e in ipairs(top_with_ties(z, N(A[2]))) do
+    local f = redis.call('HMGET', kCounter(e), 'limit', 'used', 'reserved', 'overrun', 'adjusted')
+    if f[1] then rows[#rows + 1] = { e, f[1], f[2], f[3], f[4], f[5] } end
+  end
+  return { 'OK', S(SEQ), rows }
+end
+
+---------------------------------------------------------------- dispatch
+
+local op = ARGV[1]
+local A = {}
+for i = 6, #ARGV do A[#A + 1] = ARGV[i] end
+
+local now
+if ARGV[2] == '' then
+  local t = redis.call('TIME')
+  now = N(t[1]) * 1000 + idiv(N(t[2]), 1000)
+else
+  now = N(ARGV[2])
+end
+
+if op == 'epoch_init' then
+  local f = redis.call('HMGET', K_EPOCH, 'id', 'kind')
+  local seq = redis.call('HGET', K_META, 'seq') or '0'
+  if f[1] then return { 'OK', f[1], f[2] or 'init', seq } end
+  if redis.call('EXISTS', K_META) == 1 then return { 'X', 'epoch_missing' } end
+  redis.call('HSET', K_EPOCH, 'id', A[1], 'kind', 'init', 'at', S(now))
+  return { 'OK', A[1], 'init', seq }
+end
+if op == 'epoch_reset' then
+  redis.call('HSET', K_EPOCH, 'id', A[1], 'kind', 'reset', 'at', S(now))
+  return { 'OK', A[1], 'reset', redis.call('HGET', K_META, 'seq') or '0' }
+end
+
+local ep = redis.call('HMGET', K_EPOCH, 'id', 'kind')
+if not ep[1] then return { 'X', 'epoch_missing' } end
+if ep[1] ~= ARGV[3] then return { 'X', 'epoch_changed', ep[1], ep[2] or 'init' } end
+local mf = redis.call('HMGET', K_META, 'seq', 'clock')
+SEQ = N(mf[1] or '0')
+if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
+local clock = N(mf[2] or '0')
+if now < clock then now = clock end
+
+P = parse_policy(ARGV[5])
+
+if READS[op] then return READS[op](now, A) end
+local f = OPS[op]
+if not f then return redis.error_reply('spendgate: unknown operation ' .. op) end
+
+-- Ledger::advance: the clock never goes back; due expiries are processed first (a sweep
+-- processes and counts them itself).
+if now ~= clock then redis.call('HSET', K_META, 'clock', S(now)) end
+local swept = false
+if op ~= 'sweep' then swept = expire_due(now, EXPIRIES_PER_CALL) > 0 end
+return f(now, swept, A)

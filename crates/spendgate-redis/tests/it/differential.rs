@@ -1,0 +1,478 @@
+//! The redis scripts against the reference semantics: the same random command sequences go
+//! to a `MemoryStore` (a plain `Ledger`) and to a `RedisStore` on one hand-driven clock, and
+//! every answer must be identical (values, refusals with messages, errors, `ledger_seq`,
+//! `changed`).
+
+use crate::support::*;
+use spendgate_core::*;
+use spendgate_store::{ManualClock, MemoryStore, Store};
+
+use std::sync::Arc;
+
+/// xorshift64*: deterministic, dependency-free.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.0 = x;
+        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+    fn chance(&mut self, pct: u64) -> bool {
+        self.below(100) < pct
+    }
+    fn pick<'a, T>(&mut self, v: &'a [T]) -> &'a T {
+        &v[self.below(v.len() as u64) as usize]
+    }
+}
+
+fn budget(amount: u64, window: Window) -> Budget {
+    Budget {
+        amount: Micros(amount),
+        window,
+    }
+}
+
+fn rate(count: u64, period_ms: u64, burst: u64) -> Option<Rate> {
+    Some(Rate {
+        count,
+        period_ms,
+        burst,
+    })
+}
+
+fn bounds(shrink: bool) -> RunBounds {
+    RunBounds {
+        max_input_bytes: 1000,
+        max_context_tokens: 400,
+        max_output_tokens: 50,
+        max_tool_result_bytes: 1000,
+        max_model_rounds: 3,
+        max_tool_calls: 2,
+        max_retries: 1,
+        max_seconds: 60,
+        max_cost: Micros(1500),
+        shrink_to_fit: shrink,
+        min_output_tokens: 5,
+    }
+}
+
+fn policy(variant: u8) -> Policy {
+    let mut p = Policy {
+        global: ScopePolicy {
+            budgets: vec![budget(8000, Window::Day), budget(20_000, Window::Month)],
+            rate: rate(20, 1000, 10),
+            concurrency: Some(6),
+        },
+        ip: ScopePolicy {
+            budgets: vec![budget(4000, Window::Day)],
+            rate: rate(2, 1000, 2),
+            concurrency: Some(3),
+        },
+        session: ScopePolicy {
+            budgets: vec![budget(3000, Window::Day)],
+            rate: rate(10, 60_000, 4),
+            concurrency: Some(2),
+        },
+        conversation: ScopePolicy {
+            budgets: vec![budget(2000, Window::Day)],
+            rate: None,
+            concurrency: Some(1),
+        },
+        run: bounds(true),
+        mode: ReservationMode::PerStep,
+        lease_ttl_ms: 5000,
+        session_create_per_ip: rate(3, 10_000, 3),
+        session_create_global: rate(10, 10_000, 6),
+    };
+    match variant {
+        1 => {
+            p.mode = ReservationMode::WholeRun;
+            p.run.shrink_to_fit = false;
+        }
+        2 => {
+            p.global.budgets = vec![
+                budget(6000, Window::Hour),
+                budget(9000, Window::Lifetime),
+                budget(7000, Window::Month),
+            ];
+            p.global.rate = None;
+            p.ip.rate = None;
+            p.session.rate = None;
+            p.conversation.concurrency = Some(2);
+            p.session_create_per_ip = None;
+        }
+        _ => {}
+    }
+    p
+}
+
+const SESSIONS: &[&str] = &["s0", "s1", "s2", "s|3"];
+const CONVS: &[&str] = &["c0", "c1", "c2", "c3", "c4"];
+const PREFIXES: &[&str] = &["10.0.0.1/32", "10.0.0.2/32", "2001:db8::/64", "2001:db8::/48"];
+
+fn ips(r: &mut Rng) -> Vec<IpScope> {
+    let n = if r.chance(5) { r.below(6) } else { 1 + r.below(2) };
+    (0..n)
+        .map(|_| IpScope {
+            prefix: r.pick(PREFIXES).to_string(),
+            factor: *r.pick(&[0u64, 1, 1, 1, 4]),
+        })
+        .collect()
+}
+
+fn idem(r: &mut Rng, pct: u64, ns: &str) -> Option<IdempotencyKey> {
+    r.chance(pct).then(|| IdempotencyKey {
+        key: if r.chance(2) {
+            String::new()
+        } else {
+            format!("{ns}:k{}", r.below(8))
+        },
+        fingerprint: {
+            let n = if r.chance(90) { 1 } else { 2 };
+            format!("f{}", r.below(n))
+        },
+    })
+}
+
+fn scope(r: &mut Rng) -> ScopeKey {
+    match r.below(6) {
+        0 => ScopeKey::global(),
+        1 => ScopeKey::new(ScopeKind::Ip, *r.pick(PREFIXES)),
+        2 => ScopeKey::new(ScopeKind::Session, *r.pick(SESSIONS)),
+        3 => ScopeKey::new(ScopeKind::Conversation, *r.pick(CONVS)),
+        4 => ScopeKey::new(ScopeKind::Run, "r1"),
+        _ => ScopeKey::new(ScopeKind::Session, "nobody"),
+    }
+}
+
+struct Gen {
+    r: Rng,
+    runs: u64,
+    steps: u64,
+    /// Runs admitted and steps reserved lately (learnt from the reference answers).
+    admitted: Vec<RunId>,
+    reserved: Vec<ReservationId>,
+}
+
+impl Gen {
+    fn observe(&mut self, reply: &Result<Reply, spendgate_store::StoreError>) {
+        match reply {
+            Ok(Reply::Run(a)) => {
+                if let Ok(r) = &a.value {
+                    self.admitted.push(r.run_id.clone());
+                }
+            }
+            Ok(Reply::Step(a)) => {
+                if let Ok(s) = &a.value {
+                    self.reserved.push(s.step_id.clone());
+                }
+            }
+            _ => {}
+        }
+        if self.admitted.len() > 6 {
+            self.admitted.remove(0);
+        }
+        if self.reserved.len() > 10 {
+            self.reserved.remove(0);
+        }
+    }
+    fn run(&mut self) -> RunId {
+        if !self.admitted.is_empty() && self.r.chance(85) {
+            let i = self.r.below(self.admitted.len() as u64) as usize;
+            return self.admitted[i].clone();
+        }
+        if self.runs == 0 || self.r.chance(3) {
+            return RunId(format!("r{}", self.runs + 5));
+        }
+        RunId(format!("r{}", self.r.below(self.runs)))
+    }
+    fn step(&mut self) -> ReservationId {
+        if !self.reserved.is_empty() && self.r.chance(75) {
+            let i = self.r.below(self.reserved.len() as u64) as usize;
+            return self.reserved[i].clone();
+        }
+        if self.r.chance(3) {
+            return ReservationId(format!("r{}.hold", self.r.below(self.runs.max(1))));
+        }
+        if self.steps == 0 || self.r.chance(3) {
+            return ReservationId(format!("x{}", self.steps + 7));
+        }
+        ReservationId(format!("x{}", self.r.below(self.steps)))
+    }
+
+    fn command(&mut self) -> Command {
+        let r = &mut self.r;
+        match r.below(100) {
+            0..=14 => {
+                let run_id = if r.chance(90) {
+                    self.runs += 1;
+                    RunId(format!("r{}", self.runs - 1))
+                } else {
+                    RunId(format!("r{}", r.below(self.runs.max(1))))
+                };
+                let r = &mut self.r;
+                Command::AdmitRun {
+                    req: RunRequest {
+                        run_id,
+                        session: r.pick(SESSIONS).to_string(),
+                        ips: ips(r),
+                        conversation: r.pick(CONVS).to_string(),
+                        input_bytes: if r.chance(5) { 5000 } else { r.below(900) },
+                    },
+                    idem: idem(r, 30, "run"),
+                }
+            }
+            15..=44 => {
+                let run_id = self.run();
+                let step_id = if self.r.chance(92) {
+                    self.steps += 1;
+                    ReservationId(format!("x{}", self.steps - 1))
+                } else {
+                    self.step()
+                };
+                let r = &mut self.r;
+                let kind = if r.chance(65) {
+                    StepKind::Model {
+                        model: "m".into(),
+                        price: ModelPrice {
+                            input_per_million: Micros(*r.pick(&[0, 1_500_000, 2_000_000, 333_333])),
+                            cached_input_per_million: Micros(1_000_000),
+                            output_per_million: Micros(*r.pick(&[0, 4_000_000, 7_500_001])),
+                        },
+                        prompt_tokens: if r.chance(5) { 1000 } else { r.below(300) },
+                        max_output_tokens: if r.chance(40) {
+                            None
+                        } else {
+                            Some(r.below(80))
+                        },
+                        retry: r.chance(20),
+                    }
+                } else {
+                    StepKind::Tool {
+                        tool: "t".into(),
+                        price: ToolPrice {
+                            per_call: Micros(r.below(300)),
+                            per_unit: Micros(r.below(60)),
+                        },
+                        units: r.below(6),
+                    }
+                };
+                Command::ReserveStep {
+                    req: StepRequest {
+                        run_id,
+                        step_id,
+                        kind,
+                    },
+                    idem: idem(r, 15, "step"),
+                }
+            }
+            45..=64 => {
+                let step = self.step();
+                let r = &mut self.r;
+                let how = match r.below(6) {
+                    0 | 1 => Resolution::Commit(Settlement::Tokens(TokenUsage {
+                        prompt_tokens: r.below(320),
+                        completion_tokens: {
+                            let n = if r.chance(10) { 400 } else { 60 };
+                            r.below(n)
+                        },
+                        cached_tokens: r.below(200),
+                    })),
+                    2 => Resolution::Commit(if r.chance(50) {
+                        Settlement::Units(r.below(10))
+                    } else {
+                        Settlement::ResultBytes(r.below(2000))
+                    }),
+                    3 => Resolution::Release,
+                    _ => Resolution::Unknown,
+                };
+                Command::Resolve { step, how }
+            }
+            65..=69 => Command::Heartbeat { run: self.run() },
+            70..=74 => Command::Finish { run: self.run() },
+            75..=78 => Command::CreateSession { ips: ips(r) },
+            79..=81 => {
+                let n = r.below(4);
+                Command::Usage {
+                    scopes: (0..n).map(|_| (scope(r), 1 + r.below(2) * 3)).collect(),
+                }
+            }
+            82..=83 => Command::SetCutoff {
+                engaged: r.chance(15),
+                reason: format!("reason {}", r.below(2)),
+            },
+            84..=86 => Command::Adjust {
+                scope: scope(r),
+                amount: r.below(6000) as i64 - 3000,
+            },
+            87 => Command::Summary,
+            88..=89 => Command::Reservations {
+                state: if r.chance(50) {
+                    None
+                } else {
+                    ReservationState::parse(*r.pick(&[
+                        "held",
+                        "committed",
+                        "released",
+                        "unknown",
+                        "expired",
+                    ]))
+                },
+                limit: r.below(15) as usize,
+            },
+            90..=91 => Command::TopCounters {
+                kind: if r.chance(50) {
+                    None
+                } else {
+                    ScopeKind::parse(*r.pick(&["global", "ip", "session", "conversation", "run"]))
+                },
+                top: r.below(12) as usize,
+            },
+            92..=95 => Command::Sweep,
+            _ => Command::ConsumeOnce {
+                key: format!("c{}", r.below(5)),
+                ttl_ms: r.below(20_000),
+            },
+        }
+    }
+
+    fn advance(&mut self) -> u64 {
+        let r = &mut self.r;
+        match r.below(100) {
+            0..=69 => 0,
+            70..=94 => r.below(1500),
+            95..=97 => 5000 + r.below(60_000),
+            _ => *r.pick(&[3_600_000, 86_400_000, 31 * 86_400_000, 2_000_000]),
+        }
+    }
+}
+
+type Seen = std::collections::BTreeMap<String, usize>;
+
+async fn differential(variant: u8, seed: u64, ops: usize, seen: &mut Seen) {
+    let server = server(false);
+    // 2026-11-30T23:40:00Z: month, day and hour windows turn over during the run.
+    let clock = ManualClock::new(UnixMs(1_796_082_000_000));
+    let policy = policy(variant);
+    let memory = MemoryStore::new(policy.clone(), Arc::new(clock.clone()));
+    let redis = open(
+        options(&server, &fresh_prefix("diff"), Some(Arc::new(clock.clone()))),
+        policy,
+    )
+    .await;
+    let mut g = Gen {
+        r: Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1),
+        runs: 0,
+        steps: 0,
+        admitted: Vec::new(),
+        reserved: Vec::new(),
+    };
+    let mut log = Vec::new();
+    for i in 0..ops {
+        let cmd = g.command();
+        let want = memory.execute(cmd.clone()).await;
+        let got = redis.execute(cmd.clone()).await;
+        log.push(format!("{i}: {cmd:?}"));
+        if want != got {
+            let tail = log[log.len().saturating_sub(12)..].join("\n");
+            panic!(
+                "variant {variant} seed {seed}: answers differ at op {i}\n--- last commands:\n{tail}\n--- memory:\n{want:#?}\n--- redis:\n{got:#?}"
+            );
+        }
+        *seen.entry(outcome(&want)).or_default() += 1;
+        g.observe(&want);
+        let ms = g.advance();
+        if ms > 0 {
+            clock.advance_ms(ms);
+            log.push(format!("   advance {ms} ms"));
+        }
+    }
+    // The final state must agree in full, too.
+    for cmd in [
+        Command::Summary,
+        Command::Reservations {
+            state: None,
+            limit: 100_000,
+        },
+        Command::TopCounters {
+            kind: None,
+            top: 100_000,
+        },
+    ] {
+        assert_eq!(
+            memory.execute(cmd.clone()).await,
+            redis.execute(cmd.clone()).await,
+            "final {cmd:?}"
+        );
+    }
+}
+
+/// A coarse label of an answer, to check what a random sequence covered.
+fn outcome(r: &Result<Reply, spendgate_store::StoreError>) -> String {
+    let refused = |r: &Refusal| format!("refused {}", r.code.name());
+    match r {
+        Err(e) => format!("error {}", e.to_string().split(' ').next().unwrap_or("")),
+        Ok(Reply::Run(a)) => a.value.as_ref().map_or_else(refused, |_| "run ok".into()),
+        Ok(Reply::Step(a)) => a.value.as_ref().map_or_else(refused, |s| {
+            if s.shrunk { "step shrunk" } else { "step ok" }.into()
+        }),
+        Ok(Reply::Session(a)) => a.value.as_ref().map_or_else(refused, |_| "session ok".into()),
+        Ok(Reply::Resolved(a)) => format!("resolved {}", a.value.state.name()),
+        Ok(Reply::Finished(_)) => "finished".into(),
+        Ok(Reply::Swept(a)) if a.value > 0 => "swept".into(),
+        Ok(other) => format!("{other:?}").split('(').next().unwrap_or("").to_string(),
+    }
+}
+
+/// Runs a variant over several seeds and checks that together they reached the interesting
+/// paths (not only errors).
+async fn variant(variant: u8, seeds: std::ops::RangeInclusive<u64>, extra: &[&str]) {
+    let mut seen = Seen::new();
+    for seed in seeds {
+        differential(variant, seed, 3000, &mut seen).await;
+    }
+    println!("variant {variant}: {seen:?}");
+    let common = [
+        "run ok",
+        "step ok",
+        "session ok",
+        "refused budget_exhausted",
+        "refused concurrency_limited",
+        "refused run_bound_exceeded",
+        "refused context_too_large",
+        "refused payload_too_large",
+        "refused cutoff_engaged",
+        "resolved committed",
+        "resolved released",
+        "resolved unknown",
+        "finished",
+        "swept",
+        "error idempotency",
+        "error invalid",
+    ];
+    for must in common.iter().chain(extra) {
+        assert!(seen.contains_key(*must), "variant {variant} never saw {must:?}: {seen:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_answers_as_the_core_per_step_with_shrink() {
+    variant(0, 1..=3, &["step shrunk", "refused rate_limited"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_answers_as_the_core_whole_run() {
+    variant(1, 11..=13, &["refused rate_limited"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_answers_as_the_core_hour_month_lifetime() {
+    variant(2, 21..=23, &["step shrunk"]).await;
+}

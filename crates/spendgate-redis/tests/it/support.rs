@@ -1,0 +1,46 @@
+//! Shared helpers: a private Redis server and stores on it.
+
+use spendgate_core::Policy;
+use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
+use spendgate_store::Clock;
+use spendgate_testkit::RedisServer;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Generous timeout for tests that are not about timeouts (2 shared cores, many tests).
+pub const TEST_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub fn server(appendonly: bool) -> RedisServer {
+    RedisServer::start(spendgate_testkit::RedisOptions {
+        appendonly,
+        ..Default::default()
+    })
+    .unwrap_or_else(|e| {
+        panic!("cannot start a private redis-server (install the Debian package `redis-server`): {e}")
+    })
+}
+
+/// A fresh prefix per call, so stores on one server never share data.
+pub fn fresh_prefix(tag: &str) -> String {
+    static N: AtomicUsize = AtomicUsize::new(0);
+    format!("t-{tag}-{}", N.fetch_add(1, Ordering::Relaxed))
+}
+
+pub fn options(server: &RedisServer, prefix: &str, clock: Option<Arc<dyn Clock>>) -> RedisOptions {
+    RedisOptions {
+        url: server.url(),
+        prefix: prefix.to_string(),
+        timeout: TEST_TIMEOUT,
+        clock: match clock {
+            Some(c) => ClockSource::Manual(c),
+            None => ClockSource::Server,
+        },
+    }
+}
+
+pub async fn open(opts: RedisOptions, policy: Policy) -> RedisStore {
+    RedisStore::open(opts, policy)
+        .await
+        .unwrap_or_else(|e| panic!("open redis store: {e}"))
+}

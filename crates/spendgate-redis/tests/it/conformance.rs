@@ -1,1 +1,55 @@
-//! (filled in below)
+//! The shared conformance suite (`spendgate-conformance`) on Redis: one private redis-server
+//! per test, a fresh key prefix per opened store, time driven by hand
+//! (`ClockSource::Manual`).
+
+use crate::support::*;
+use spendgate_conformance::{conformance_tests, Backend};
+use spendgate_core::{Policy, UnixMs};
+use spendgate_redis::RedisOptions;
+use spendgate_store::{ManualClock, Store};
+use spendgate_testkit::RedisServer;
+use std::sync::{Arc, Mutex};
+
+struct RedisBackend {
+    server: RedisServer,
+    last: Mutex<Option<(RedisOptions, Policy, ManualClock)>>,
+}
+
+impl RedisBackend {
+    fn new() -> RedisBackend {
+        RedisBackend {
+            server: server(false),
+            last: Mutex::new(None),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Backend for RedisBackend {
+    async fn open(&self, policy: Policy, start: UnixMs) -> Arc<dyn Store> {
+        let clock = ManualClock::new(start);
+        let opts = options(
+            &self.server,
+            &fresh_prefix("conf"),
+            Some(Arc::new(clock.clone())),
+        );
+        let store = open(opts.clone(), policy.clone()).await;
+        *self.last.lock().expect("backend lock") = Some((opts, policy, clock));
+        Arc::new(store)
+    }
+
+    fn advance(&self, ms: u64) {
+        if let Some((_, _, clock)) = self.last.lock().expect("backend lock").as_ref() {
+            clock.advance_ms(ms);
+        }
+    }
+
+    /// A new store process on the same Redis data (what a crashed replica's successor sees).
+    async fn reopen(&self) -> Option<Arc<dyn Store>> {
+        let last = self.last.lock().expect("backend lock").clone();
+        let (opts, policy, _) = last?;
+        Some(Arc::new(open(opts, policy).await))
+    }
+}
+
+conformance_tests!(RedisBackend::new());

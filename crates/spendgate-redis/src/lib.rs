@@ -196,7 +196,9 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
             // The script computes with period * 1000 and interval * burst: keep them exact too.
             let tolerance = r.interval_us().saturating_mul(r.burst.max(1));
             if r.period_ms.saturating_mul(1000) > MICROS_MAX.0 || tolerance > MICROS_MAX.0 {
-                return Err(unavailable(format!("{what} is too large for the redis store")));
+                return Err(unavailable(format!(
+                    "{what} is too large for the redis store"
+                )));
             }
             self.word("1");
             self.num(r.count, what)?;
@@ -246,7 +248,9 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
         out.num(v, what)?;
     }
     if b.max_seconds.saturating_mul(1000) > MICROS_MAX.0 {
-        return Err(unavailable("run.max_seconds is too large for the redis store"));
+        return Err(unavailable(
+            "run.max_seconds is too large for the redis store",
+        ));
     }
     out.word(match p.mode {
         ReservationMode::PerStep => "per_step",
@@ -459,41 +463,41 @@ impl RedisStore {
                     }
                     return Ok(items);
                 }
-                "X" => match f.s()?.as_str() {
-                    "epoch_missing" => {
-                        return Err(unavailable(
+                "X" => {
+                    match f.s()?.as_str() {
+                        "epoch_missing" => return Err(unavailable(
                             "ledger epoch key is missing: Redis lost its data (restarted empty?); \
                              refusing until `spendgate store accept-reset`",
-                        ))
-                    }
-                    "epoch_changed" => {
-                        let id = f.s()?;
-                        let kind = f.s()?;
-                        if kind != "reset" {
-                            return Err(unavailable(
+                        )),
+                        "epoch_changed" => {
+                            let id = f.s()?;
+                            let kind = f.s()?;
+                            if kind != "reset" {
+                                return Err(unavailable(
                                 "ledger epoch changed: Redis was re-initialised without an accepted \
                                  reset; refusing until `spendgate store accept-reset`",
                             ));
+                            }
+                            tracing::warn!(epoch = %id, "adopting a ledger reset accepted by an operator");
+                            let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+                            st.id = Some(id);
+                            st.min_seq = 0;
+                            st.latched = false;
                         }
-                        tracing::warn!(epoch = %id, "adopting a ledger reset accepted by an operator");
-                        let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
-                        st.id = Some(id);
-                        st.min_seq = 0;
-                        st.latched = false;
-                    }
-                    "rolled_back" => {
-                        let seq = f.u()?;
-                        let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
-                        let seen = st.min_seq;
-                        st.latched = true;
-                        return Err(unavailable(format!(
+                        "rolled_back" => {
+                            let seq = f.u()?;
+                            let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+                            let seen = st.min_seq;
+                            st.latched = true;
+                            return Err(unavailable(format!(
                             "ledger rolled back (ledger_seq {seq} is below {seen}, seen before): \
                              Redis restarted from an old snapshot? refusing until \
                              `spendgate store accept-reset`"
                         )));
+                        }
+                        other => return Err(unavailable(format!("redis store refused: {other}"))),
                     }
-                    other => return Err(unavailable(format!("redis store refused: {other}"))),
-                },
+                }
                 other => return Err(unavailable(format!("redis store: answer tag {other:?}"))),
             }
         }

@@ -325,9 +325,7 @@ pub fn netstrings(s: &str) -> Result<Vec<String>, StoreError> {
     let mut out = Vec::new();
     let mut rest = s;
     while !rest.is_empty() {
-        let (len, tail) = rest
-            .split_once(':')
-            .ok_or_else(|| bad("malformed list"))?;
+        let (len, tail) = rest.split_once(':').ok_or_else(|| bad("malformed list"))?;
         let len: usize = len.parse().map_err(|_| bad("malformed list"))?;
         let item = tail.get(..len).ok_or_else(|| bad("malformed list"))?;
         out.push(item.to_string());
@@ -542,31 +540,36 @@ pub fn decode(cmd: &Command, items: &[Item]) -> Result<Reply, StoreError> {
     Ok(match cmd {
         Command::AdmitRun { .. } => Reply::Run(applied(run_outcome(&mut f)?, seq, changed)),
         Command::ReserveStep { .. } => Reply::Step(applied(step_outcome(&mut f)?, seq, changed)),
-        Command::CreateSession { .. } => Reply::Session(applied(session_outcome(&mut f)?, seq, changed)),
-        Command::Resolve { .. } => Reply::Resolved(applied(Resolved {
-            state: res_state(&f.s()?)?,
-            charged: Micros(f.u()?),
-            reserved: Micros(f.u()?),
-            overrun: f.b()?,
-            repeated: f.b()?,
-            result_too_large: f.b()?,
-        },
+        Command::CreateSession { .. } => {
+            Reply::Session(applied(session_outcome(&mut f)?, seq, changed))
+        }
+        Command::Resolve { .. } => Reply::Resolved(applied(
+            Resolved {
+                state: res_state(&f.s()?)?,
+                charged: Micros(f.u()?),
+                reserved: Micros(f.u()?),
+                overrun: f.b()?,
+                repeated: f.b()?,
+                result_too_large: f.b()?,
+            },
             seq,
             changed,
         )),
-        Command::Heartbeat { .. } => Reply::Heartbeat(applied(Heartbeat {
-            lease_until: UnixMs(f.u()?),
-            deadline: UnixMs(f.u()?),
-        },
+        Command::Heartbeat { .. } => Reply::Heartbeat(applied(
+            Heartbeat {
+                lease_until: UnixMs(f.u()?),
+                deadline: UnixMs(f.u()?),
+            },
             seq,
             changed,
         )),
-        Command::Finish { .. } => Reply::Finished(applied(RunEnded {
-            state: run_state(&f.s()?)?,
-            charged: Micros(f.u()?),
-            steps: u32_of(f.u()?)?,
-            repeated: f.b()?,
-        },
+        Command::Finish { .. } => Reply::Finished(applied(
+            RunEnded {
+                state: run_state(&f.s()?)?,
+                charged: Micros(f.u()?),
+                steps: u32_of(f.u()?)?,
+                repeated: f.b()?,
+            },
             seq,
             changed,
         )),

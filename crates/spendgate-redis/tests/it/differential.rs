@@ -27,8 +27,8 @@ impl Rng {
     fn chance(&mut self, pct: u64) -> bool {
         self.below(100) < pct
     }
-    fn pick<'a, T>(&mut self, v: &'a [T]) -> &'a T {
-        &v[self.below(v.len() as u64) as usize]
+    fn pick<T: Copy>(&mut self, v: &[T]) -> T {
+        v[self.below(v.len() as u64) as usize]
     }
 }
 
@@ -115,14 +115,23 @@ fn policy(variant: u8) -> Policy {
 
 const SESSIONS: &[&str] = &["s0", "s1", "s2", "s|3"];
 const CONVS: &[&str] = &["c0", "c1", "c2", "c3", "c4"];
-const PREFIXES: &[&str] = &["10.0.0.1/32", "10.0.0.2/32", "2001:db8::/64", "2001:db8::/48"];
+const PREFIXES: &[&str] = &[
+    "10.0.0.1/32",
+    "10.0.0.2/32",
+    "2001:db8::/64",
+    "2001:db8::/48",
+];
 
 fn ips(r: &mut Rng) -> Vec<IpScope> {
-    let n = if r.chance(5) { r.below(6) } else { 1 + r.below(2) };
+    let n = if r.chance(5) {
+        r.below(6)
+    } else {
+        1 + r.below(2)
+    };
     (0..n)
         .map(|_| IpScope {
             prefix: r.pick(PREFIXES).to_string(),
-            factor: *r.pick(&[0u64, 1, 1, 1, 4]),
+            factor: r.pick(&[0u64, 1, 1, 1, 4]),
         })
         .collect()
 }
@@ -144,9 +153,9 @@ fn idem(r: &mut Rng, pct: u64, ns: &str) -> Option<IdempotencyKey> {
 fn scope(r: &mut Rng) -> ScopeKey {
     match r.below(6) {
         0 => ScopeKey::global(),
-        1 => ScopeKey::new(ScopeKind::Ip, *r.pick(PREFIXES)),
-        2 => ScopeKey::new(ScopeKind::Session, *r.pick(SESSIONS)),
-        3 => ScopeKey::new(ScopeKind::Conversation, *r.pick(CONVS)),
+        1 => ScopeKey::new(ScopeKind::Ip, r.pick(PREFIXES)),
+        2 => ScopeKey::new(ScopeKind::Session, r.pick(SESSIONS)),
+        3 => ScopeKey::new(ScopeKind::Conversation, r.pick(CONVS)),
         4 => ScopeKey::new(ScopeKind::Run, "r1"),
         _ => ScopeKey::new(ScopeKind::Session, "nobody"),
     }
@@ -242,9 +251,9 @@ impl Gen {
                     StepKind::Model {
                         model: "m".into(),
                         price: ModelPrice {
-                            input_per_million: Micros(*r.pick(&[0, 1_500_000, 2_000_000, 333_333])),
+                            input_per_million: Micros(r.pick(&[0, 1_500_000, 2_000_000, 333_333])),
                             cached_input_per_million: Micros(1_000_000),
-                            output_per_million: Micros(*r.pick(&[0, 4_000_000, 7_500_001])),
+                            output_per_million: Micros(r.pick(&[0, 4_000_000, 7_500_001])),
                         },
                         prompt_tokens: if r.chance(5) { 1000 } else { r.below(300) },
                         max_output_tokens: if r.chance(40) {
@@ -317,7 +326,7 @@ impl Gen {
                 state: if r.chance(50) {
                     None
                 } else {
-                    ReservationState::parse(*r.pick(&[
+                    ReservationState::parse(r.pick(&[
                         "held",
                         "committed",
                         "released",
@@ -331,7 +340,7 @@ impl Gen {
                 kind: if r.chance(50) {
                     None
                 } else {
-                    ScopeKind::parse(*r.pick(&["global", "ip", "session", "conversation", "run"]))
+                    ScopeKind::parse(r.pick(&["global", "ip", "session", "conversation", "run"]))
                 },
                 top: r.below(12) as usize,
             },
@@ -349,7 +358,7 @@ impl Gen {
             0..=69 => 0,
             70..=94 => r.below(1500),
             95..=97 => 5000 + r.below(60_000),
-            _ => *r.pick(&[3_600_000, 86_400_000, 31 * 86_400_000, 2_000_000]),
+            _ => r.pick(&[3_600_000, 86_400_000, 31 * 86_400_000, 2_000_000]),
         }
     }
 }
@@ -363,7 +372,11 @@ async fn differential(variant: u8, seed: u64, ops: usize, seen: &mut Seen) {
     let policy = policy(variant);
     let memory = MemoryStore::new(policy.clone(), Arc::new(clock.clone()));
     let redis = open(
-        options(&server, &fresh_prefix("diff"), Some(Arc::new(clock.clone()))),
+        options(
+            &server,
+            &fresh_prefix("diff"),
+            Some(Arc::new(clock.clone())),
+        ),
         policy,
     )
     .await;
@@ -423,11 +436,18 @@ fn outcome(r: &Result<Reply, spendgate_store::StoreError>) -> String {
         Ok(Reply::Step(a)) => a.value.as_ref().map_or_else(refused, |s| {
             if s.shrunk { "step shrunk" } else { "step ok" }.into()
         }),
-        Ok(Reply::Session(a)) => a.value.as_ref().map_or_else(refused, |_| "session ok".into()),
+        Ok(Reply::Session(a)) => a
+            .value
+            .as_ref()
+            .map_or_else(refused, |_| "session ok".into()),
         Ok(Reply::Resolved(a)) => format!("resolved {}", a.value.state.name()),
         Ok(Reply::Finished(_)) => "finished".into(),
         Ok(Reply::Swept(a)) if a.value > 0 => "swept".into(),
-        Ok(other) => format!("{other:?}").split('(').next().unwrap_or("").to_string(),
+        Ok(other) => format!("{other:?}")
+            .split('(')
+            .next()
+            .unwrap_or("")
+            .to_string(),
     }
 }
 
@@ -458,7 +478,10 @@ async fn variant(variant: u8, seeds: std::ops::RangeInclusive<u64>, extra: &[&st
         "error invalid",
     ];
     for must in common.iter().chain(extra) {
-        assert!(seen.contains_key(*must), "variant {variant} never saw {must:?}: {seen:?}");
+        assert!(
+            seen.contains_key(*must),
+            "variant {variant} never saw {must:?}: {seen:?}"
+        );
     }
 }
 

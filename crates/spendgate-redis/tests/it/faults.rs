@@ -1,1 +1,442 @@
-//! (filled in below)
+//! Redis failing in the ways a ledger must survive: paused (SIGSTOP), killed, restarted with
+//! and without its AOF, script cache flushed, evicting, rolled back; plus double commits and
+//! many replicas hammering one budget on the server's clock.
+
+use crate::support::*;
+use spendgate_core::*;
+use spendgate_redis::{RedisOptions, RedisStore};
+use spendgate_store::{Store, StoreError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const BUDGET: u64 = 1_000_000;
+const TOOL: u64 = 10_000;
+
+/// Global budget 1.00 a day, nothing else limited; tool steps of 0.01.
+fn policy() -> Policy {
+    Policy {
+        global: ScopePolicy {
+            budgets: vec![Budget {
+                amount: Micros(BUDGET),
+                window: Window::Day,
+            }],
+            rate: None,
+            concurrency: None,
+        },
+        ip: ScopePolicy::default(),
+        session: ScopePolicy::default(),
+        conversation: ScopePolicy::default(),
+        run: RunBounds {
+            max_tool_calls: 1000,
+            max_cost: Micros(BUDGET),
+            ..RunBounds::default()
+        },
+        mode: ReservationMode::PerStep,
+        lease_ttl_ms: 30_000,
+        session_create_per_ip: None,
+        session_create_global: None,
+    }
+}
+
+fn run_req(id: &str) -> RunRequest {
+    RunRequest {
+        run_id: RunId(id.into()),
+        session: "s".into(),
+        ips: vec![IpScope {
+            prefix: "192.0.2.1/32".into(),
+            factor: 1,
+        }],
+        conversation: format!("c-{id}"),
+        input_bytes: 10,
+    }
+}
+
+fn tool_step(run: &str, step: &str) -> StepRequest {
+    StepRequest {
+        run_id: RunId(run.into()),
+        step_id: ReservationId(step.into()),
+        kind: StepKind::Tool {
+            tool: "search".into(),
+            price: ToolPrice {
+                per_call: Micros(TOOL),
+                per_unit: Micros::ZERO,
+            },
+            units: 0,
+        },
+    }
+}
+
+fn store_of(s: &RedisStore) -> &dyn Store {
+    s
+}
+
+async fn admit(s: &dyn Store, id: &str) {
+    let a = s.admit_run(run_req(id), None).await.expect("admit");
+    a.value.expect("admitted");
+}
+
+async fn reserve(s: &dyn Store, run: &str, step: &str) -> Result<StepReserved, Refusal> {
+    s.reserve_step(tool_step(run, step), None)
+        .await
+        .expect("reserve")
+        .value
+}
+
+async fn global_usage(s: &dyn Store) -> (u64, u64) {
+    let lines = s.usage(vec![(ScopeKey::global(), 1)]).await.expect("usage");
+    (lines[0].used.0, lines[0].reserved.0)
+}
+
+fn server_opts(server: &spendgate_testkit::RedisServer, timeout: Duration) -> RedisOptions {
+    RedisOptions {
+        timeout,
+        ..options(server, &fresh_prefix("fault"), None)
+    }
+}
+
+/// Waits until `f` succeeds, at most `within`; returns how long it took.
+async fn eventually<F, Fut, T>(within: Duration, mut f: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let start = Instant::now();
+    loop {
+        match f().await {
+            Ok(_) => return start.elapsed(),
+            Err(e) if start.elapsed() < within => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("still failing after {within:?}: {e}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paused_redis_fails_fast_and_service_resumes_without_reopening() {
+    let server = server(false);
+    let timeout = Duration::from_millis(200);
+    let store = open(server_opts(&server, timeout), policy()).await;
+    let s = store_of(&store);
+    store.ready().await.expect("ready");
+    admit(s, "r1").await;
+    reserve(s, "r1", "x1").await.expect("reserved");
+
+    server.pause().expect("SIGSTOP");
+    for cmd in [
+        Command::AdmitRun {
+            req: run_req("r2"),
+            idem: None,
+        },
+        Command::ReserveStep {
+            req: tool_step("r1", "x2"),
+            idem: None,
+        },
+        Command::Summary,
+    ] {
+        let start = Instant::now();
+        let r = s.execute(cmd).await;
+        let took = start.elapsed();
+        assert!(
+            matches!(r, Err(ref e) if e.is_unavailable()),
+            "nothing is answered while Redis is paused: {r:?}"
+        );
+        assert!(
+            took < timeout + Duration::from_millis(50),
+            "answered unavailable after {took:?}, timeout is {timeout:?}"
+        );
+    }
+    let start = Instant::now();
+    assert!(store.ready().await.is_err(), "not ready while paused");
+    assert!(start.elapsed() < timeout + Duration::from_millis(50));
+
+    server.resume().expect("SIGCONT");
+    let took = eventually(Duration::from_secs(2), || s.summary()).await;
+    println!("service resumed {took:?} after SIGCONT");
+    store.ready().await.expect("ready again");
+    // The admission sent while paused may have run late (its answer was lost): then r2
+    // exists and is held like any reservation of unknown outcome. Nothing else changed.
+    reserve(s, "r1", "x3").await.expect("reserved after resume");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_redis_answers_unavailable_and_aof_restart_keeps_usage_and_holds() {
+    let mut server = server(true);
+    let store = open(server_opts(&server, Duration::from_secs(2)), policy()).await;
+    let s = store_of(&store);
+    admit(s, "r1").await;
+    reserve(s, "r1", "held").await.expect("reserved");
+    reserve(s, "r1", "done").await.expect("reserved");
+    s.resolve(
+        ReservationId("done".into()),
+        Resolution::Commit(Settlement::Units(0)),
+    )
+    .await
+    .expect("commit");
+    let before = global_usage(s).await;
+    assert_eq!(before, (TOOL, TOOL));
+    let seq = s.summary().await.expect("summary").seq;
+
+    server.stop().expect("SIGKILL");
+    let r = s.execute(Command::Summary).await;
+    assert!(matches!(r, Err(ref e) if e.is_unavailable()), "{r:?}");
+    let r = s.admit_run(run_req("r2"), None).await;
+    assert!(matches!(r, Err(ref e) if e.is_unavailable()), "{r:?}");
+    assert!(store.ready().await.is_err());
+
+    server.restart().expect("restart with AOF");
+    eventually(Duration::from_secs(3), || store.ready()).await;
+    assert_eq!(global_usage(s).await, before, "usage and holds survive");
+    let held = s
+        .reservations(Some(ReservationState::Held), 10)
+        .await
+        .expect("reservations");
+    assert_eq!(held.len(), 1);
+    assert_eq!(held[0].id.0, "held");
+    assert!(s.summary().await.expect("summary").seq >= seq);
+    // And the held reservation can still be committed, once.
+    let c = s
+        .resolve(
+            ReservationId("held".into()),
+            Resolution::Commit(Settlement::Units(0)),
+        )
+        .await
+        .expect("commit after restart");
+    assert!(!c.value.repeated);
+    assert_eq!(global_usage(s).await, (2 * TOOL, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_back_empty_stays_closed_until_the_reset_is_accepted() {
+    let mut server = server(false);
+    let opts = server_opts(&server, Duration::from_secs(2));
+    let store = open(opts.clone(), policy()).await;
+    let s = store_of(&store);
+    admit(s, "r1").await;
+    reserve(s, "r1", "x1").await.expect("reserved");
+
+    server.stop().expect("SIGKILL");
+    server
+        .restart()
+        .expect("restart without persistence: empty");
+    // Every call refuses, reads included: the ledger Redis holds is not the one we knew.
+    let wait = Instant::now();
+    loop {
+        let r = s.admit_run(run_req("r2"), None).await;
+        match r {
+            Err(StoreError::Unavailable(msg)) if msg.contains("epoch") => break,
+            Err(e) if e.is_unavailable() && wait.elapsed() < Duration::from_secs(3) => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            other => panic!("expected the epoch refusal, got {other:?}"),
+        }
+    }
+    assert!(matches!(s.summary().await, Err(StoreError::Unavailable(_))));
+    assert!(store.ready().await.is_err());
+    // A second replica starting now must not silently initialise over the loss either:
+    // it sees an empty prefix and initialises... but the first keeps refusing.
+    let other = open(opts.clone(), policy()).await;
+    let r = store_of(&other).admit_run(run_req("r3"), None).await;
+    assert!(
+        r.is_ok(),
+        "a fresh replica starts on an empty prefix: {r:?}"
+    );
+    assert!(matches!(
+        s.admit_run(run_req("r4"), None).await,
+        Err(StoreError::Unavailable(_))
+    ));
+
+    RedisStore::accept_reset(&opts).await.expect("accept reset");
+    store.ready().await.expect("ready after the reset");
+    admit(s, "r5").await;
+    admit(store_of(&other), "r6").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolled_back_ledger_is_refused_until_accepted() {
+    let server = server(false);
+    let opts = server_opts(&server, Duration::from_secs(2));
+    let store = open(opts.clone(), policy()).await;
+    let s = store_of(&store);
+    admit(s, "r1").await;
+    reserve(s, "r1", "x1").await.expect("reserved");
+    // As if Redis came back from an older snapshot: the ledger_seq went back.
+    server
+        .command(&["HSET", &format!("{{{}}}:meta", opts.prefix), "seq", "1"])
+        .expect("HSET");
+    let r = s.admit_run(run_req("r2"), None).await;
+    assert!(
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("rolled back")),
+        "{r:?}"
+    );
+    // Latched: even after other writers push the seq up again.
+    server
+        .command(&["HSET", &format!("{{{}}}:meta", opts.prefix), "seq", "1000"])
+        .expect("HSET");
+    assert!(s.summary().await.is_err());
+    RedisStore::accept_reset(&opts).await.expect("accept reset");
+    admit(s, "r3").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_cache_flush_is_survived() {
+    let server = server(false);
+    let store = open(server_opts(&server, Duration::from_secs(2)), policy()).await;
+    let s = store_of(&store);
+    admit(s, "r1").await;
+    server.command(&["SCRIPT", "FLUSH"]).expect("SCRIPT FLUSH");
+    reserve(s, "r1", "x1")
+        .await
+        .expect("NOSCRIPT: reloaded and run once");
+    assert_eq!(global_usage(s).await, (0, TOOL), "reserved exactly once");
+    server.command(&["SCRIPT", "FLUSH"]).expect("SCRIPT FLUSH");
+    assert_eq!(
+        global_usage(s).await,
+        (0, TOOL),
+        "the read script reloads too"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_evicting_redis_is_not_ready_and_admits_nothing() {
+    let server = spendgate_testkit::RedisServer::start(spendgate_testkit::RedisOptions {
+        maxmemory_policy: Some("allkeys-lru".into()),
+        ..Default::default()
+    })
+    .expect("start redis-server");
+    let store = open(server_opts(&server, Duration::from_secs(2)), policy()).await;
+    let err = store.ready().await.expect_err("must not be ready");
+    assert!(err.to_string().contains("maxmemory-policy"), "{err}");
+    let r = store_of(&store).admit_run(run_req("r1"), None).await;
+    assert!(matches!(r, Err(StoreError::Unavailable(_))), "{r:?}");
+
+    // Fixed at runtime: ready again (admissions follow within the re-check interval).
+    server
+        .command(&["CONFIG", "SET", "maxmemory-policy", "noeviction"])
+        .expect("CONFIG SET");
+    store.ready().await.expect("ready once noeviction");
+    admit(store_of(&store), "r2").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_that_arrives_twice_charges_once() {
+    let server = server(false);
+    let store = open(server_opts(&server, Duration::from_secs(2)), policy()).await;
+    let s = store_of(&store);
+    admit(s, "r1").await;
+    reserve(s, "r1", "x1").await.expect("reserved");
+    let how = Resolution::Commit(Settlement::Units(0));
+    let first = s
+        .resolve(ReservationId("x1".into()), how)
+        .await
+        .expect("commit");
+    let second = s
+        .resolve(ReservationId("x1".into()), how)
+        .await
+        .expect("commit again");
+    assert!(!first.value.repeated && second.value.repeated);
+    assert_eq!(first.value.charged, second.value.charged);
+    assert_eq!(second.seq, first.seq, "a repeat changes nothing");
+    assert_eq!(global_usage(s).await, (TOOL, 0));
+    let r = s
+        .resolve(ReservationId("x1".into()), Resolution::Release)
+        .await;
+    assert!(matches!(
+        r,
+        Err(StoreError::Ledger(LedgerError::Closed { .. }))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixteen_tasks_on_four_replicas_grant_exactly_the_budget() {
+    let server = server(false);
+    let opts = server_opts(&server, Duration::from_secs(5));
+    let mut replicas = Vec::new();
+    for _ in 0..4 {
+        let s: Arc<dyn Store> = Arc::new(open(opts.clone(), policy()).await);
+        replicas.push(s);
+    }
+    let tasks = (0..16).map(|t| {
+        let s = replicas[t % 4].clone();
+        tokio::spawn(async move {
+            let run = format!("run{t}");
+            s.admit_run(run_req(&run), None)
+                .await
+                .expect("admit")
+                .value
+                .expect("admitted");
+            let mut granted = 0u64;
+            for i in 0.. {
+                match s
+                    .reserve_step(tool_step(&run, &format!("{run}-{i}")), None)
+                    .await
+                    .expect("reserve")
+                    .value
+                {
+                    Ok(_) => granted += 1,
+                    Err(r) => {
+                        assert_eq!(r.code, RefusalCode::BudgetExhausted);
+                        break;
+                    }
+                }
+            }
+            granted
+        })
+    });
+    let granted: u64 = futures::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(|r| r.expect("task"))
+        .sum();
+    assert_eq!(
+        granted,
+        BUDGET / TOOL,
+        "exactly the budget, across replicas"
+    );
+    assert_eq!(global_usage(replicas[0].as_ref()).await, (0, BUDGET));
+    let seqs = replicas[1].summary().await.expect("summary").seq;
+    assert_eq!(
+        seqs,
+        16 + BUDGET / TOOL,
+        "one ledger_seq step per admission and grant"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn open_does_not_need_redis_and_service_starts_when_it_arrives() {
+    let mut server = server(true);
+    let opts = server_opts(&server, Duration::from_millis(300));
+    server.stop().expect("stop");
+    let store = open(opts, policy()).await;
+    assert!(store.ready().await.is_err(), "not ready without Redis");
+    let start = Instant::now();
+    let r = store_of(&store).admit_run(run_req("r1"), None).await;
+    assert!(matches!(r, Err(ref e) if e.is_unavailable()), "{r:?}");
+    assert!(start.elapsed() < Duration::from_millis(350));
+    server.restart().expect("start");
+    eventually(Duration::from_secs(2), || store.ready()).await;
+    admit(store_of(&store), "r1").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_clock_is_the_one_clock() {
+    let server = server(false);
+    let store = open(server_opts(&server, Duration::from_secs(2)), policy()).await;
+    let s = store_of(&store);
+    let redis_now = server.command(&["TIME"]).expect("TIME");
+    let secs: u64 = redis_now
+        .lines()
+        .next()
+        .and_then(|l| l.parse().ok())
+        .expect("TIME seconds");
+    let a = s.admit_run(run_req("r1"), None).await.expect("admit");
+    let deadline = a.value.expect("admitted").deadline;
+    let created = deadline.0 - policy().run.max_seconds * 1000;
+    assert!(
+        created / 1000 >= secs && created / 1000 <= secs + 2,
+        "run created at Redis time {created} (TIME said {secs})"
+    );
+    let lines = s.usage(vec![(ScopeKey::global(), 1)]).await.expect("usage");
+    assert_eq!(lines[0].window, Window::Day.at(UnixMs(created)));
+}

@@ -17,7 +17,9 @@ pub fn server(appendonly: bool) -> RedisServer {
         ..Default::default()
     })
     .unwrap_or_else(|e| {
-        panic!("cannot start a private redis-server (install the Debian package `redis-server`): {e}")
+        panic!(
+            "cannot start a private redis-server (install the Debian package `redis-server`): {e}"
+        )
     })
 }
 

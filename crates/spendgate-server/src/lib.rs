@@ -58,14 +58,18 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServerError> 
     Ok(Arc::new(Timed::new(inner, config.store.timeout)))
 }
 
-async fn open_redis(
-    config: &Config,
-    policy: spendgate_core::Policy,
-) -> Result<Arc<dyn Store>, ServerError> {
-    let _ = (config, policy);
-    Err(ServerError::Config(
-        "store.kind = \"redis\" is not available in this build yet".into(),
-    ))
+/// The Redis options of a config.
+pub fn redis_options(config: &Config) -> spendgate_redis::RedisOptions {
+    spendgate_redis::RedisOptions {
+        url: config.store.url.expose().to_string(),
+        prefix: config.store.prefix.clone(),
+        timeout: config.store.timeout,
+        clock: spendgate_redis::ClockSource::Server,
+    }
+}
+
+async fn open_redis(config: &Config, policy: spendgate_core::Policy) -> Result<Arc<dyn Store>, ServerError> {
+    Ok(Arc::new(spendgate_redis::RedisStore::open(redis_options(config), policy).await?))
 }
 
 /// Installs the TLS crypto provider (ring) for outgoing HTTPS; idempotent.

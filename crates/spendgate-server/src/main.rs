@@ -103,6 +103,9 @@ async fn main() -> anyhow::Result<()> {
             if let Some(l) = listen {
                 cfg.server.listen = l.parse().context("--listen must be HOST:PORT")?;
             }
+            for w in cfg.warnings() {
+                tracing::warn!("{w}");
+            }
             spendgate_server::tokens::warm_up();
             let store = spendgate_server::open_store(&cfg).await?;
             let listener = tokio::net::TcpListener::bind(cfg.server.listen)
@@ -145,7 +148,8 @@ async fn main() -> anyhow::Result<()> {
             if cfg.store.kind != config::StoreKind::Redis {
                 bail!("store accept-reset applies to store.kind = \"redis\" only");
             }
-            bail!("store accept-reset is not available in this build yet");
+            spendgate_redis::RedisStore::accept_reset(&spendgate_server::redis_options(&cfg)).await?;
+            println!("reset accepted: replicas admit again");
         }
     }
     Ok(())

@@ -20,7 +20,7 @@ pub struct Server {
 
 /// A config with the test tokens and the given extra TOML (appended; it must not repeat
 /// `[server]`/`[sessions]` keys set here).
-pub fn config_text(port: u16, db: &str, extra: &str) -> String {
+pub fn config_text(port: u16, store: &str, extra: &str) -> String {
     format!(
         r#"
 [server]
@@ -35,8 +35,7 @@ create_rate_per_ip = "100000/second"
 create_rate_global = "100000/second"
 
 [store]
-kind = "sqlite"
-path = "{db}"
+{store}
 {extra}
 "#
     )
@@ -47,25 +46,31 @@ impl Server {
     /// `lease_ttl_s = N` line that belongs to `[store]` (put it first).
     pub fn start(extra: &str) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
-        let port = free_port();
         let db = dir.path().join("spendgate.db");
+        let store = format!("kind = \"sqlite\"\npath = \"{}\"", db.display());
+        Server::start_in(dir, &store, extra)
+    }
+
+    /// A replica on a Redis store.
+    pub fn start_redis(url: &str, prefix: &str, extra: &str) -> Server {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store = format!("kind = \"redis\"\nurl = \"{url}\"\nprefix = \"{prefix}\"");
+        Server::start_in(dir, &store, extra)
+    }
+
+    fn start_in(dir: tempfile::TempDir, store: &str, extra: &str) -> Server {
+        let port = free_port();
         let config = dir.path().join("spendgate.toml");
-        std::fs::write(&config, config_text(port, &db.display().to_string(), extra))
-            .expect("write config");
+        std::fs::write(&config, config_text(port, store, extra)).expect("write config");
         spendgate_server::install_crypto();
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(20))
-            .build()
-            .expect("client");
-        let mut s = Server {
-            dir,
-            port,
-            child: None,
-            http,
-            config,
-        };
+        let http = reqwest::Client::builder().timeout(Duration::from_secs(20)).build().expect("client");
+        let mut s = Server { dir, port, child: None, http, config };
         s.spawn();
         s
+    }
+
+    pub fn config_path(&self) -> &std::path::Path {
+        &self.config
     }
 
     pub fn spawn(&mut self) {
@@ -92,6 +97,10 @@ impl Server {
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         let mut c = self.child.take().expect("running");
         c.terminate().expect("terminate")
+    }
+
+    pub fn config_path(&self) -> &std::path::Path {
+        &self.config
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -3,3 +3,4 @@
 mod harness;
 
 mod decision_api;
+mod replicas;

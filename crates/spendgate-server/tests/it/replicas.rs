@@ -1,0 +1,242 @@
+//! Issue 3: several `spendgate serve` replicas on one private `redis-server` enforce one set of
+//! limits, fail closed when Redis is gone or paused, and recover without a restart.
+
+use crate::harness::*;
+use serde_json::{json, Value};
+use spendgate_testkit::{RedisOptions, RedisServer};
+use std::time::{Duration, Instant};
+
+const TOOL_BUDGET: &str = r#"
+lease_ttl_s = 2
+timeout_ms = 100
+
+[limits.global]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = [{ amount = "1.00", window = "day" }]
+
+[limits.ip]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = []
+
+[limits.session]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = []
+
+[limits.conversation]
+concurrency = 1
+budgets = []
+
+[run]
+max_tool_calls = 1000
+max_cost = "100"
+
+[tools.web_search]
+per_call = "0.01"
+"#;
+
+fn replicas(redis: &RedisServer, prefix: &str, n: usize) -> Vec<Server> {
+    (0..n).map(|_| Server::start_redis(&redis.url(), prefix, TOOL_BUDGET)).collect()
+}
+
+async fn wait_ready(s: &Server) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < until {
+        if let Ok(r) = s.http.get(s.url("/readyz")).send().await {
+            if r.status().as_u16() == 200 {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("replica never became ready");
+}
+
+/// 30 clients spread over the replicas, each with its own run, reserve and commit at the
+/// reserved amount until refused. Returns the total granted.
+async fn drain_budget(servers: &[Server], clients: usize) -> u32 {
+    let mut runs = Vec::new();
+    for i in 0..clients {
+        let s = &servers[i % servers.len()];
+        let session = s.session().await;
+        runs.push((i % servers.len(), s.run(&session, &format!("10.1.{}.{}", i / 200, i % 200), &format!("conv-{i}")).await));
+    }
+    let mut tasks = Vec::new();
+    for (i, (_, run)) in runs.into_iter().enumerate() {
+        // Each client talks to a different replica than the one that opened its run.
+        let base = servers[(i + 1) % servers.len()].url("");
+        let http = servers[0].http.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut granted = 0u32;
+            loop {
+                let r = http
+                    .post(format!("{base}/v1/runs/{run}/steps"))
+                    .bearer_auth(SERVICE)
+                    .json(&json!({"kind": "tool", "tool": "web_search"}))
+                    .send()
+                    .await
+                    .expect("send");
+                let status = r.status().as_u16();
+                let v: Value = r.json().await.expect("json");
+                if status != 201 {
+                    assert_eq!((status, code(&v)), (429, "budget_exhausted"), "{v}");
+                    return granted;
+                }
+                granted += 1;
+                let step = v["step_id"].as_str().expect("step");
+                let c = http
+                    .post(format!("{base}/v1/steps/{step}/commit"))
+                    .bearer_auth(SERVICE)
+                    .json(&json!({"units": 0}))
+                    .send()
+                    .await
+                    .expect("commit");
+                assert_eq!(c.status().as_u16(), 200);
+            }
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("task");
+    }
+    total
+}
+
+/// Acceptance: global budget 1.00, tool at 0.01, 3 replicas, 30 concurrent clients spread
+/// over them: exactly 100 steps granted, repeated 5 times, each exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_grant_exactly_the_budget_five_times() {
+    let redis = RedisServer::start(RedisOptions::default()).expect("redis");
+    for round in 0..5 {
+        let servers = replicas(&redis, &format!("sg{round}"), 3);
+        for s in &servers {
+            wait_ready(s).await;
+        }
+        let total = drain_budget(&servers, 30).await;
+        assert_eq!(total, 100, "round {round}: exactly 1.00 / 0.01 steps granted across replicas");
+        for s in &servers {
+            let g = s.global_usage().await;
+            assert_eq!((g["used_micros"].as_u64(), g["reserved_micros"].as_u64()), (Some(1_000_000), Some(0)));
+        }
+    }
+}
+
+/// Acceptance: Redis paused → every replica refuses with 503 `store_unavailable` within
+/// `timeout_ms` + 50 ms (p99), `/readyz` fails, nothing is granted; after Redis returns,
+/// service resumes within 2 s without restarting the replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn paused_redis_fails_closed_and_recovers() {
+    let redis = RedisServer::start(RedisOptions::default()).expect("redis");
+    let servers = replicas(&redis, "pause", 2);
+    for s in &servers {
+        wait_ready(s).await;
+    }
+    let session = servers[0].session().await;
+    let run = servers[0].run(&session, "10.2.0.1", "pause").await;
+    redis.pause().expect("pause");
+    let mut times = Vec::new();
+    for i in 0..40 {
+        let s = &servers[i % 2];
+        let t = Instant::now();
+        let (status, v) = s.post(&format!("/v1/runs/{run}/steps"), json!({"kind": "tool", "tool": "web_search"})).await;
+        times.push(t.elapsed());
+        assert_eq!((status, code(&v)), (503, "store_unavailable"), "{v}");
+    }
+    times.sort();
+    let p99 = times[times.len() * 99 / 100 - 1];
+    assert!(p99 <= Duration::from_millis(150), "p99 refusal time {p99:?} > timeout_ms + 50 ms");
+    let r = servers[1].http.get(servers[1].url("/readyz")).send().await.expect("readyz");
+    assert_eq!(r.status().as_u16(), 503);
+    redis.resume().expect("resume");
+    let resumed = Instant::now();
+    loop {
+        let (status, _) = servers[1].post(&format!("/v1/runs/{run}/steps"), json!({"kind": "tool", "tool": "web_search"})).await;
+        if status == 201 {
+            break;
+        }
+        assert!(resumed.elapsed() < Duration::from_secs(2), "service did not resume within 2 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Nothing was granted while paused: exactly one step is held now.
+    let g = servers[0].global_usage().await;
+    assert_eq!(g["reserved_micros"], 10_000, "{g}");
+}
+
+/// Acceptance: a replica SIGKILLed while holding runs and reservations: within the lease TTL
+/// its reservations are `expired`, charged in full, and its slots are free; the others serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn killed_replica_reservations_expire() {
+    let redis = RedisServer::start(RedisOptions::default()).expect("redis");
+    let mut servers = replicas(&redis, "kill", 2);
+    for s in &servers {
+        wait_ready(s).await;
+    }
+    let session = servers[0].session().await;
+    let run = servers[0].run(&session, "10.3.0.1", "kill").await;
+    let (status, v) = servers[0].post(&format!("/v1/runs/{run}/steps"), json!({"kind": "tool", "tool": "web_search"})).await;
+    assert_eq!(status, 201, "{v}");
+    let step = v["step_id"].as_str().expect("step").to_string();
+    servers[0].kill();
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    let expired = servers[1].admin_get("/admin/v1/reservations?state=expired").await;
+    let row = expired["reservations"].as_array().expect("rows").iter().find(|r| r["id"] == step.as_str()).cloned();
+    let row = row.unwrap_or_else(|| panic!("{step} not expired: {expired}"));
+    assert_eq!(row["charged_micros"], 10_000);
+    assert_eq!(servers[1].global_usage().await["used_micros"], 10_000);
+    // The conversation slot is free: the surviving replica admits a new run on it.
+    servers[1].run(&session, "10.3.0.1", "kill").await;
+}
+
+/// Acceptance: Redis restarted empty (no persistence) → every replica refuses with
+/// `store_unavailable` until `spendgate store accept-reset`; a Redis with
+/// `maxmemory-policy allkeys-lru` never becomes ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn empty_redis_needs_accept_reset_and_evicting_redis_is_never_ready() {
+    let mut redis = RedisServer::start(RedisOptions::default()).expect("redis");
+    let servers = replicas(&redis, "reset", 2);
+    for s in &servers {
+        wait_ready(s).await;
+    }
+    let session = servers[0].session().await;
+    servers[0].run(&session, "10.4.0.1", "before").await;
+    redis.stop().expect("stop");
+    redis.restart().expect("restart empty");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for s in &servers {
+        let (status, v) = s
+            .post("/v1/runs", json!({"session": session, "client_ip": "10.4.0.2", "conversation": "after", "input_text": "x"}))
+            .await;
+        assert_eq!((status, code(&v)), (503, "store_unavailable"), "{v}");
+        let r = s.http.get(s.url("/readyz")).send().await.expect("readyz");
+        assert_eq!(r.status().as_u16(), 503);
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_spendgate"))
+        .args(["store", "accept-reset", "--config"])
+        .arg(servers[0].config_path())
+        .output()
+        .expect("accept-reset");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    for s in &servers {
+        wait_ready(s).await;
+        s.run(&session, "10.4.0.3", &format!("after-{}", s.port)).await;
+    }
+
+    let lru = RedisServer::start(RedisOptions { maxmemory_policy: Some("allkeys-lru".into()), ..Default::default() })
+        .expect("redis");
+    let s = Server::start_redis(&lru.url(), "lru", TOOL_BUDGET);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for _ in 0..5 {
+        let r = s.http.get(s.url("/readyz")).send().await.expect("readyz");
+        assert_eq!(r.status().as_u16(), 503, "an evicting Redis is never a ledger");
+        let (status, v) = s
+            .post("/v1/runs", json!({"session": session, "client_ip": "10.4.0.9", "conversation": "lru", "input_text": "x"}))
+            .await;
+        assert_eq!((status, code(&v)), (503, "store_unavailable"), "{v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Decision-API benchmark: starts `spendgate serve` (release build, sqlite store, every
+# reservation fsynced before its answer) on a free loopback port, then runs the open-loop
+# driver `spendgate-load` against it: /healthz baseline, closed-loop pairs/s, and open-loop
+# latency at a fixed rate, all in one run. Prints a Markdown table.
+#
+#   scripts/bench-api.sh [RATE] [SECONDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RATE=${1:-1000}
+SECONDS_EACH=${2:-5}
+cargo build --release -q -p spendgate-server --bins
+dir=$(mktemp -d)
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+token=bench-service-token-0123456789
+cat > "$dir/bench.toml" <<TOML
+[server]
+listen = "127.0.0.1:$port"
+service_tokens = ["$token"]
+[sessions]
+keys = ["bench-session-key-0123456789abcdef"]
+secure_cookie = false
+create_rate_per_ip = "100000/second"
+create_rate_global = "100000/second"
+[store]
+kind = "sqlite"
+path = "$dir/bench.db"
+[limits.global]
+rate = "1000000/second"
+burst = 1000000
+concurrency = 100000
+budgets = [{ amount = "1000000", window = "day" }]
+[limits.ip]
+rate = "1000000/second"
+burst = 1000000
+budgets = []
+[limits.session]
+rate = "1000000/second"
+burst = 1000000
+budgets = []
+[limits.conversation]
+budgets = []
+[run]
+max_tool_calls = 1000000000
+max_seconds = 3600
+max_cost = "1000000"
+[tools.bench_tool]
+per_call = "0.000001"
+TOML
+./target/release/spendgate serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
+pid=$!
+trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
+for _ in $(seq 100); do
+  curl -fs "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break
+  sleep 0.1
+done
+echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
+./target/release/spendgate-load --base "http://127.0.0.1:$port" --service-token "$token" \
+  --rate "$RATE" --seconds "$SECONDS_EACH" --concurrency 32 --runs 64

@@ -695,7 +695,13 @@ impl Ledger {
     /// Runs every due expiry and drops idle rate state and counters of long-ended windows.
     /// Called periodically by the store's sweeper; idempotent. Returns whether anything changed.
     pub fn sweep(&mut self, now: UnixMs) -> Applied<usize> {
-        let (now, _) = self.advance(now);
+        // Not `advance`: it would process (up to a batch of) the due timers itself and leave
+        // none for the count below.
+        let now = now.max(self.clock);
+        if now != self.clock {
+            self.clock = now;
+            self.touch(Entity::Meta);
+        }
         let mut n = self.expire_due(now, usize::MAX);
         let now_us = now.0.saturating_mul(1000);
         let idle: Vec<String> = self
@@ -1832,7 +1838,9 @@ impl Ledger {
     /// Checks I1 and I2 over the whole ledger; returns the first violation found. Used by
     /// tests and debug assertions; O(size of the ledger).
     pub fn check_invariants(&self) -> Result<(), String> {
-        let mut sums: HashMap<&CounterKey, (u64, u64)> = HashMap::new();
+        // Per counter: charged, held, and whether an overrun was charged to it (an overrun
+        // may take used + reserved past the limit while used is still within it).
+        let mut sums: HashMap<&CounterKey, (u64, u64, bool)> = HashMap::new();
         for r in self.reservations.values() {
             for k in &r.counters {
                 let e = sums.entry(k).or_default();
@@ -1841,6 +1849,7 @@ impl Ledger {
                 } else {
                     e.0 += r.charged.0;
                 }
+                e.2 |= r.overrun;
             }
             let terminal_ok = match r.state {
                 ReservationState::Held | ReservationState::Committed => true,
@@ -1855,10 +1864,10 @@ impl Ledger {
             }
         }
         for (k, c) in &self.counters {
-            if !c.overrun && c.used.0 + c.reserved.0 > c.limit.0 {
+            let (charged, held, overran) = sums.get(k).copied().unwrap_or_default();
+            if !c.overrun && !overran && c.used.0 + c.reserved.0 > c.limit.0 {
                 return Err(format!("I1 violated on {k:?}: {c:?}"));
             }
-            let (charged, held) = sums.get(k).copied().unwrap_or_default();
             if c.reserved.0 != held {
                 return Err(format!(
                     "reserved on {k:?} is {} but held reservations sum to {held}",

@@ -1,0 +1,401 @@
+//! Concurrency caps, request rates, idempotency, the ledger sequence, whole-run reservations
+//! and the global cutoff.
+
+use crate::support::*;
+use crate::Backend;
+use spendgate_core::*;
+use spendgate_store::{Store, StoreError};
+use std::sync::Arc;
+
+fn refusal(r: &Refusal, code: RefusalCode, scope: ScopeKind) {
+    assert_eq!((r.code, r.scope), (code, Some(scope)), "{r:?}");
+}
+
+/// One active run per conversation, and caps per session, per address and globally; a
+/// refusal holds no slot; finishing a run frees its slots.
+pub async fn concurrency_caps(b: &dyn Backend) {
+    let mut p = policy();
+    p.global.concurrency = Some(4);
+    p.ip.concurrency = Some(3);
+    p.session.concurrency = Some(2);
+    p.conversation.concurrency = Some(1);
+    let s = b.open(p, START).await;
+    let (ip_a, ip_b, ip_c) = ("192.0.2.1/32", "192.0.2.2/32", "192.0.2.3/32");
+    let limited = |r: &Refusal, scope| {
+        refusal(r, RefusalCode::ConcurrencyLimited, scope);
+        assert!(r.retry_after_s.is_some_and(|s| s >= 1), "{r:?}");
+    };
+    admit(&s, Who::new("s1", "c1", ip_a).run("r1")).await;
+    let r = admit_refused(&s, Who::new("s1", "c1", ip_a).run("r2")).await;
+    limited(&r, ScopeKind::Conversation);
+    admit(&s, Who::new("s1", "c2", ip_a).run("r2")).await;
+    let r = admit_refused(&s, Who::new("s1", "c3", ip_a).run("r3")).await;
+    limited(&r, ScopeKind::Session);
+    admit(&s, Who::new("s2", "c3", ip_a).run("r3")).await;
+    let r = admit_refused(&s, Who::new("s3", "c4", ip_a).run("r4")).await;
+    limited(&r, ScopeKind::Ip);
+    admit(&s, Who::new("s3", "c4", ip_b).run("r4")).await;
+    let before = seq(&s).await;
+    let r = admit_refused(&s, Who::new("s4", "c5", ip_c).run("r5")).await;
+    limited(&r, ScopeKind::Global);
+    assert_eq!(seq(&s).await, before, "a refusal changes nothing");
+    assert_eq!(summary(&s).await.runs_active, 4);
+
+    finish(&s, "r1").await;
+    admit(&s, Who::new("s4", "c5", ip_c).run("r5")).await;
+    let r = admit_refused(&s, Who::new("s4", "c6", ip_c).run("r6")).await;
+    limited(&r, ScopeKind::Global);
+    finish(&s, "r2").await;
+    admit(&s, Who::new("s1", "c1", ip_a).run("r6")).await;
+    assert_eq!(summary(&s).await.runs_active, 4);
+}
+
+/// GCRA per session, address and globally, each with its burst; refusals say when to retry
+/// and consume nothing.
+pub async fn rate_limits_gcra(b: &dyn Backend) {
+    let rate = |count, burst| Rate {
+        count,
+        period_ms: 60_000,
+        burst,
+    };
+    let mut p = policy();
+    p.conversation.concurrency = None;
+    p.lease_ttl_ms = 120_000;
+    p.global.rate = Some(rate(5, 5));
+    p.ip.rate = Some(rate(3, 3));
+    p.session.rate = Some(rate(2, 2));
+    let s = b.open(p, START).await;
+    let limited = |r: &Refusal, scope, secs| {
+        refusal(r, RefusalCode::RateLimited, scope);
+        assert_eq!(r.retry_after_s, Some(secs), "{r:?}");
+    };
+    let ip_a = "192.0.2.1/32";
+    admit(&s, Who::new("s1", "c1", ip_a).run("r1")).await;
+    admit(&s, Who::new("s1", "c1", ip_a).run("r2")).await;
+    let before = seq(&s).await;
+    // Session: 2 per minute, burst 2: the next in 30 s.
+    let r = admit_refused(&s, Who::new("s1", "c1", ip_a).run("r3")).await;
+    limited(&r, ScopeKind::Session, 30);
+    assert_eq!(seq(&s).await, before, "a refusal changes nothing");
+    admit(&s, Who::new("s2", "c2", ip_a).run("r4")).await;
+    // Ip: 3 per minute: the next in 20 s.
+    let r = admit_refused(&s, Who::new("s3", "c3", ip_a).run("r5")).await;
+    limited(&r, ScopeKind::Ip, 20);
+    admit(&s, Who::new("s3", "c3", "192.0.2.2/32").run("r6")).await;
+    admit(&s, Who::new("s4", "c4", "192.0.2.3/32").run("r7")).await;
+    // Global: 5 per minute: the next in 12 s.
+    let r = admit_refused(&s, Who::new("s5", "c5", "192.0.2.4/32").run("r8")).await;
+    limited(&r, ScopeKind::Global, 12);
+    // Refusals took nothing: one interval later exactly one more is admitted.
+    b.advance(12_000);
+    admit(&s, Who::new("s5", "c5", "192.0.2.4/32").run("r9")).await;
+    let r = admit_refused(&s, Who::new("s6", "c6", "192.0.2.5/32").run("r10")).await;
+    limited(&r, ScopeKind::Global, 12);
+    // The session's bucket refills too: at 30 s, s1 is admitted again.
+    b.advance(18_000);
+    admit(&s, Who::new("s1", "c1", ip_a).run("r11")).await;
+    assert_eq!(summary(&s).await.runs_active, 7);
+}
+
+fn key(key: &str, fingerprint: &str) -> Option<IdempotencyKey> {
+    Some(IdempotencyKey {
+        key: key.into(),
+        fingerprint: fingerprint.into(),
+    })
+}
+
+async fn conflict<T: std::fmt::Debug>(r: Result<T, StoreError>) {
+    match r {
+        Err(StoreError::Ledger(LedgerError::IdempotencyConflict)) => {}
+        other => panic!("same key, other request: must be a conflict, answered {other:?}"),
+    }
+}
+
+/// A repeated admission (same key and fingerprint) returns the first answer, a refusal
+/// included, and holds nothing twice; the same key with another fingerprint is a conflict.
+pub async fn idempotent_admission(b: &dyn Backend) {
+    let mut p = policy();
+    p.mode = ReservationMode::WholeRun;
+    p.run.max_cost = Micros(50_000);
+    let s = b.open(p, START).await;
+    let w = Who::new("s1", "c1", "192.0.2.1/32");
+    let first = s
+        .admit_run(w.run("r1"), key("run:k1", "f1"))
+        .await
+        .expect("store answers");
+    let admitted = first.value.clone().expect("admitted");
+    assert_eq!(admitted.reserved, Micros(50_000));
+    let again = s
+        .admit_run(w.run("r1"), key("run:k1", "f1"))
+        .await
+        .expect("store answers");
+    assert_eq!(again.value, first.value, "the first answer");
+    assert_eq!(again.seq, first.seq, "a repeat changes nothing");
+    assert_eq!(summary(&s).await.runs_active, 1);
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (0, 50_000), "held once");
+    conflict(s.admit_run(w.run("r1"), key("run:k1", "f2")).await).await;
+
+    // A refusal is an answer too.
+    let refused = s
+        .admit_run(w.run("r2"), key("run:k2", "g"))
+        .await
+        .expect("store answers");
+    let r = refused.value.clone().expect_err("conversation busy");
+    refusal(&r, RefusalCode::ConcurrencyLimited, ScopeKind::Conversation);
+    finish(&s, "r1").await;
+    let again = s
+        .admit_run(w.run("r2"), key("run:k2", "g"))
+        .await
+        .expect("store answers");
+    assert_eq!(again.value, refused.value, "the first answer, a refusal");
+    assert_eq!(summary(&s).await.runs_active, 0);
+    // Without the key the request is decided anew.
+    admit(&s, w.run("r2")).await;
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (0, 50_000));
+}
+
+/// A repeated step reservation returns the first answer, a refusal included, and holds
+/// nothing twice; the same key with another fingerprint is a conflict.
+pub async fn idempotent_step(b: &dyn Backend) {
+    let mut p = policy();
+    p.run.max_cost = Micros(8_000);
+    let s = b.open(p, START).await;
+    let w = Who::new("s1", "c1", "192.0.2.1/32");
+    admit(&s, w.run("r1")).await;
+    let req = micros_step("r1", "a", 5_000);
+    let first = s
+        .reserve_step(req.clone(), key("step:r1:k1", "f1"))
+        .await
+        .expect("store answers");
+    assert_eq!(first.value.as_ref().map(|g| g.reserved), Ok(Micros(5_000)));
+    let again = s
+        .reserve_step(req.clone(), key("step:r1:k1", "f1"))
+        .await
+        .expect("store answers");
+    assert_eq!(again.value, first.value);
+    assert_eq!(again.seq, first.seq);
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (0, 5_000), "held once");
+    assert_eq!(reservations(&s).await.len(), 1);
+    conflict(s.reserve_step(req, key("step:r1:k1", "f2")).await).await;
+
+    let req = micros_step("r1", "b", 5_000);
+    let refused = s
+        .reserve_step(req.clone(), key("step:r1:k2", "g"))
+        .await
+        .expect("store answers");
+    let r = refused
+        .value
+        .clone()
+        .expect_err("over the run's cost bound");
+    refusal(&r, RefusalCode::RunBoundExceeded, ScopeKind::Run);
+    resolve(&s, "a", Resolution::Release).await;
+    let again = s
+        .reserve_step(req, key("step:r1:k2", "g"))
+        .await
+        .expect("store answers");
+    assert_eq!(again.value, refused.value, "the first answer, a refusal");
+    let g = reserve(&s, micros_step("r1", "c", 5_000)).await;
+    assert_eq!(g.reserved, Micros(5_000));
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (0, 5_000));
+}
+
+/// The ledger sequence grows with every change, is what each answer carries, and is left
+/// alone by reads, refusals and repeated answers.
+pub async fn ledger_seq(b: &dyn Backend) {
+    let s = b.open(policy(), START).await;
+    let w = Who::new("s1", "c1", "192.0.2.1/32");
+    let mut last = seq(&s).await;
+    let mut grew = |name: &str, applied_seq: u64, now: u64| {
+        assert!(
+            applied_seq > last,
+            "{name}: seq must grow ({last} -> {applied_seq})"
+        );
+        assert_eq!(
+            applied_seq, now,
+            "{name}: the answer carries the ledger's seq"
+        );
+        last = applied_seq;
+    };
+    let a = admit(&s, w.run("r1")).await;
+    grew("admit", a.seq, seq(&s).await);
+    let g = s
+        .reserve_step(micros_step("r1", "a", 100), None)
+        .await
+        .expect("store answers");
+    grew("reserve", g.seq, seq(&s).await);
+    let c = resolve(&s, "a", units(100)).await;
+    grew("commit", c.seq, seq(&s).await);
+    b.advance(1_000);
+    let h = heartbeat(&s, "r1").await;
+    grew("heartbeat", h.seq, seq(&s).await);
+    let cut = s
+        .set_cutoff(true, "test".into())
+        .await
+        .expect("store answers");
+    grew("cutoff", cut.seq, seq(&s).await);
+    let cut = s
+        .set_cutoff(false, String::new())
+        .await
+        .expect("store answers");
+    grew("cutoff off", cut.seq, seq(&s).await);
+    let f = finish(&s, "r1").await;
+    grew("finish", f.seq, seq(&s).await);
+    let last = f.seq;
+
+    usage(&s, &w.scopes()).await;
+    reservations(&s).await;
+    s.top_counters(None, 10).await.expect("store answers");
+    assert_eq!(seq(&s).await, last, "reads change nothing");
+    assert_eq!(resolve(&s, "a", units(5)).await.seq, last);
+    assert_eq!(finish(&s, "r1").await.seq, last);
+    assert_eq!(seq(&s).await, last, "repeats change nothing");
+    let mut req = w.run("r2");
+    req.input_bytes = u64::MAX;
+    admit_refused(&s, req).await;
+    assert_eq!(seq(&s).await, last, "refusals change nothing");
+}
+
+fn hold_of<'a>(all: &'a [Reservation], run: &str) -> &'a Reservation {
+    all.iter()
+        .find(|r| r.run_id.0 == run && r.kind == ReservationKind::RunHold)
+        .unwrap_or_else(|| panic!("no whole-run hold for {run} in {all:?}"))
+}
+
+async fn whole_run_store(b: &dyn Backend, ttl_ms: u64) -> Arc<dyn Store> {
+    let mut p = policy();
+    p.mode = ReservationMode::WholeRun;
+    p.run.max_cost = Micros(50_000);
+    p.global.budgets = vec![day(1_000_000)];
+    p.session.budgets = vec![day(120_000)];
+    p.lease_ttl_ms = ttl_ms;
+    b.open(p, START).await
+}
+
+/// `whole_run`: admission holds the run's cost bound on every scope; steps draw from it
+/// without touching the scopes; finish reconciles the scopes to the sum of the step charges.
+pub async fn whole_run_reserves_and_reconciles(b: &dyn Backend) {
+    let s = whole_run_store(b, 30_000).await;
+    let w = Who::new("s1", "c1", "192.0.2.1/32");
+    let a = admit(&s, w.run("r1")).await.value;
+    assert_eq!(a.reserved, Micros(50_000));
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (0, 50_000));
+    assert_eq!(ur(&lines, ScopeKind::Session), (0, 50_000));
+
+    let g = reserve(&s, tool_step("r1", "t1", TOOL_PER_CALL, 0)).await;
+    assert_eq!(g.reserved, Micros(10_000));
+    resolve(&s, "t1", units(0)).await;
+    reserve(&s, model_step("r1", "m1", 1000, Some(1000))).await;
+    let c = resolve(&s, "m1", tokens(1000, 500)).await.value;
+    assert_eq!(c.charged, Micros(2_000));
+    reserve(&s, tool_step("r1", "t2", TOOL_PER_CALL, 0)).await;
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(
+        ur(&lines, ScopeKind::Global),
+        (0, 50_000),
+        "steps draw from the hold"
+    );
+    // 22_000 of 50_000 taken: 28_000 is left, not a micro more.
+    let r = reserve_refused(&s, micros_step("r1", "x", 28_001)).await;
+    refusal(&r, RefusalCode::RunBoundExceeded, ScopeKind::Run);
+    reserve(&s, micros_step("r1", "y", 28_000)).await;
+    resolve(&s, "y", Resolution::Release).await;
+
+    let f = finish(&s, "r1").await.value;
+    assert_eq!((f.charged, f.steps), (Micros(22_000), 4));
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (22_000, 0));
+    assert_eq!(ur(&lines, ScopeKind::Session), (22_000, 0));
+    let all = reservations(&s).await;
+    let steps: u64 = all
+        .iter()
+        .filter(|r| r.run_id.0 == "r1" && r.kind != ReservationKind::RunHold)
+        .map(|r| r.charged.0)
+        .sum();
+    assert_eq!(steps, 22_000);
+    assert_eq!(hold_of(&all, "r1").state, ReservationState::Committed);
+
+    // The session has 120_000 - 22_000 = 98_000: one more hold of 50_000, not two.
+    admit(&s, Who::new("s1", "c2", "192.0.2.1/32").run("r2")).await;
+    let r = admit_refused(&s, Who::new("s1", "c3", "192.0.2.1/32").run("r3")).await;
+    refusal(&r, RefusalCode::BudgetExhausted, ScopeKind::Session);
+    check_ledger(&s, &Who::new("s1", "c3", "192.0.2.1/32").scopes()).await;
+}
+
+/// `whole_run`: a run whose lease lapses is charged its whole hold (or its steps' charges,
+/// if an overrun took them above it).
+pub async fn whole_run_expiry_charges_the_hold(b: &dyn Backend) {
+    let s = whole_run_store(b, 10_000).await;
+    let w1 = Who::new("s1", "c1", "192.0.2.1/32");
+    let w2 = Who::new("s2", "c2", "192.0.2.2/32");
+    admit(&s, w1.run("r1")).await;
+    reserve(&s, micros_step("r1", "a", 20_000)).await;
+    resolve(&s, "a", units(20_000)).await;
+    reserve(&s, micros_step("r1", "b", 20_000)).await;
+    admit(&s, w2.run("r2")).await;
+    reserve(&s, micros_step("r2", "c", 10_000)).await;
+    let c = resolve(&s, "c", units(60_000)).await.value;
+    assert!(c.overrun, "{c:?}");
+
+    b.advance(10_001);
+    sweep(&s).await;
+    let all = reservations(&s).await;
+    let h1 = hold_of(&all, "r1");
+    assert_eq!(
+        (h1.state, h1.charged),
+        (ReservationState::Expired, Micros(50_000))
+    );
+    let h2 = hold_of(&all, "r2");
+    assert_eq!(
+        (h2.state, h2.charged),
+        (ReservationState::Expired, Micros(60_000))
+    );
+    let bb = reservation(&s, "b").await;
+    assert_eq!(
+        (bb.state, bb.charged),
+        (ReservationState::Expired, Micros(20_000))
+    );
+    let lines = check_ledger(&s, &w1.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (110_000, 0));
+    assert_eq!(ur(&lines, ScopeKind::Session), (50_000, 0));
+    let lines = check_ledger(&s, &w2.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Session), (60_000, 0));
+}
+
+/// With the cutoff engaged nothing new is admitted (runs or steps); work already admitted
+/// can still be resolved; disengaged, admission resumes.
+pub async fn cutoff_refuses_admission(b: &dyn Backend) {
+    let s = b.open(policy(), START).await;
+    let w = Who::new("s1", "c1", "192.0.2.1/32");
+    admit(&s, w.run("r1")).await;
+    reserve(&s, micros_step("r1", "a", 1_000)).await;
+    let before = seq(&s).await;
+    let c = s
+        .set_cutoff(true, "incident".into())
+        .await
+        .expect("store answers");
+    assert!(c.value && c.seq > before, "{c:?}");
+    assert_eq!(summary(&s).await.cutoff.as_deref(), Some("incident"));
+    let r = admit_refused(&s, Who::new("s2", "c2", "192.0.2.2/32").run("r2")).await;
+    refusal(&r, RefusalCode::CutoffEngaged, ScopeKind::Global);
+    let r = reserve_refused(&s, micros_step("r1", "b", 1_000)).await;
+    refusal(&r, RefusalCode::CutoffEngaged, ScopeKind::Global);
+    let c = resolve(&s, "a", units(700)).await.value;
+    assert_eq!(c.charged, Micros(700));
+    heartbeat(&s, "r1").await;
+
+    let c = s
+        .set_cutoff(false, String::new())
+        .await
+        .expect("store answers");
+    assert!(!c.value);
+    assert_eq!(summary(&s).await.cutoff, None);
+    admit(&s, Who::new("s2", "c2", "192.0.2.2/32").run("r2")).await;
+    reserve(&s, micros_step("r1", "b", 1_000)).await;
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (700, 1_000));
+}

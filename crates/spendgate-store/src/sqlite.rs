@@ -1,43 +1,546 @@
-//! `sqlite`: placeholder, implemented next.
+//! `sqlite`: the embedded default store. One file, durable across restarts, no server to run.
+//!
+//! Layout:
+//! - One SQLite file in WAL mode with `synchronous=FULL` and `locking_mode=EXCLUSIVE`: one
+//!   process owns the file for as long as the store is open; a second open fails with
+//!   [`StoreError::Unavailable`].
+//! - One table, `records(key TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID`: every
+//!   ledger entity, its [`Record`] encoded with postcard (compact, about a third of JSON's
+//!   size: fewer pages to write per commit). The schema version is kept in
+//!   `PRAGMA user_version`. Postcard does not describe itself: a change to the layout of
+//!   any record type in `spendgate-core` (other than a new enum variant at the end) must
+//!   bump [`SCHEMA_VERSION`]. A record that does not decode to exactly its bytes fails the
+//!   open (fail closed).
+//! - Keys are [`Entity::storage_key`], except that a run, its reservations and its run
+//!   counter share one key prefix (see `table_key`): the rows one call changes then sit on
+//!   one or two B-tree pages. Every page a commit dirties is written to the WAL (and
+//!   fsynced) whole, so fewer pages per commit is the main cost saved.
+//! - A dedicated writer thread owns the connection and the whole [`Ledger`] (restored from the
+//!   file at open). Callers hand it commands through a bounded queue ([`QUEUE_MAX`]); when the
+//!   queue is full the call is refused at once (fail closed), never blocking the runtime.
+//! - Group commit: the writer takes the first queued command, then up to [`BATCH_MAX`] more
+//!   without waiting, applies each at the clock's `now`, and writes every changed entity in
+//!   one `BEGIN IMMEDIATE … COMMIT` (one fsync). A command that needs durability
+//!   ([`Command::needs_durability`]) is answered only after that commit; other commands are
+//!   answered as soon as they are applied (losing one only errs towards charging more).
+//! - If the write fails, it is rolled back, the ledger is reloaded from the file (dropping
+//!   every change not on disk) and every command of the batch not yet answered is answered
+//!   with [`StoreError::Unavailable`].
+
 use crate::{Clock, Store, StoreError};
 use async_trait::async_trait;
-use spendgate_core::{Command, Policy, Reply};
-use std::path::PathBuf;
+use rusqlite::{Connection, ErrorCode, Transaction, TransactionBehavior};
+use spendgate_core::{
+    Command, Entity, Ledger, Policy, Record, Reply, ReservationId, RunId, ScopeKind,
+};
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+use tokio::sync::oneshot;
+
+/// Commands waiting for the writer at most; past it calls are refused ("store queue full").
+pub const QUEUE_MAX: usize = 4096;
+/// Commands the writer applies and commits together at most (one transaction, one fsync).
+pub const BATCH_MAX: usize = 512;
+/// How long `open` waits for another holder of the file to let go before it fails.
+pub const LOCK_WAIT_MS_DEFAULT: u64 = 250;
+/// The layout version kept in `PRAGMA user_version`: the table, the keys, and the postcard
+/// layout of [`Record`].
+pub const SCHEMA_VERSION: i64 = 1;
+/// WAL pages between automatic checkpoints (SQLite's default is 1000). Larger means fewer,
+/// longer checkpoints and a larger WAL file between them.
+pub const WAL_AUTOCHECKPOINT_PAGES: u32 = 4000;
+/// SQLite's page cache, in KiB (SQLite's default is 2000).
+pub const PAGE_CACHE_KIB: i64 = 65_536;
+
+const _: () = assert!(BATCH_MAX >= 1 && BATCH_MAX <= QUEUE_MAX);
+
+const UPSERT_SQL: &str = "INSERT OR REPLACE INTO records(key, value) VALUES (?1, ?2)";
+const DELETE_SQL: &str = "DELETE FROM records WHERE key = ?1";
 
 #[derive(Debug, Clone)]
 pub struct SqliteOptions {
+    /// The database file (created when missing). Its directory must exist.
     pub path: PathBuf,
+    /// Bound of the command queue in front of the writer (at least 1).
+    pub queue_max: usize,
+    /// Commands per group commit at most (at least 1).
+    pub batch_max: usize,
+    /// How long `open` waits for the file's lock before failing.
+    pub lock_wait: Duration,
+    /// A hard cap on the database size; past it writes fail and the store refuses new work
+    /// (fail closed). `None`: no cap beyond the disk.
+    pub max_file_bytes: Option<u64>,
+}
+
+impl SqliteOptions {
+    pub fn new(path: impl Into<PathBuf>) -> SqliteOptions {
+        SqliteOptions {
+            path: path.into(),
+            queue_max: QUEUE_MAX,
+            batch_max: BATCH_MAX,
+            lock_wait: Duration::from_millis(LOCK_WAIT_MS_DEFAULT),
+            max_file_bytes: None,
+        }
+    }
+}
+
+type Answer<T> = oneshot::Sender<Result<T, StoreError>>;
+type Inspector = Box<dyn FnOnce(&Ledger) + Send>;
+
+enum Msg {
+    Exec(Command, Answer<Reply>),
+    /// Answered by the writer itself: whether it is alive and serving.
+    Ping(Answer<()>),
+    /// Runs a closure over the ledger, between commands.
+    Inspect(Inspector),
 }
 
 pub struct SqliteStore {
-    _policy: Policy,
-    _clock: Arc<dyn Clock>,
+    path: PathBuf,
+    /// `None` only while dropping.
+    queue: Option<SyncSender<Msg>>,
+    writer: Option<JoinHandle<()>>,
 }
 
 impl SqliteStore {
+    /// Opens (or creates) the file, takes its exclusive lock, loads the ledger and starts the
+    /// writer thread.
     pub fn open(
         opts: SqliteOptions,
         policy: Policy,
         clock: Arc<dyn Clock>,
     ) -> Result<SqliteStore, StoreError> {
-        let _ = opts;
+        let conn = open_connection(&opts)?;
+        let (ledger, runs) = load(&conn)
+            .map_err(|e| StoreError::Unavailable(format!("sqlite {}: {e}", opts.path.display())))?;
+        let (queue, rx) = sync_channel(opts.queue_max.max(1));
+        let writer = Writer {
+            conn,
+            ledger,
+            runs,
+            policy,
+            clock,
+            rx,
+            batch_max: opts.batch_max.max(1),
+            broken: None,
+            buf: Vec::with_capacity(1024),
+        };
+        let handle = std::thread::Builder::new()
+            .name("spendgate-sqlite".into())
+            .spawn(move || writer.run())
+            .map_err(|e| StoreError::Unavailable(format!("cannot start sqlite writer: {e}")))?;
         Ok(SqliteStore {
-            _policy: policy,
-            _clock: clock,
+            path: opts.path,
+            queue: Some(queue),
+            writer: Some(handle),
         })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `f` over the writer's ledger between two commands (for tests that check state
+    /// and invariants directly). It sees applied changes, including any not yet committed.
+    pub async fn inspect<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Ledger) -> T + Send + 'static,
+    ) -> Result<T, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        self.enqueue(Msg::Inspect(Box::new(move |l: &Ledger| {
+            let _ = tx.send(f(l));
+        })))?;
+        rx.await.map_err(|_| writer_gone())
+    }
+
+    fn enqueue(&self, msg: Msg) -> Result<(), StoreError> {
+        let queue = self.queue.as_ref().ok_or_else(writer_gone)?;
+        queue.try_send(msg).map_err(|e| match e {
+            TrySendError::Full(_) => StoreError::Unavailable("store queue full".into()),
+            TrySendError::Disconnected(_) => writer_gone(),
+        })
+    }
+}
+
+impl Drop for SqliteStore {
+    /// Closes the queue and waits for the writer to finish what was queued and close the file
+    /// (so that the file can be opened again at once).
+    fn drop(&mut self) {
+        drop(self.queue.take());
+        if let Some(h) = self.writer.take() {
+            // Dropped by the writer itself (the last handle went into an `inspect` closure):
+            // it ends on its own once the queue is empty.
+            if h.thread().id() == std::thread::current().id() {
+                return;
+            }
+            if h.join().is_err() {
+                tracing::error!("sqlite writer thread panicked");
+            }
+        }
     }
 }
 
 #[async_trait]
 impl Store for SqliteStore {
-    async fn execute(&self, _cmd: Command) -> Result<Reply, StoreError> {
-        Err(StoreError::Unavailable("sqlite store not built yet".into()))
+    async fn execute(&self, cmd: Command) -> Result<Reply, StoreError> {
+        let (tx, rx) = oneshot::channel();
+        self.enqueue(Msg::Exec(cmd, tx))?;
+        rx.await.map_err(|_| writer_gone())?
     }
+
     async fn ready(&self) -> Result<(), StoreError> {
-        Err(StoreError::Unavailable("sqlite store not built yet".into()))
+        let (tx, rx) = oneshot::channel();
+        self.enqueue(Msg::Ping(tx))?;
+        rx.await.map_err(|_| writer_gone())?
     }
+
     fn kind(&self) -> &'static str {
         "sqlite"
     }
+}
+
+fn writer_gone() -> StoreError {
+    StoreError::Unavailable("sqlite writer stopped".into())
+}
+
+fn sql_err(path: &Path, e: rusqlite::Error) -> StoreError {
+    match e.sqlite_error_code() {
+        Some(ErrorCode::DatabaseBusy | ErrorCode::DatabaseLocked) => {
+            StoreError::Unavailable(format!(
+                "sqlite {} is in use by another process (spendgate holds the file exclusively)",
+                path.display()
+            ))
+        }
+        _ => StoreError::Unavailable(format!("sqlite {}: {e}", path.display())),
+    }
+}
+
+/// Opens the file, sets the pragmas, takes the exclusive lock and checks or creates the schema.
+fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
+    let path = opts.path.as_path();
+    let err = |e| sql_err(path, e);
+    let conn = Connection::open(path).map_err(err)?;
+    conn.busy_timeout(opts.lock_wait).map_err(err)?;
+    // Before the first access, so that WAL runs without shared memory and the lock taken by
+    // the first write is held until the connection closes.
+    conn.pragma_update(None, "locking_mode", "EXCLUSIVE")
+        .map_err(err)?;
+    let mode: String = conn
+        .pragma_update_and_check(None, "journal_mode", "WAL", |r| r.get(0))
+        .map_err(err)?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Err(StoreError::Unavailable(format!(
+            "sqlite {}: cannot use WAL journal mode (got {mode})",
+            path.display()
+        )));
+    }
+    conn.pragma_update(None, "synchronous", "FULL")
+        .map_err(err)?;
+    conn.pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT_PAGES)
+        .map_err(err)?;
+    conn.pragma_update(None, "cache_size", -PAGE_CACHE_KIB)
+        .map_err(err)?;
+    if let Some(bytes) = opts.max_file_bytes {
+        let page: i64 = conn
+            .pragma_query_value(None, "page_size", |r| r.get(0))
+            .map_err(err)?;
+        let page = u64::try_from(page).unwrap_or(4096).max(512);
+        let pages = i64::try_from(bytes.div_ceil(page).max(1)).unwrap_or(i64::MAX);
+        conn.pragma_update(None, "max_page_count", pages)
+            .map_err(err)?;
+    }
+    let tx = Transaction::new_unchecked(&conn, TransactionBehavior::Immediate).map_err(err)?;
+    let version: i64 = tx
+        .pragma_query_value(None, "user_version", |r| r.get(0))
+        .map_err(err)?;
+    match version {
+        0 => {
+            let objects: i64 = tx
+                .query_row(
+                    "SELECT count(*) FROM sqlite_master WHERE name <> 'records'",
+                    [],
+                    |r| r.get(0),
+                )
+                .map_err(err)?;
+            if objects > 0 {
+                return Err(StoreError::Unavailable(format!(
+                    "sqlite {}: not a spendgate database (it holds other tables)",
+                    path.display()
+                )));
+            }
+            tx.execute_batch(
+                "CREATE TABLE IF NOT EXISTS records(
+                    key TEXT PRIMARY KEY,
+                    value BLOB NOT NULL
+                ) WITHOUT ROWID;",
+            )
+            .map_err(err)?;
+        }
+        SCHEMA_VERSION => {}
+        other => {
+            return Err(StoreError::Unavailable(format!(
+                "sqlite {}: schema version {other} is not supported (this build reads \
+                 version {SCHEMA_VERSION})",
+                path.display()
+            )))
+        }
+    }
+    // Always a write: it takes the exclusive lock now, so a second process fails at open
+    // rather than at its first command.
+    tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+        .map_err(err)?;
+    tx.commit().map_err(err)?;
+    Ok(conn)
+}
+
+/// The run of every reservation on disk, to find a deleted reservation's row.
+type ReservationRuns = HashMap<ReservationId, RunId>;
+
+/// The key prefix of a run's rows: its id, length first, so that no id can reach into
+/// another run's rows whatever characters it holds.
+fn run_prefix(run: &str) -> String {
+    format!("r|{:03}{run}", run.len())
+}
+
+/// The table key of an entity: [`Entity::storage_key`], except for the rows of one run (the
+/// run, its reservations, its run counter), which share the run's prefix. A reservation's
+/// run comes from its record or, once deleted, from `runs`; `None` when unknown (then it
+/// was never written).
+fn table_key(entity: &Entity, record: Option<&Record>, runs: &ReservationRuns) -> Option<String> {
+    Some(match entity {
+        Entity::Run(id) => run_prefix(&id.0),
+        Entity::Counter(k) if k.scope.kind == ScopeKind::Run => format!(
+            "{}|c|{}|{}",
+            run_prefix(&k.scope.id),
+            k.window.window.name(),
+            k.window.index
+        ),
+        Entity::Reservation(id) => {
+            let run = match record {
+                Some(Record::Reservation(r)) => &r.run_id,
+                _ => runs.get(id)?,
+            };
+            format!("{}|s|{}", run_prefix(&run.0), id.0)
+        }
+        other => other.storage_key(),
+    })
+}
+
+/// Reads every record and rebuilds the ledger (with change tracking) and the run of every
+/// reservation.
+fn load(conn: &Connection) -> Result<(Ledger, ReservationRuns), String> {
+    let mut stmt = conn
+        .prepare("SELECT key, value FROM records")
+        .map_err(|e| e.to_string())?;
+    let mut rows = stmt.query([]).map_err(|e| e.to_string())?;
+    let mut records = Vec::new();
+    let mut runs = ReservationRuns::new();
+    while let Some(row) = rows.next().map_err(|e| e.to_string())? {
+        let key: String = row.get(0).map_err(|e| e.to_string())?;
+        let value = row.get_ref(1).map_err(|e| e.to_string())?;
+        let bytes = value.as_blob().map_err(|e| format!("record {key}: {e}"))?;
+        let (record, rest): (Record, &[u8]) =
+            postcard::take_from_bytes(bytes).map_err(|e| format!("record {key}: {e}"))?;
+        if !rest.is_empty() {
+            return Err(format!(
+                "record {key} has {} bytes past its end (written by another layout?)",
+                rest.len()
+            ));
+        }
+        let entity = record.entity();
+        if table_key(&entity, Some(&record), &runs).as_deref() != Some(key.as_str()) {
+            return Err(format!("record {key} is stored under the wrong key"));
+        }
+        if let Record::Reservation(r) = &record {
+            runs.insert(r.id.clone(), r.run_id.clone());
+        }
+        records.push(record);
+    }
+    Ok((Ledger::restore(records, true), runs))
+}
+
+struct Writer {
+    conn: Connection,
+    ledger: Ledger,
+    /// The run of every reservation on disk (kept with the file: rebuilt on reload).
+    runs: ReservationRuns,
+    policy: Policy,
+    clock: Arc<dyn Clock>,
+    rx: Receiver<Msg>,
+    batch_max: usize,
+    /// Why the ledger is not being served: a failed write could not be followed by a reload.
+    /// Every batch retries the reload first.
+    broken: Option<String>,
+    buf: Vec<u8>,
+}
+
+/// A command applied in this batch whose answer waits for the commit.
+type Pending = (Answer<Reply>, Result<Reply, StoreError>);
+
+impl Writer {
+    fn run(mut self) {
+        let mut pending: Vec<Pending> = Vec::with_capacity(self.batch_max);
+        // Ends when every sender is gone (the store was dropped) and the queue is empty.
+        while let Ok(first) = self.rx.recv() {
+            if self.broken.is_some() {
+                self.reload();
+            }
+            let mut failed = self.handle(first, &mut pending);
+            for _ in 1..self.batch_max {
+                if failed {
+                    break;
+                }
+                match self.rx.try_recv() {
+                    Ok(msg) => failed = self.handle(msg, &mut pending),
+                    Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
+                }
+            }
+            let result = if failed {
+                Err("the ledger failed while applying a command".to_string())
+            } else {
+                self.commit()
+            };
+            match result {
+                Ok(()) => {
+                    for (tx, answer) in pending.drain(..) {
+                        let _ = tx.send(answer);
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "sqlite write failed; reloading the ledger from disk");
+                    self.reload();
+                    let err = StoreError::Unavailable(format!("sqlite write failed: {e}"));
+                    for (tx, _) in pending.drain(..) {
+                        let _ = tx.send(Err(err.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Handles one message; returns true when the ledger panicked (the batch is abandoned).
+    fn handle(&mut self, msg: Msg, pending: &mut Vec<Pending>) -> bool {
+        match msg {
+            Msg::Ping(tx) => {
+                let _ = tx.send(match &self.broken {
+                    None => Ok(()),
+                    Some(e) => Err(StoreError::Unavailable(e.clone())),
+                });
+                false
+            }
+            Msg::Inspect(f) => {
+                if self.broken.is_none() {
+                    // It only reads: a panic in it leaves the ledger whole.
+                    let ledger = &self.ledger;
+                    if catch_unwind(AssertUnwindSafe(|| f(ledger))).is_err() {
+                        tracing::error!("an inspect closure panicked");
+                    }
+                }
+                false
+            }
+            Msg::Exec(cmd, tx) => {
+                if let Some(e) = &self.broken {
+                    let _ = tx.send(Err(StoreError::Unavailable(e.clone())));
+                    return false;
+                }
+                let now = self.clock.now();
+                let (ledger, policy) = (&mut self.ledger, &self.policy);
+                let applied = catch_unwind(AssertUnwindSafe(|| ledger.apply(policy, now, &cmd)));
+                let answer = match applied {
+                    Ok(r) => r.map_err(StoreError::from),
+                    Err(_) => {
+                        // The ledger may be half-changed: nothing of this batch is written.
+                        let _ = tx.send(Err(StoreError::Unavailable(
+                            "the ledger failed while applying a command".into(),
+                        )));
+                        return true;
+                    }
+                };
+                if cmd.needs_durability() {
+                    pending.push((tx, answer));
+                } else {
+                    let _ = tx.send(answer);
+                }
+                false
+            }
+        }
+    }
+
+    /// Writes every entity changed since the last commit in one transaction.
+    fn commit(&mut self) -> Result<(), String> {
+        let changes = self.ledger.take_changes();
+        if changes.is_empty() {
+            return Ok(());
+        }
+        write_changes(&self.conn, &changes, &mut self.runs, &mut self.buf)
+    }
+
+    /// Rebuilds the ledger from the file, dropping every change that is not on disk.
+    fn reload(&mut self) {
+        if !self.conn.is_autocommit() {
+            if let Err(e) = self.conn.execute_batch("ROLLBACK") {
+                self.ledger.clear_changes();
+                self.broken = Some(format!("sqlite transaction could not be rolled back: {e}"));
+                return;
+            }
+        }
+        match load(&self.conn) {
+            Ok((ledger, runs)) => {
+                self.ledger = ledger;
+                self.runs = runs;
+                self.broken = None;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "sqlite reload failed; refusing all commands");
+                self.ledger.clear_changes();
+                self.broken = Some(format!("sqlite ledger could not be reloaded: {e}"));
+            }
+        }
+    }
+}
+
+fn write_changes(
+    conn: &Connection,
+    changes: &[(Entity, Option<Record>)],
+    runs: &mut ReservationRuns,
+    buf: &mut Vec<u8>,
+) -> Result<(), String> {
+    let e = |e: rusqlite::Error| e.to_string();
+    // Rolled back on drop unless committed.
+    let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
+    {
+        let mut upsert = tx.prepare(UPSERT_SQL).map_err(e)?;
+        let mut delete = tx.prepare(DELETE_SQL).map_err(e)?;
+        for (entity, record) in changes {
+            let Some(key) = table_key(entity, record.as_ref(), runs) else {
+                // A reservation never written: there is no row to delete.
+                continue;
+            };
+            match record {
+                Some(r) => {
+                    buf.clear();
+                    *buf =
+                        postcard::to_extend(r, std::mem::take(buf)).map_err(|e| e.to_string())?;
+                    upsert.execute((key.as_str(), buf.as_slice())).map_err(e)?;
+                    if let Record::Reservation(res) = r {
+                        if !runs.contains_key(&res.id) {
+                            runs.insert(res.id.clone(), res.run_id.clone());
+                        }
+                    }
+                }
+                None => {
+                    delete.execute([key.as_str()]).map_err(e)?;
+                    if let Entity::Reservation(id) = entity {
+                        runs.remove(id);
+                    }
+                }
+            }
+        }
+    }
+    tx.commit().map_err(e)
 }

@@ -1,0 +1,779 @@
+//! The sqlite backend on real files: durability across reopen, expiry of a dead holder's
+//! reservations, the exclusive lock, the bounded queue, failed writes, concurrent admission
+//! against one budget, and a real crash (a child process killed with SIGKILL).
+
+use spendgate_core::*;
+use spendgate_store::{
+    Clock, ManualClock, SqliteOptions, SqliteStore, Store, StoreError, SystemClock,
+};
+use std::future::Future;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+const T0: UnixMs = UnixMs(1_800_000_000_000);
+const LEASE_TTL_MS: u64 = 1000;
+const BUDGET: Micros = Micros(1_000_000);
+const TOOL_COST: Micros = Micros(10_000);
+/// 100 prompt tokens at 1 micro each plus 100 output tokens at 2 micros each.
+const MODEL_BOUND: Micros = Micros(300);
+/// Set (to a database path) when this binary is re-executed as the process to be killed.
+const CHILD_ENV: &str = "SPENDGATE_SQLITE_CHILD";
+/// What the child prints once its reservations are durable.
+const READY: &str = "SPENDGATE_CHILD_READY";
+
+/// Global budget 1.00 a day; no ip, session or conversation limits; no rates.
+fn policy() -> Policy {
+    Policy {
+        global: ScopePolicy {
+            budgets: vec![Budget {
+                amount: BUDGET,
+                window: Window::Day,
+            }],
+            rate: None,
+            concurrency: None,
+        },
+        ip: ScopePolicy::default(),
+        session: ScopePolicy::default(),
+        conversation: ScopePolicy::default(),
+        run: RunBounds {
+            max_tool_calls: 64,
+            max_cost: BUDGET,
+            ..RunBounds::default()
+        },
+        mode: ReservationMode::PerStep,
+        lease_ttl_ms: LEASE_TTL_MS,
+        session_create_per_ip: None,
+        session_create_global: None,
+    }
+}
+
+fn open(path: &Path, clock: Arc<dyn Clock>) -> SqliteStore {
+    SqliteStore::open(SqliteOptions::new(path), policy(), clock).expect("open sqlite store")
+}
+
+fn open_err(opts: SqliteOptions) -> String {
+    match SqliteStore::open(opts, policy(), Arc::new(SystemClock)) {
+        Ok(_) => panic!("open should have failed"),
+        Err(StoreError::Unavailable(msg)) => msg,
+        Err(other) => panic!("open failed with {other:?}, expected Unavailable"),
+    }
+}
+
+fn db_path(dir: &tempfile::TempDir) -> PathBuf {
+    dir.path().join("ledger.sqlite")
+}
+
+fn run_request(run: &str) -> RunRequest {
+    RunRequest {
+        run_id: RunId(run.into()),
+        session: format!("session-{run}"),
+        ips: vec![IpScope {
+            prefix: "203.0.113.0/24".into(),
+            factor: 1,
+        }],
+        conversation: format!("conversation-{run}"),
+        input_bytes: 100,
+    }
+}
+
+fn model_step(run: &str, step: &str) -> StepRequest {
+    StepRequest {
+        run_id: RunId(run.into()),
+        step_id: ReservationId(step.into()),
+        kind: StepKind::Model {
+            model: "mock-small".into(),
+            price: ModelPrice {
+                input_per_million: Micros(1_000_000),
+                cached_input_per_million: Micros(500_000),
+                output_per_million: Micros(2_000_000),
+            },
+            prompt_tokens: 100,
+            max_output_tokens: Some(100),
+            retry: false,
+        },
+    }
+}
+
+fn tool_step(run: &str, step: &str) -> StepRequest {
+    StepRequest {
+        run_id: RunId(run.into()),
+        step_id: ReservationId(step.into()),
+        kind: StepKind::Tool {
+            tool: "search".into(),
+            price: ToolPrice {
+                per_call: TOOL_COST,
+                per_unit: Micros::ZERO,
+            },
+            units: 0,
+        },
+    }
+}
+
+async fn admit(s: &dyn Store, run: &str) {
+    let a = s.admit_run(run_request(run), None).await.expect("admit");
+    a.value.expect("run admitted");
+}
+
+async fn reserve(s: &dyn Store, req: StepRequest) -> StepReserved {
+    let a = s.reserve_step(req, None).await.expect("reserve");
+    a.value.expect("step reserved")
+}
+
+async fn global_usage(s: &dyn Store) -> UsageLine {
+    let lines = s.usage(vec![(ScopeKey::global(), 1)]).await.expect("usage");
+    assert_eq!(lines.len(), 1, "one global day budget");
+    lines.into_iter().next().expect("global line")
+}
+
+/// Every record of the ledger, in key order.
+async fn snapshot(store: &SqliteStore) -> Vec<(String, Record)> {
+    store
+        .inspect(|l| {
+            let mut v: Vec<(String, Record)> = l
+                .records()
+                .into_iter()
+                .map(|r| (r.entity().storage_key(), r))
+                .collect();
+            v.sort_by(|a, b| a.0.cmp(&b.0));
+            v
+        })
+        .await
+        .expect("inspect")
+}
+
+async fn check_invariants(store: &SqliteStore) {
+    store
+        .inspect(|l| l.check_invariants())
+        .await
+        .expect("inspect")
+        .expect("ledger invariants hold");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_is_identical_after_reopen() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let store = open(&path, Arc::new(clock.clone()));
+    assert_eq!(store.kind(), "sqlite");
+    store.ready().await.expect("ready");
+    let s: &dyn Store = &store;
+
+    admit(s, "run-1").await;
+    let idem = IdempotencyKey {
+        key: "step:run-1:k1".into(),
+        fingerprint: "f1".into(),
+    };
+    let first = s
+        .reserve_step(model_step("run-1", "step-1"), Some(idem.clone()))
+        .await
+        .expect("reserve");
+    reserve(s, tool_step("run-1", "step-2")).await;
+    reserve(s, tool_step("run-1", "step-3")).await;
+    clock.advance_ms(10);
+    let usage = TokenUsage {
+        prompt_tokens: 100,
+        completion_tokens: 50,
+        cached_tokens: 0,
+    };
+    let committed = s
+        .resolve(
+            ReservationId("step-1".into()),
+            Resolution::Commit(Settlement::Tokens(usage)),
+        )
+        .await
+        .expect("commit");
+    assert_eq!(committed.value.state, ReservationState::Committed);
+    assert_eq!(committed.value.charged, Micros(200));
+    s.resolve(ReservationId("step-2".into()), Resolution::Release)
+        .await
+        .expect("release");
+    s.set_cutoff(false, String::new()).await.expect("cutoff");
+
+    let records = snapshot(&store).await;
+    let summary = s.summary().await.expect("summary");
+    let reservations = s.reservations(None, 100).await.expect("reservations");
+    let usage_line = global_usage(s).await;
+    assert_eq!(usage_line.used, Micros(200));
+    assert_eq!(usage_line.reserved, TOOL_COST);
+    drop(store);
+
+    let store = open(&path, Arc::new(clock.clone()));
+    let s: &dyn Store = &store;
+    assert_eq!(snapshot(&store).await, records, "every record survives");
+    assert_eq!(s.summary().await.expect("summary"), summary);
+    assert_eq!(summary.seq, s.summary().await.expect("summary").seq);
+    assert_eq!(
+        s.reservations(None, 100).await.expect("reservations"),
+        reservations
+    );
+    assert_eq!(global_usage(s).await, usage_line);
+    let states: Vec<(String, ReservationState)> = reservations
+        .iter()
+        .map(|r| (r.id.0.clone(), r.state))
+        .collect();
+    for (id, state) in [
+        ("step-1", ReservationState::Committed),
+        ("step-2", ReservationState::Released),
+        ("step-3", ReservationState::Held),
+    ] {
+        assert!(states.contains(&(id.to_string(), state)), "{states:?}");
+    }
+    check_invariants(&store).await;
+
+    // Idempotency and resolutions carry over: a retried reservation gets its first answer,
+    // a retried commit its first outcome, and the held step can still be committed.
+    let again = s
+        .reserve_step(model_step("run-1", "step-1"), Some(idem))
+        .await
+        .expect("retry");
+    assert_eq!(again.value, first.value);
+    let repeat = s
+        .resolve(
+            ReservationId("step-1".into()),
+            Resolution::Commit(Settlement::Tokens(usage)),
+        )
+        .await
+        .expect("repeat commit");
+    assert!(repeat.value.repeated);
+    assert_eq!(repeat.value.charged, Micros(200));
+    let c = s
+        .resolve(
+            ReservationId("step-3".into()),
+            Resolution::Commit(Settlement::Units(0)),
+        )
+        .await
+        .expect("commit after reopen");
+    assert_eq!(c.value.charged, TOOL_COST);
+    assert!(c.seq > summary.seq);
+    drop(store);
+
+    let store = open(&path, Arc::new(clock));
+    let line = global_usage(&store).await;
+    assert_eq!(
+        (line.used, line.reserved),
+        (Micros(200).add_capped(TOOL_COST), Micros::ZERO)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_of_a_dropped_store_expire_charged_in_full() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let store = open(&path, Arc::new(clock.clone()));
+    admit(&store, "run-dead").await;
+    let m = reserve(&store, model_step("run-dead", "dead-model")).await;
+    let t = reserve(&store, tool_step("run-dead", "dead-tool")).await;
+    assert_eq!((m.reserved, t.reserved), (MODEL_BOUND, TOOL_COST));
+    drop(store);
+
+    clock.advance_ms(LEASE_TTL_MS + 1);
+    let store = open(&path, Arc::new(clock.clone()));
+    let s: &dyn Store = &store;
+    let held = s
+        .reservations(Some(ReservationState::Held), 10)
+        .await
+        .expect("reservations");
+    assert_eq!(held.len(), 2, "still held until something sweeps");
+    let swept = s.sweep().await.expect("sweep");
+    assert!(swept.seq > 0);
+    let expired = s
+        .reservations(Some(ReservationState::Expired), 10)
+        .await
+        .expect("reservations");
+    assert_eq!(expired.len(), 2, "{expired:?}");
+    for r in &expired {
+        assert_eq!(r.charged, r.amount, "expired is charged in full");
+    }
+    let line = global_usage(s).await;
+    assert_eq!(line.used, MODEL_BOUND.add_capped(TOOL_COST));
+    assert_eq!(line.reserved, Micros::ZERO);
+    check_invariants(&store).await;
+
+    // The expiry itself is durable.
+    drop(store);
+    let store = open(&path, Arc::new(clock));
+    let line = global_usage(&store).await;
+    assert_eq!(line.used, MODEL_BOUND.add_capped(TOOL_COST));
+    let expired = (&store as &dyn Store)
+        .reservations(Some(ReservationState::Expired), 10)
+        .await
+        .expect("reservations");
+    assert_eq!(expired.len(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purged_runs_leave_no_rows() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let store = open(&path, Arc::new(clock.clone()));
+    let s: &dyn Store = &store;
+    // Ids with the key separator in them must not reach into another run's rows.
+    for run in ["run|s|x", "run"] {
+        admit(s, run).await;
+        reserve(s, tool_step(run, &format!("{run}|step-1"))).await;
+        reserve(s, model_step(run, &format!("{run}|step-2"))).await;
+    }
+    s.resolve(
+        ReservationId("run|step-1".into()),
+        Resolution::Commit(Settlement::Units(0)),
+    )
+    .await
+    .expect("commit");
+    s.finish(RunId("run".into())).await.expect("finish");
+    s.finish(RunId("run|s|x".into())).await.expect("finish");
+    drop(store);
+
+    let rows = |path: &Path| -> Vec<String> {
+        let c = rusqlite::Connection::open(path).expect("open");
+        let mut st = c
+            .prepare("SELECT key FROM records ORDER BY key")
+            .expect("prepare");
+        let keys = st
+            .query_map([], |r| r.get::<_, String>(0))
+            .expect("query")
+            .collect::<Result<Vec<String>, _>>()
+            .expect("rows");
+        keys
+    };
+    let before = rows(&path);
+    assert_eq!(
+        before.iter().filter(|k| k.starts_with("r|")).count(),
+        2 * (1 + 2 + 1),
+        "run, two steps and the run counter of each run: {before:?}"
+    );
+
+    clock.advance_ms(RECORD_RETENTION_MS + 1);
+    let store = open(&path, Arc::new(clock.clone()));
+    let swept = (&store as &dyn Store).sweep().await.expect("sweep");
+    assert!(swept.seq > 0);
+    let kept = snapshot(&store).await;
+    assert!(
+        kept.iter()
+            .all(|(k, _)| !k.starts_with("r|") && !k.starts_with("s|")),
+        "{kept:?}"
+    );
+    drop(store);
+    let after = rows(&path);
+    assert!(after.iter().all(|k| !k.starts_with("r|")), "{after:?}");
+    let store = open(&path, Arc::new(clock));
+    assert_eq!(snapshot(&store).await, kept);
+    let line = global_usage(&store).await;
+    assert_eq!(line.reserved, Micros::ZERO);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_open_of_the_same_file_fails_while_the_first_is_alive() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let store = open(&path, Arc::new(ManualClock::new(T0)));
+    admit(&store, "run-1").await;
+    let msg = open_err(SqliteOptions::new(&path));
+    assert!(msg.contains("in use"), "{msg}");
+    // The first store is unaffected.
+    store.ready().await.expect("still ready");
+    reserve(&store, tool_step("run-1", "s1")).await;
+    drop(store);
+    let store = open(&path, Arc::new(ManualClock::new(T0)));
+    assert_eq!(global_usage(&store).await.reserved, TOOL_COST);
+    // The same holds for a file opened again (an existing schema).
+    let msg = open_err(SqliteOptions::new(&path));
+    assert!(msg.contains("in use"), "{msg}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_or_newer_files_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let newer = dir.path().join("newer.sqlite");
+    {
+        let c = rusqlite::Connection::open(&newer).expect("create");
+        c.execute_batch(
+            "CREATE TABLE records(key TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID;
+             PRAGMA user_version = 99;",
+        )
+        .expect("schema");
+    }
+    let msg = open_err(SqliteOptions::new(&newer));
+    assert!(msg.contains("schema version 99"), "{msg}");
+
+    let foreign = dir.path().join("foreign.sqlite");
+    {
+        let c = rusqlite::Connection::open(&foreign).expect("create");
+        c.execute_batch("CREATE TABLE users(id INTEGER PRIMARY KEY);")
+            .expect("schema");
+    }
+    let msg = open_err(SqliteOptions::new(&foreign));
+    assert!(msg.contains("not a spendgate database"), "{msg}");
+
+    let garbage = dir.path().join("garbage.sqlite");
+    std::fs::write(&garbage, vec![0x5a_u8; 8192]).expect("write");
+    let msg = open_err(SqliteOptions::new(&garbage));
+    assert!(msg.contains("garbage.sqlite"), "{msg}");
+
+    let msg = open_err(SqliteOptions::new(
+        dir.path().join("missing-dir/ledger.sqlite"),
+    ));
+    assert!(msg.contains("missing-dir"), "{msg}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_does_not_decode_fails_the_open() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let store = open(&path, Arc::new(ManualClock::new(T0)));
+    admit(&store, "run-1").await;
+    drop(store);
+    {
+        let c = rusqlite::Connection::open(&path).expect("open");
+        let n = c
+            .execute(
+                "UPDATE records SET value = value || x'00' WHERE key LIKE 'r|%'",
+                [],
+            )
+            .expect("corrupt");
+        assert!(n > 0);
+    }
+    let msg = open_err(SqliteOptions::new(&path));
+    assert!(msg.contains("record r|"), "{msg}");
+}
+
+/// A clock that blocks every reader while closed: it holds the writer thread mid-batch.
+struct GateClock {
+    time: ManualClock,
+    open: Mutex<bool>,
+    cv: Condvar,
+    waiting: AtomicUsize,
+}
+
+impl GateClock {
+    fn set(&self, open: bool) {
+        *self.open.lock().unwrap_or_else(|p| p.into_inner()) = open;
+        self.cv.notify_all();
+    }
+}
+
+impl Clock for GateClock {
+    fn now(&self) -> UnixMs {
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        while !*open {
+            open = self.cv.wait(open).unwrap_or_else(|p| p.into_inner());
+        }
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        self.time.now()
+    }
+}
+
+type Call<'a> = Pin<Box<dyn Future<Output = Result<Reply, StoreError>> + Send + 'a>>;
+
+/// Polls a call once, so that it enqueues its command, and keeps it for later.
+async fn start(mut call: Call<'_>) -> Call<'_> {
+    std::future::poll_fn(|cx| {
+        assert!(call.as_mut().poll(cx).is_pending(), "call should wait");
+        Poll::Ready(())
+    })
+    .await;
+    call
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_queue_refuses_at_once() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gate = Arc::new(GateClock {
+        time: ManualClock::new(T0),
+        open: Mutex::new(true),
+        cv: Condvar::new(),
+        waiting: AtomicUsize::new(0),
+    });
+    let mut opts = SqliteOptions::new(db_path(&dir));
+    opts.queue_max = 4;
+    let store = SqliteStore::open(opts, policy(), gate.clone()).expect("open");
+    admit(&store, "run-1").await;
+
+    gate.set(false);
+    // The writer takes this one and blocks on the clock...
+    let blocked = start(store.execute(Command::Summary)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gate.waiting.load(Ordering::SeqCst) == 0 {
+        assert!(Instant::now() < deadline, "writer never read the clock");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // ... these four fill the queue ...
+    let mut queued = Vec::new();
+    for i in 0..4 {
+        let cmd = Command::ReserveStep {
+            req: tool_step("run-1", &format!("queued-{i}")),
+            idem: None,
+        };
+        queued.push(start(store.execute(cmd)).await);
+    }
+    // ... and the next calls are refused without waiting.
+    let t = Instant::now();
+    let refused = store
+        .execute(Command::ReserveStep {
+            req: tool_step("run-1", "refused"),
+            idem: None,
+        })
+        .await;
+    assert_eq!(
+        refused,
+        Err(StoreError::Unavailable("store queue full".into()))
+    );
+    assert!(refused.as_ref().is_err_and(StoreError::is_unavailable));
+    assert_eq!(
+        store.ready().await,
+        Err(StoreError::Unavailable("store queue full".into()))
+    );
+    assert!(t.elapsed() < Duration::from_secs(1));
+
+    gate.set(true);
+    assert!(matches!(blocked.await, Ok(Reply::Summary(_))));
+    for call in queued {
+        assert!(matches!(call.await, Ok(Reply::Step(a)) if a.value.is_ok()));
+    }
+    store.ready().await.expect("ready again");
+    let line = global_usage(&store).await;
+    assert_eq!(
+        line.reserved,
+        Micros(4 * TOOL_COST.0),
+        "the refused call changed nothing"
+    );
+    check_invariants(&store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_write_is_rolled_back_and_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let mut opts = SqliteOptions::new(&path);
+    // A cap the ledger soon outgrows: writes then fail as on a full disk.
+    opts.max_file_bytes = Some(32 * 1024);
+    let store = SqliteStore::open(opts, policy(), Arc::new(clock.clone())).expect("open");
+    let s: &dyn Store = &store;
+    let long = "x".repeat(100);
+    let mut failed = None;
+    'fill: for r in 0..200 {
+        let run = format!("run-{r}-{long}");
+        match s.admit_run(run_request(&run), None).await {
+            Ok(a) => {
+                a.value.expect("admitted");
+            }
+            Err(e) => {
+                failed = Some((e, None));
+                break;
+            }
+        }
+        for i in 0..8 {
+            let step = format!("step-{r}-{i}-{long}");
+            match s.reserve_step(model_step(&run, &step), None).await {
+                Ok(a) => {
+                    a.value.expect("reserved");
+                }
+                Err(e) => {
+                    failed = Some((e, Some(step)));
+                    break 'fill;
+                }
+            }
+        }
+    }
+    let (err, step) = failed.expect("the capped file fills up");
+    assert!(
+        matches!(&err, StoreError::Unavailable(m) if m.contains("sqlite write failed")),
+        "{err:?}"
+    );
+    // The refused reservation does not exist, in memory or on disk, and the store still
+    // serves what is on disk.
+    let id = ReservationId(step.expect("a reservation outgrew the file"));
+    let present = store
+        .inspect(move |l| l.reservation(&id).is_some())
+        .await
+        .expect("inspect");
+    assert!(!present);
+    store.ready().await.expect("ready after a failed write");
+    check_invariants(&store).await;
+    let in_memory = snapshot(&store).await;
+    let summary = s.summary().await.expect("summary");
+    drop(store);
+    let store = open(&path, Arc::new(clock));
+    assert_eq!(
+        snapshot(&store).await,
+        in_memory,
+        "memory was reloaded from disk"
+    );
+    assert_eq!(
+        (&store as &dyn Store).summary().await.expect("summary"),
+        summary
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_reservations_grant_exactly_the_budget() {
+    const TASKS: usize = 32;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let store = Arc::new(open(&path, Arc::new(clock.clone())));
+    let dyn_store: Arc<dyn Store> = store.clone();
+    for t in 0..TASKS {
+        admit(dyn_store.as_ref(), &format!("run-{t}")).await;
+    }
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let s = dyn_store.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut granted = 0u64;
+            for i in 0.. {
+                let run = format!("run-{t}");
+                let step = format!("run-{t}-step-{i}");
+                let a = s
+                    .reserve_step(tool_step(&run, &step), None)
+                    .await
+                    .expect("reserve");
+                match a.value {
+                    Ok(r) => {
+                        granted += r.reserved.0;
+                        let c = s
+                            .resolve(r.step_id, Resolution::Commit(Settlement::Units(0)))
+                            .await
+                            .expect("commit");
+                        assert_eq!(c.value.charged, TOOL_COST);
+                    }
+                    Err(refusal) => {
+                        assert_eq!(refusal.code, RefusalCode::BudgetExhausted);
+                        return granted;
+                    }
+                }
+            }
+            granted
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("task");
+    }
+    assert_eq!(total, BUDGET.0, "granted exactly the budget");
+    let line = global_usage(dyn_store.as_ref()).await;
+    assert_eq!((line.used, line.reserved), (BUDGET, Micros::ZERO));
+    check_invariants(&store).await;
+    drop(dyn_store);
+    let store = Arc::into_inner(store).expect("sole owner");
+    drop(store);
+    let store = open(&path, Arc::new(clock));
+    let line = global_usage(&store).await;
+    assert_eq!((line.used, line.reserved), (BUDGET, Micros::ZERO));
+}
+
+/// Kills the child on drop, so that a failing test leaves no process behind.
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn reservations_of_a_killed_process_are_charged_at_expiry() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let exe = std::env::current_exe().expect("test binary");
+    let child = std::process::Command::new(exe)
+        .args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
+        .env(CHILD_ENV, &path)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn child");
+    let mut child = KillOnDrop(child);
+    let stdout = child.0.stdout.take().expect("child stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            // libtest may print "test crash_child ... " on the same line.
+            if line.ends_with(READY) {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(120))
+        .expect("the child reserved and printed its READY line");
+
+    // While the child lives, the file is its own.
+    let msg = open_err(SqliteOptions::new(&path));
+    assert!(msg.contains("in use"), "{msg}");
+
+    child.0.kill().expect("SIGKILL the child");
+    child.0.wait().expect("reap the child");
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let later = SystemClock.now().plus_ms(LEASE_TTL_MS + 1000);
+        let store = open(&path, Arc::new(ManualClock::new(later)));
+        let s: &dyn Store = &store;
+        let held = s
+            .reservations(Some(ReservationState::Held), 10)
+            .await
+            .expect("reservations");
+        assert_eq!(
+            held.len(),
+            2,
+            "the child's reservations were durable: {held:?}"
+        );
+        let before = global_usage(s).await;
+        assert_eq!(before.reserved, MODEL_BOUND.add_capped(TOOL_COST));
+        s.sweep().await.expect("sweep");
+        let expired = s
+            .reservations(Some(ReservationState::Expired), 10)
+            .await
+            .expect("reservations");
+        let mut ids: Vec<&str> = expired.iter().map(|r| r.id.0.as_str()).collect();
+        ids.sort_unstable();
+        assert_eq!(ids, ["crash-model", "crash-tool"]);
+        for r in &expired {
+            assert_eq!(r.charged, r.amount, "expired is charged in full");
+        }
+        let line = global_usage(s).await;
+        assert_eq!(line.used, MODEL_BOUND.add_capped(TOOL_COST));
+        assert_eq!(line.reserved, Micros::ZERO);
+        check_invariants(&store).await;
+    });
+}
+
+/// Not a test on its own: the process that `reservations_of_a_killed_process_are_charged_at_expiry`
+/// starts (with `SPENDGATE_SQLITE_CHILD` set) and kills while it holds reservations. Without
+/// the variable it returns at once.
+#[test]
+fn crash_child() {
+    let Some(path) = std::env::var_os(CHILD_ENV) else {
+        return;
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    rt.block_on(async {
+        let store = open(Path::new(&path), Arc::new(SystemClock));
+        admit(&store, "crash-run").await;
+        reserve(&store, model_step("crash-run", "crash-model")).await;
+        reserve(&store, tool_step("crash-run", "crash-tool")).await;
+        println!("{READY}");
+        // Hold the reservations (and the file) until killed.
+        tokio::time::sleep(Duration::from_secs(300)).await;
+        drop(store);
+    });
+    panic!("the crash child should have been killed");
+}

@@ -51,7 +51,7 @@ use sha2::{Digest, Sha256};
 use spendgate_core::{Command, Policy, Rate, Reply, ReservationMode, ScopeKind, MICROS_MAX};
 use spendgate_store::{Clock, Store, StoreError};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -126,6 +126,7 @@ pub struct RedisStore {
     read: redis::Script,
     epoch: Mutex<EpochState>,
     health: tokio::sync::Mutex<Health>,
+    refreshing: AtomicBool,
 }
 
 impl fmt::Debug for RedisStore {
@@ -331,6 +332,7 @@ impl RedisStore {
             read: read_script(),
             epoch: Mutex::new(EpochState::default()),
             health: tokio::sync::Mutex::new(Health::default()),
+            refreshing: AtomicBool::new(false),
             opts,
         };
         if let Err(e) = store.ready().await {
@@ -576,12 +578,14 @@ impl RedisStore {
         }
     }
 
-    /// The cached server check, refreshed every few seconds.
+    /// The cached server check, refreshed every few seconds by one caller at a time (the
+    /// others go on with the last result meanwhile).
     async fn healthy(&self) -> Result<(), StoreError> {
         {
             let h = self.health.lock().await;
             if let Some(at) = h.checked {
-                if at.elapsed() < HEALTH_EVERY {
+                let fresh = at.elapsed() < HEALTH_EVERY;
+                if fresh || self.refreshing.swap(true, Ordering::AcqRel) {
                     return match &h.fault {
                         Some(f) => Err(unavailable(f.clone())),
                         None => Ok(()),
@@ -589,6 +593,14 @@ impl RedisStore {
                 }
             }
         }
+        /// Clears the flag even when the check is cancelled by the call's timeout.
+        struct Done<'a>(&'a AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        let _done = Done(&self.refreshing);
         self.check_server().await
     }
 

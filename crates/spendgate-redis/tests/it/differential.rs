@@ -499,3 +499,208 @@ async fn same_answers_as_the_core_whole_run() {
 async fn same_answers_as_the_core_hour_month_lifetime() {
     variant(2, 21..=23, &["step shrunk"]).await;
 }
+
+/// A value of a random magnitude: 0, small, around 10^6, 2^32, 2^53 or anything up to u64::MAX.
+fn magnitude(r: &mut Rng, cap: u64) -> u64 {
+    let v = match r.below(9) {
+        0 => 0,
+        1 => 1 + r.below(9),
+        2 => r.below(1000),
+        3 => r.below(2_000_000),
+        4 => 999_999 + r.below(3),
+        5 => r.below(1 << 32),
+        6 => r.below(MICROS_MAX.0) + 1,
+        7 => r.next(),
+        _ => u64::MAX - r.below(2),
+    };
+    v.min(cap)
+}
+
+async fn money_case(shrink: bool, seed: u64) {
+    let server = server(false);
+    let clock = ManualClock::new(UnixMs(1_800_000_000_000));
+    let mut r = Rng(seed | 1);
+    let policy = Policy {
+        global: ScopePolicy::default(),
+        ip: ScopePolicy::default(),
+        session: ScopePolicy::default(),
+        conversation: ScopePolicy::default(),
+        run: RunBounds {
+            max_input_bytes: MICROS_MAX.0,
+            max_context_tokens: MICROS_MAX.0,
+            max_output_tokens: if shrink {
+                1_000_000_000_000_000
+            } else {
+                MICROS_MAX.0
+            },
+            max_tool_result_bytes: 1000,
+            max_model_rounds: 1_000_000,
+            max_tool_calls: 1_000_000,
+            max_retries: 1_000_000,
+            max_seconds: 1_000_000,
+            max_cost: if shrink {
+                Micros(123_456_789_012)
+            } else {
+                MICROS_MAX
+            },
+            shrink_to_fit: shrink,
+            min_output_tokens: 0,
+        },
+        mode: ReservationMode::PerStep,
+        lease_ttl_ms: 1_000_000_000,
+        session_create_per_ip: None,
+        session_create_global: None,
+    };
+    let memory = MemoryStore::new(policy.clone(), Arc::new(clock.clone()));
+    let redis = open(
+        options(
+            &server,
+            &fresh_prefix("money"),
+            Some(Arc::new(clock.clone())),
+        ),
+        policy,
+    )
+    .await;
+    let mut seen = Seen::new();
+    for i in 0..400 {
+        let run = format!("run{i}");
+        let mut cmds = vec![Command::AdmitRun {
+            req: RunRequest {
+                run_id: RunId(run.clone()),
+                session: "s".into(),
+                ips: vec![IpScope {
+                    prefix: "p".into(),
+                    factor: 1,
+                }],
+                conversation: "c".into(),
+                input_bytes: 1,
+            },
+            idem: None,
+        }];
+        let model = r.chance(75);
+        let steps = if shrink { 3 } else { 1 };
+        for j in 0..steps {
+            let kind = if model {
+                StepKind::Model {
+                    model: "m".into(),
+                    price: ModelPrice {
+                        input_per_million: Micros(magnitude(&mut r, MICROS_MAX.0)),
+                        cached_input_per_million: Micros(magnitude(&mut r, MICROS_MAX.0)),
+                        output_per_million: Micros(magnitude(&mut r, MICROS_MAX.0)),
+                    },
+                    prompt_tokens: magnitude(&mut r, u64::MAX),
+                    max_output_tokens: r.chance(70).then(|| magnitude(&mut r, u64::MAX)),
+                    retry: false,
+                }
+            } else {
+                StepKind::Tool {
+                    tool: "t".into(),
+                    price: ToolPrice {
+                        per_call: Micros(magnitude(&mut r, MICROS_MAX.0)),
+                        per_unit: Micros(magnitude(&mut r, MICROS_MAX.0)),
+                    },
+                    units: magnitude(&mut r, u64::MAX),
+                }
+            };
+            let step = ReservationId(format!("{run}.{j}"));
+            cmds.push(Command::ReserveStep {
+                req: StepRequest {
+                    run_id: RunId(run.clone()),
+                    step_id: step.clone(),
+                    kind,
+                },
+                idem: None,
+            });
+            let how = if model {
+                Settlement::Tokens(TokenUsage {
+                    prompt_tokens: magnitude(&mut r, u64::MAX),
+                    completion_tokens: magnitude(&mut r, u64::MAX),
+                    cached_tokens: magnitude(&mut r, u64::MAX),
+                })
+            } else {
+                Settlement::Units(magnitude(&mut r, u64::MAX))
+            };
+            if !shrink || j == steps - 1 {
+                cmds.push(Command::Resolve {
+                    step,
+                    how: Resolution::Commit(how),
+                });
+            }
+        }
+        cmds.push(Command::Finish {
+            run: RunId(run.clone()),
+        });
+        for cmd in cmds {
+            let want = memory.execute(cmd.clone()).await;
+            let got = redis.execute(cmd.clone()).await;
+            assert_eq!(want, got, "seed {seed}, {cmd:?}");
+            *seen.entry(outcome(&want)).or_default() += 1;
+        }
+    }
+    println!("money (shrink {shrink}): {seen:?}");
+    if shrink {
+        assert!(seen.contains_key("step shrunk"), "{seen:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn money_math_is_exact_at_every_magnitude() {
+    money_case(false, 7).await;
+    money_case(false, 8).await;
+    money_case(true, 9).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calendar_windows_match_the_core_across_centuries() {
+    let server = server(false);
+    let clock = ManualClock::new(UnixMs(0));
+    let mut p = policy(2);
+    p.global.budgets = vec![
+        budget(1000, Window::Hour),
+        budget(1000, Window::Day),
+        budget(1000, Window::Month),
+    ];
+    p.session.budgets = p.global.budgets.clone();
+    let memory = MemoryStore::new(p.clone(), Arc::new(clock.clone()));
+    let redis = open(
+        options(&server, &fresh_prefix("cal"), Some(Arc::new(clock.clone()))),
+        p,
+    )
+    .await;
+    let mut r = Rng(99);
+    // Sorted random instants from 1970 to about 2400, plus month and year edges.
+    let mut times: Vec<u64> = (0..1500).map(|_| r.below(13_600_000_000_000)).collect();
+    for y in [1970i64, 1999, 2000, 2024, 2100, 2399] {
+        for m in 1..=12u32 {
+            let edge = spendgate_core::window::days_from_civil(y, m, 1) as u64 * 86_400_000;
+            times.extend([edge.saturating_sub(1), edge, edge + 1]);
+        }
+    }
+    times.sort_unstable();
+    let scopes = vec![
+        (ScopeKey::global(), 1),
+        (ScopeKey::new(ScopeKind::Session, "s"), 1),
+    ];
+    for (i, t) in times.into_iter().enumerate() {
+        clock.set(UnixMs(t));
+        let mut cmds = vec![Command::Usage {
+            scopes: scopes.clone(),
+        }];
+        if i % 3 == 0 {
+            cmds.push(Command::Adjust {
+                scope: ScopeKey::new(ScopeKind::Session, "s"),
+                amount: 5,
+            });
+        }
+        if i % 7 == 0 {
+            cmds.push(Command::Sweep);
+        }
+        for cmd in cmds {
+            assert_eq!(
+                memory.execute(cmd.clone()).await,
+                redis.execute(cmd.clone()).await,
+                "at {t} ms: {cmd:?}"
+            );
+        }
+    }
+}

@@ -63,8 +63,17 @@ impl Server {
         let config = dir.path().join("spendgate.toml");
         std::fs::write(&config, config_text(port, store, extra)).expect("write config");
         spendgate_server::install_crypto();
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(20)).build().expect("client");
-        let mut s = Server { dir, port, child: None, http, config };
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()
+            .expect("client");
+        let mut s = Server {
+            dir,
+            port,
+            child: None,
+            http,
+            config,
+        };
         s.spawn();
         s
     }
@@ -97,10 +106,6 @@ impl Server {
     pub fn terminate(&mut self) -> std::process::ExitStatus {
         let mut c = self.child.take().expect("running");
         c.terminate().expect("terminate")
-    }
-
-    pub fn config_path(&self) -> &std::path::Path {
-        &self.config
     }
 
     pub fn url(&self, path: &str) -> String {

@@ -67,6 +67,8 @@ impl ApiError {
             401 => "authentication_error",
             403 => "permission_error",
             404 => "not_found_error",
+            // OpenAI's own type for a spent quota: client libraries do not retry it.
+            429 if self.code == "budget_exhausted" => "insufficient_quota",
             429 => "rate_limit_error",
             _ => "server_error",
         }

@@ -68,8 +68,13 @@ pub fn redis_options(config: &Config) -> spendgate_redis::RedisOptions {
     }
 }
 
-async fn open_redis(config: &Config, policy: spendgate_core::Policy) -> Result<Arc<dyn Store>, ServerError> {
-    Ok(Arc::new(spendgate_redis::RedisStore::open(redis_options(config), policy).await?))
+async fn open_redis(
+    config: &Config,
+    policy: spendgate_core::Policy,
+) -> Result<Arc<dyn Store>, ServerError> {
+    Ok(Arc::new(
+        spendgate_redis::RedisStore::open(redis_options(config), policy).await?,
+    ))
 }
 
 /// Installs the TLS crypto provider (ring) for outgoing HTTPS; idempotent.

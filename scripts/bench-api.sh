@@ -41,13 +41,14 @@ budgets = []
 [limits.conversation]
 budgets = []
 [run]
-max_tool_calls = 1000000000
+max_tool_calls = 100000
 max_seconds = 3600
 max_cost = "1000000"
 [tools.bench_tool]
 per_call = "0.000001"
 TOML
 ./target/release/spendgate serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
+sleep 0.2; if ! kill -0 $! 2>/dev/null; then cat "$dir/server.log"; exit 1; fi
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
 for _ in $(seq 100); do

@@ -14,7 +14,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Terminal records (finished runs and their reservations) are kept this long after the run
 /// ends, so that a retried commit, release or finish still gets its first answer.
-pub const RECORD_RETENTION_MS: u64 = 3_600_000;
+pub const RECORD_RETENTION_MS: u64 = 600_000;
 /// Idempotency keys are remembered at least this long (and at least one lease TTL).
 pub const IDEMPOTENCY_RETENTION_MS: u64 = 600_000;
 /// Upper bound on runs plus reservations plus idempotency records held at once. Past it,

@@ -113,7 +113,11 @@ async fn pair(ctx: &Ctx, i: usize) -> Option<Duration> {
         .await
         .ok()?;
     if r.status().as_u16() != 201 {
-        ctx.errors.fetch_add(1, Ordering::Relaxed);
+        if ctx.errors.fetch_add(1, Ordering::Relaxed) == 0 {
+            let status = r.status();
+            let body = r.text().await.unwrap_or_default();
+            eprintln!("first refusal: {status} {body}");
+        }
         return None;
     }
     let v: Value = r.json().await.ok()?;

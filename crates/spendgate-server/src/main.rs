@@ -5,6 +5,8 @@ use clap::{Parser, Subcommand};
 use spendgate_server::config::{self, Config};
 use std::path::PathBuf;
 
+mod demo;
+
 #[derive(Parser)]
 #[command(
     name = "spendgate",
@@ -30,6 +32,15 @@ enum Cmd {
     CheckConfig {
         #[arg(long, short, env = "SPENDGATE_CONFIG")]
         config: Option<PathBuf>,
+    },
+    /// Run a demo with no config: the gateway, the built-in mock upstream and a demo chat
+    /// page at /demo/, on the embedded sqlite store.
+    Demo {
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+        /// The sqlite ledger file (default: a temporary file removed at exit).
+        #[arg(long)]
+        db: Option<PathBuf>,
     },
     /// Run the OpenAI-compatible mock upstream.
     MockUpstream {
@@ -117,6 +128,9 @@ async fn main() -> anyhow::Result<()> {
             println!("spendgate listening on http://{addr}");
             spendgate_server::serve(state, listener, shutdown_signal()).await?;
         }
+        Cmd::Demo { listen, db } => {
+            demo::run(listen, db, shutdown_signal()).await?;
+        }
         Cmd::CheckConfig { config } => {
             let cfg = load_config(config.as_ref())?;
             print!("{}", cfg.render_effective());
@@ -148,7 +162,8 @@ async fn main() -> anyhow::Result<()> {
             if cfg.store.kind != config::StoreKind::Redis {
                 bail!("store accept-reset applies to store.kind = \"redis\" only");
             }
-            spendgate_redis::RedisStore::accept_reset(&spendgate_server::redis_options(&cfg)).await?;
+            spendgate_redis::RedisStore::accept_reset(&spendgate_server::redis_options(&cfg))
+                .await?;
             println!("reset accepted: replicas admit again");
         }
     }

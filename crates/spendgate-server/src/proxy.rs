@@ -21,9 +21,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use spendgate_core::*;
-use spendgate_store::Store;
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Largest proxied request body.
@@ -173,23 +171,53 @@ pub fn prompt_tokens(tokenizer: Tokenizer, body: &Value) -> ApiResult<(u64, u64,
 }
 
 /// Resolves a step exactly once; if dropped unresolved (client gone, task cancelled), the
-/// step is marked `unknown` (charged in full) and a one-step run is finished.
+/// step is resolved from the usage already read whole, else marked `unknown` (charged in
+/// full), and a one-step run is finished. Resolution runs on its own task, so a client going
+/// away while the store answers cannot cut it short.
 struct StepGuard {
-    store: Arc<dyn Store>,
+    state: Shared,
     step: Option<ReservationId>,
     run: Option<RunId>,
-    metrics_unknown: Option<Arc<api::AppState>>,
+    /// A usage the proxy finished reading (trusted even if the stream is cut later).
+    usage: Option<TokenUsage>,
 }
 
 impl StepGuard {
-    async fn resolve(mut self, how: Resolution) -> Option<Applied<Resolved>> {
+    fn take(&mut self) -> Option<(ReservationId, Option<RunId>)> {
         let step = self.step.take()?;
-        let r = self.store.resolve(step, how).await;
-        if let Some(run) = self.run.take() {
-            let _ = self.store.finish(run).await;
+        Some((step, self.run.take()))
+    }
+
+    async fn settle(
+        state: Shared,
+        step: ReservationId,
+        run: Option<RunId>,
+        how: Resolution,
+    ) -> Option<Applied<Resolved>> {
+        let unknown = how == Resolution::Unknown;
+        let r = state.store.resolve(step, how).await;
+        if let Some(run) = run {
+            if let Err(e) = state.store.finish(run).await {
+                tracing::warn!(error = %e, "could not finish a one-step proxy run; its lease will expire");
+            }
         }
         match r {
-            Ok(a) => Some(a),
+            Ok(a) => {
+                if !a.value.repeated {
+                    if unknown {
+                        state.metrics.unknown_outcome();
+                    }
+                    if a.value.overrun {
+                        state.metrics.overrun();
+                        tracing::warn!(
+                            charged = a.value.charged.0,
+                            reserved = a.value.reserved.0,
+                            "overrun: upstream usage above the reservation, charged in full"
+                        );
+                    }
+                }
+                Some(a)
+            }
             Err(e) => {
                 // The hold stays; it expires and is charged in full.
                 tracing::warn!(error = %e, "could not resolve a proxied step; it will expire and be charged in full");
@@ -197,24 +225,28 @@ impl StepGuard {
             }
         }
     }
+
+    async fn resolve(mut self, how: Resolution) -> Option<Applied<Resolved>> {
+        let (step, run) = self.take()?;
+        let state = self.state.clone();
+        tokio::spawn(Self::settle(state, step, run, how))
+            .await
+            .ok()
+            .flatten()
+    }
 }
 
 impl Drop for StepGuard {
     fn drop(&mut self) {
-        let (Some(step), run) = (self.step.take(), self.run.take()) else {
+        let Some((step, run)) = self.take() else {
             return;
         };
-        let store = self.store.clone();
-        if let Some(s) = &self.metrics_unknown {
-            s.metrics.unknown_outcome();
-        }
+        let how = match self.usage {
+            Some(u) => Resolution::Commit(Settlement::Tokens(u)),
+            None => Resolution::Unknown,
+        };
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(async move {
-                let _ = store.resolve(step, Resolution::Unknown).await;
-                if let Some(run) = run {
-                    let _ = store.finish(run).await;
-                }
-            });
+            handle.spawn(Self::settle(self.state.clone(), step, run, how));
         }
     }
 }
@@ -308,6 +340,18 @@ pub async fn chat_completions(
             ),
         }));
     }
+    // Refused before any store call: the prompt bound alone is over the context limit.
+    if prompt > bounds.max_context_tokens {
+        return Err(ApiError::from(&Refusal {
+            code: RefusalCode::ContextTooLarge,
+            scope: Some(ScopeKind::Run),
+            retry_after_s: None,
+            message: format!(
+                "prompt of {prompt} tokens is over the context limit of {} tokens",
+                bounds.max_context_tokens
+            ),
+        }));
+    }
     // The effective output bound: the smallest of every alias the request carries and ours.
     let mut requested: Option<u64> = None;
     for k in ["max_tokens", "max_completion_tokens"] {
@@ -386,18 +430,22 @@ pub async fn chat_completions(
     };
     state.metrics.admitted("proxy_step");
     let guard = StepGuard {
-        store: state.store.clone(),
+        state: state.clone(),
         step: Some(step_id.clone()),
         run: own_run.then(|| run_id.clone()),
-        metrics_unknown: Some(state.clone()),
+        usage: None,
     };
 
     // The forwarded request: exactly one output bound, usage asked for in streams.
     let out = reserved
         .max_output_tokens
         .unwrap_or(bounds.max_output_tokens);
+    let mut client_wants_usage = false;
     if let Some(o) = req.as_object_mut() {
-        let alias = if o.contains_key("max_completion_tokens") && !o.contains_key("max_tokens") {
+        let present =
+            |o: &serde_json::Map<String, Value>, k: &str| o.get(k).is_some_and(|v| !v.is_null());
+        // The newer alias when the client used it (reasoning models refuse `max_tokens`).
+        let alias = if present(o, "max_completion_tokens") {
             "max_completion_tokens"
         } else {
             "max_tokens"
@@ -411,6 +459,10 @@ pub async fn chat_completions(
         if stream {
             let so = o.entry("stream_options").or_insert_with(|| json!({}));
             if let Some(so) = so.as_object_mut() {
+                client_wants_usage = so
+                    .get("include_usage")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(false);
                 so.insert("include_usage".into(), json!(true));
             } else {
                 *so = json!({"include_usage": true});
@@ -418,16 +470,17 @@ pub async fn chat_completions(
         }
     }
     let mut extra = HeaderMap::new();
-    extra.insert(
-        "spendgate-run",
-        HeaderValue::from_str(&run_id.0).unwrap_or(HeaderValue::from_static("")),
-    );
-    extra.insert(
-        "spendgate-step",
-        HeaderValue::from_str(&step_id.0).unwrap_or(HeaderValue::from_static("")),
-    );
+    if let Ok(v) = HeaderValue::from_str(&run_id.0) {
+        extra.insert("spendgate-run", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&step_id.0) {
+        extra.insert("spendgate-step", v);
+    }
     if let Ok(v) = HeaderValue::from_str(&reserved.reserved.0.to_string()) {
         extra.insert("spendgate-reserved-micros", v);
+    }
+    if let Ok(v) = HeaderValue::from_str(&out.to_string()) {
+        extra.insert("spendgate-max-output-tokens", v);
     }
     if reserved.shrunk {
         extra.insert("spendgate-output-shrunk", HeaderValue::from_static("true"));
@@ -438,44 +491,56 @@ pub async fn chat_completions(
         upstream.base_url.trim_end_matches('/')
     );
     let mut builder = state.http.post(&url).json(&req);
+    drop(req);
     if !upstream.api_key.is_empty() {
         builder = builder.bearer_auth(&upstream.api_key);
     }
-    for h in [
-        "x-mock-fault",
-        "x-mock-completion-tokens",
-        "x-mock-latency-ms",
-        "x-mock-cached-tokens",
-        "x-mock-tokens-per-second",
-    ] {
-        if let Some(v) = headers.get(h) {
-            builder = builder.header(h, v.clone());
+    for h in FORWARDED_HEADERS {
+        if let Some(v) = headers.get(*h) {
+            builder = builder.header(*h, v.clone());
         }
-    }
-    if !stream {
-        builder = builder.timeout(upstream.timeout);
     }
     let started = Instant::now();
-    let resp = match tokio::time::timeout(upstream.timeout, builder.send()).await {
+    // One deadline for the answer's head (and, when not streaming, its whole body).
+    let deadline = tokio::time::Instant::now() + upstream.timeout;
+    let resp = match tokio::time::timeout_at(deadline, builder.send()).await {
         Ok(Ok(r)) => r,
+        Ok(Err(e)) if e.is_connect() => {
+            // The request never left: no paid work started.
+            tracing::warn!(error = %e, upstream = %model.upstream, "upstream unreachable; releasing the step");
+            return Ok(fail(
+                guard,
+                Resolution::Release,
+                extra,
+                StatusCode::BAD_GATEWAY,
+                "upstream_unreachable",
+                "the upstream could not be reached; nothing was charged",
+            )
+            .await);
+        }
         Ok(Err(e)) => {
-            tracing::warn!(error = %e, "upstream request failed; charging the step in full");
-            let _ = guard.resolve(Resolution::Unknown).await;
-            state.metrics.unknown_outcome();
-            return Err(ApiError::new(
+            tracing::warn!(error = %e, upstream = %model.upstream, "upstream request failed; charging the step in full");
+            return Ok(fail(
+                guard,
+                Resolution::Unknown,
+                extra,
                 StatusCode::BAD_GATEWAY,
                 "upstream_error",
-                "the upstream could not be reached",
-            ));
+                "the upstream connection failed before an answer; the call was charged in full",
+            )
+            .await);
         }
         Err(_) => {
-            let _ = guard.resolve(Resolution::Unknown).await;
-            state.metrics.unknown_outcome();
-            return Err(ApiError::new(
+            tracing::warn!(upstream = %model.upstream, timeout_s = upstream.timeout.as_secs(), "upstream timed out; charging the step in full");
+            return Ok(fail(
+                guard,
+                Resolution::Unknown,
+                extra,
                 StatusCode::GATEWAY_TIMEOUT,
                 "upstream_timeout",
-                "the upstream did not answer in time",
-            ));
+                "the upstream did not answer in time; the call was charged in full",
+            )
+            .await);
         }
     };
     let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
@@ -485,27 +550,33 @@ pub async fn chat_completions(
 
     if !status.is_success() {
         // An error answer: by default no paid work started.
-        let bytes = read_capped(resp, upstream.timeout).await;
+        let bytes = read_capped(resp, deadline).await;
+        state.metrics.upstream_call(started.elapsed());
         let how = if upstream.release_on_error && bytes.is_some() {
             Resolution::Release
         } else {
             Resolution::Unknown
         };
-        let _ = guard.resolve(how).await;
-        state.metrics.upstream_call(started.elapsed());
-        let mut r = (status, bytes.unwrap_or_default()).into_response();
+        if let Some(a) = guard.resolve(how).await {
+            note_resolution(&a, &mut out_headers);
+        }
+        let body = redact(bytes.unwrap_or_default(), &upstream.api_key);
+        let mut r = (status, body).into_response();
         r.headers_mut().extend(out_headers);
         return Ok(r);
     }
 
     if !stream {
-        let Some(bytes) = read_capped(resp, upstream.timeout).await else {
-            let _ = guard.resolve(Resolution::Unknown).await;
-            return Err(ApiError::new(
+        let Some(bytes) = read_capped(resp, deadline).await else {
+            return Ok(fail(
+                guard,
+                Resolution::Unknown,
+                out_headers,
                 StatusCode::BAD_GATEWAY,
                 "upstream_error",
-                "the upstream answer was cut off",
-            ));
+                "the upstream answer was cut off or too slow; the call was charged in full",
+            )
+            .await);
         };
         state.metrics.upstream_call(started.elapsed());
         let usage = serde_json::from_slice::<Value>(&bytes)
@@ -514,10 +585,13 @@ pub async fn chat_completions(
             .and_then(usage_of);
         let how = match usage {
             Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-            None => Resolution::Unknown,
+            None => {
+                tracing::warn!(upstream = %model.upstream, "upstream answer without usage; charging the step in full");
+                Resolution::Unknown
+            }
         };
         if let Some(a) = guard.resolve(how).await {
-            note_resolution(&state, &a, &mut out_headers);
+            note_resolution(&a, &mut out_headers);
         }
         let mut r = (status, bytes).into_response();
         r.headers_mut().extend(out_headers);
@@ -525,34 +599,77 @@ pub async fn chat_completions(
     }
 
     // Streaming: pass every chunk through as it arrives; watch for the usage chunk.
-    let idle = upstream.timeout;
-    let upstream_stream = resp.bytes_stream();
-    let state2 = state.clone();
-    let body_stream = async_stream(upstream_stream, guard, idle, state2);
+    let body_stream = relay(
+        resp.bytes_stream(),
+        guard,
+        upstream.timeout,
+        !client_wants_usage,
+        started,
+    );
     let mut r = Response::new(AxumBody::from_stream(body_stream));
     *r.status_mut() = status;
     r.headers_mut().extend(out_headers);
     Ok(r)
 }
 
-fn note_resolution(state: &api::AppState, a: &Applied<Resolved>, headers: &mut HeaderMap) {
-    if a.value.overrun {
-        state.metrics.overrun();
-        tracing::warn!(
-            charged = a.value.charged.0,
-            reserved = a.value.reserved.0,
-            "overrun: upstream usage above the reservation"
-        );
+/// Request headers passed to the upstream besides the body and its key (the mock's controls).
+const FORWARDED_HEADERS: &[&str] = &[
+    "x-mock-fault",
+    "x-mock-completion-tokens",
+    "x-mock-latency-ms",
+    "x-mock-cached-tokens",
+    "x-mock-tokens-per-second",
+];
+
+/// Resolves the step and answers an error about the upstream, in the OpenAI shape, with the
+/// step's headers (`x-should-retry: false`: each retry would be another paid attempt).
+async fn fail(
+    guard: StepGuard,
+    how: Resolution,
+    mut headers: HeaderMap,
+    status: StatusCode,
+    code: &'static str,
+    message: &str,
+) -> Response {
+    if let Some(a) = guard.resolve(how).await {
+        note_resolution(&a, &mut headers);
     }
+    // Only the step's own headers: an upstream's content type or length must not survive.
+    headers.remove(header::CONTENT_TYPE);
+    headers.remove(header::CONTENT_LENGTH);
+    let mut r = ApiError::new(status, code, message).into_response();
+    r.headers_mut().extend(headers);
+    r
+}
+
+/// Hides the upstream's key should an error body echo it back.
+fn redact(body: Bytes, key: &str) -> Bytes {
+    if key.len() < 4 || body.len() < key.len() {
+        return body;
+    }
+    let k = key.as_bytes();
+    if !body.windows(k.len()).any(|w| w == k) {
+        return body;
+    }
+    let text = String::from_utf8_lossy(&body).replace(key, "***");
+    Bytes::from(text)
+}
+
+fn note_resolution(a: &Applied<Resolved>, headers: &mut HeaderMap) {
     if let Ok(v) = HeaderValue::from_str(&a.value.charged.0.to_string()) {
         headers.insert("spendgate-charged-micros", v);
     }
+    headers.insert(
+        "spendgate-outcome",
+        HeaderValue::from_static(a.value.state.name()),
+    );
 }
 
-async fn read_capped(resp: reqwest::Response, timeout: Duration) -> Option<Bytes> {
+/// Reads a whole body of at most [`UPSTREAM_BODY_BYTES_MAX`] by `deadline`; `None` when it
+/// is cut off, too large or too slow.
+async fn read_capped(resp: reqwest::Response, deadline: tokio::time::Instant) -> Option<Bytes> {
     let mut s = resp.bytes_stream();
     let mut buf = Vec::new();
-    let deadline = tokio::time::Instant::now() + timeout;
     loop {
         match tokio::time::timeout_at(deadline, s.next()).await {
             Ok(Some(Ok(chunk))) => {
@@ -567,104 +684,234 @@ async fn read_capped(resp: reqwest::Response, timeout: Duration) -> Option<Bytes
     }
 }
 
-/// Scans SSE `data:` lines for a chunk carrying `usage`.
+/// Watches an SSE stream line by line as it passes: reads the usage chunk, and drops it when
+/// the client did not ask for usage (we did, on its behalf; a client that did not ask may not
+/// expect a chunk without choices). Bytes are forwarded as soon as their line is complete.
 #[derive(Default)]
-struct UsageScanner {
+struct SseTap {
+    /// The start of a line whose end has not arrived yet.
     line: Vec<u8>,
+    /// Inside a line longer than [`SSE_LINE_BYTES_MAX`]: passed through unread.
+    overflow: bool,
     usage: Option<TokenUsage>,
     done: bool,
-    overflow: bool,
+    strip_usage: bool,
 }
 
-impl UsageScanner {
-    fn feed(&mut self, chunk: &[u8]) {
-        for &b in chunk {
-            if b == b'\n' {
-                self.line_end();
-            } else if self.line.len() < SSE_LINE_BYTES_MAX {
-                self.line.push(b);
-            } else {
-                self.overflow = true;
-            }
+/// True when a `data:` payload has `"usage": {` (not `"usage": null`), without parsing it.
+fn has_usage_object(data: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"usage\"";
+    let mut rest = data;
+    while let Some(i) = rest.windows(KEY.len()).position(|w| w == KEY) {
+        rest = &rest[i + KEY.len()..];
+        let after = rest
+            .iter()
+            .copied()
+            .find(|b| !(b.is_ascii_whitespace() || *b == b':'));
+        if after == Some(b'{') {
+            return true;
         }
     }
-    fn line_end(&mut self) {
-        let line = std::mem::take(&mut self.line);
-        let text = String::from_utf8_lossy(&line);
-        let text = text.trim_end_matches('\r');
-        if let Some(data) = text.strip_prefix("data:") {
-            let data = data.trim();
-            if data == "[DONE]" {
-                self.done = true;
-            } else if let Ok(v) = serde_json::from_str::<Value>(data) {
-                if let Some(u) = usage_of(&v) {
-                    self.usage = Some(u);
+    false
+}
+
+impl SseTap {
+    fn new(strip_usage: bool) -> SseTap {
+        SseTap {
+            strip_usage,
+            ..SseTap::default()
+        }
+    }
+
+    /// Reads one whole line (with its `\n`); false when it is to be dropped.
+    fn line(&mut self, line: &[u8]) -> bool {
+        let text = line.strip_suffix(b"\n").unwrap_or(line);
+        let text = text.strip_suffix(b"\r").unwrap_or(text);
+        let Some(data) = text.strip_prefix(b"data:") else {
+            return true;
+        };
+        let data = data.trim_ascii();
+        if data == b"[DONE]" {
+            self.done = true;
+            return true;
+        }
+        if !has_usage_object(data) {
+            return true;
+        }
+        let Ok(v) = serde_json::from_slice::<Value>(data) else {
+            return true;
+        };
+        if let Some(u) = usage_of(&v) {
+            self.usage = Some(u);
+            let no_choices = v
+                .get("choices")
+                .and_then(Value::as_array)
+                .is_some_and(Vec::is_empty);
+            if self.strip_usage && no_choices {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// What to forward of `chunk` now.
+    fn feed(&mut self, chunk: Bytes) -> Bytes {
+        // Fast path: nothing carried over, whole lines only, all kept: forward as is.
+        if self.line.is_empty() && !self.overflow && chunk.ends_with(b"\n") {
+            let mut keep_all = true;
+            let mut kept: Vec<(usize, usize)> = Vec::new();
+            let mut start = 0;
+            for (i, b) in chunk.iter().enumerate() {
+                if *b == b'\n' {
+                    if self.line(&chunk[start..=i]) {
+                        kept.push((start, i + 1));
+                    } else {
+                        keep_all = false;
+                    }
+                    start = i + 1;
                 }
             }
+            if keep_all {
+                return chunk;
+            }
+            let mut out = Vec::with_capacity(chunk.len());
+            for (a, b) in kept {
+                out.extend_from_slice(&chunk[a..b]);
+            }
+            return Bytes::from(out);
         }
+        let mut out = Vec::with_capacity(chunk.len() + self.line.len());
+        let mut rest: &[u8] = &chunk;
+        while let Some(pos) = rest.iter().position(|b| *b == b'\n') {
+            let (head, tail) = rest.split_at(pos + 1);
+            rest = tail;
+            if self.overflow {
+                out.extend_from_slice(head);
+                self.overflow = false;
+                continue;
+            }
+            let mut line = std::mem::take(&mut self.line);
+            line.extend_from_slice(head);
+            if self.line(&line) {
+                out.extend_from_slice(&line);
+            }
+        }
+        if self.overflow {
+            out.extend_from_slice(rest);
+        } else {
+            self.line.extend_from_slice(rest);
+            if self.line.len() > SSE_LINE_BYTES_MAX {
+                // Too long to hold: pass it on unread (a usage in it is not trusted).
+                self.overflow = true;
+                out.append(&mut self.line);
+            }
+        }
+        Bytes::from(out)
+    }
+
+    /// The end of the stream: what is left of an unterminated last line.
+    fn finish(&mut self) -> Bytes {
+        let line = std::mem::take(&mut self.line);
+        if self.overflow || line.is_empty() {
+            return Bytes::from(line);
+        }
+        if self.line(&line) {
+            Bytes::from(line)
+        } else {
+            Bytes::new()
+        }
+    }
+
+    /// A line was left unterminated.
+    fn mid_line(&self) -> bool {
+        self.overflow || !self.line.is_empty()
     }
 }
 
-fn async_stream(
+/// An SSE event carrying an OpenAI-shaped error: what OpenAI itself sends when a stream fails
+/// after its head (the `openai` libraries raise it as an API error).
+fn sse_error(code: &str, message: &str, mid_line: bool) -> Bytes {
+    let event =
+        json!({"error": {"type": "server_error", "code": code, "message": message, "param": null}});
+    let lead = if mid_line { "\n\n" } else { "" };
+    Bytes::from(format!("{lead}data: {event}\n\n"))
+}
+
+/// The body relayed to the client: upstream chunks as they arrive (idle-bounded), then the
+/// step's resolution: commit from a usage read whole, else `unknown`.
+fn relay(
     upstream: impl futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
     guard: StepGuard,
     idle: Duration,
-    state: Shared,
+    strip_usage: bool,
+    started: Instant,
 ) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
     struct S<U> {
         upstream: U,
         guard: Option<StepGuard>,
-        scan: UsageScanner,
+        tap: SseTap,
         idle: Duration,
-        state: Shared,
         started: Instant,
     }
     let s = S {
         upstream,
         guard: Some(guard),
-        scan: UsageScanner::default(),
+        tap: SseTap::new(strip_usage),
         idle,
-        state,
-        started: Instant::now(),
+        started,
     };
     futures::stream::unfold(s, |mut s| async move {
-        let guard = s.guard.as_ref()?;
-        let _ = guard;
-        match tokio::time::timeout(s.idle, s.upstream.next()).await {
-            Ok(Some(Ok(chunk))) => {
-                s.scan.feed(&chunk);
-                Some((Ok(chunk), s))
-            }
-            Ok(None) => {
-                // The stream ended: commit from a usage chunk read whole, else charge in full.
-                s.scan.line_end();
-                let how = match s.scan.usage {
-                    Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-                    None => Resolution::Unknown,
-                };
-                s.state.metrics.upstream_call(s.started.elapsed());
-                if let Some(g) = s.guard.take() {
-                    if let Some(a) = g.resolve(how).await {
-                        if a.value.overrun {
-                            s.state.metrics.overrun();
-                        }
+        loop {
+            let mut guard = s.guard.take()?;
+            match tokio::time::timeout(s.idle, s.upstream.next()).await {
+                Ok(Some(Ok(chunk))) => {
+                    let out = s.tap.feed(chunk);
+                    guard.usage = s.tap.usage;
+                    s.guard = Some(guard);
+                    if out.is_empty() {
+                        continue;
                     }
+                    return Some((Ok(out), s));
                 }
-                None
-            }
-            Ok(Some(Err(_))) | Err(_) => {
-                // Lost mid-stream: trust a usage chunk that was read whole, else unknown.
-                let how = match s.scan.usage {
-                    Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-                    None => Resolution::Unknown,
-                };
-                if how == Resolution::Unknown {
-                    s.state.metrics.unknown_outcome();
+                Ok(None) => {
+                    // The stream ended: commit from a usage chunk read whole, else charge in full.
+                    let tail = s.tap.finish();
+                    let how = match s.tap.usage {
+                        Some(u) => Resolution::Commit(Settlement::Tokens(u)),
+                        None => Resolution::Unknown,
+                    };
+                    guard.state.metrics.upstream_call(s.started.elapsed());
+                    if how == Resolution::Unknown {
+                        tracing::warn!(
+                            "upstream stream ended without usage; charging the step in full"
+                        );
+                    }
+                    let _ = guard.resolve(how).await;
+                    if tail.is_empty() {
+                        return None;
+                    }
+                    return Some((Ok(tail), s));
                 }
-                if let Some(g) = s.guard.take() {
-                    let _ = g.resolve(how).await;
+                Ok(Some(Err(_))) | Err(_) => {
+                    // Lost mid-stream: trust a usage chunk that was read whole, else unknown.
+                    let (how, message) = match s.tap.usage {
+                        Some(u) => (
+                            Resolution::Commit(Settlement::Tokens(u)),
+                            "the upstream stream was cut off after its usage; the call was charged at that usage",
+                        ),
+                        None => (
+                            Resolution::Unknown,
+                            "the upstream stream was cut off or stalled; the call was charged in full",
+                        ),
+                    };
+                    tracing::warn!(
+                        usage_read = s.tap.usage.is_some(),
+                        "upstream stream failed mid-way"
+                    );
+                    let _ = guard.resolve(how).await;
+                    let event = sse_error("upstream_error", message, s.tap.mid_line());
+                    return Some((Ok(event), s));
                 }
-                Some((Err(std::io::Error::other("upstream stream failed")), s))
             }
         }
     })

@@ -2,5 +2,7 @@
 
 mod harness;
 
+mod cli;
 mod decision_api;
 mod replicas;
+mod proxy;

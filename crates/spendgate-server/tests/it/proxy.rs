@@ -1,0 +1,1251 @@
+//! SPEC §6 `POST /v1/chat/completions` against a real `spendgate serve` process on sqlite, in
+//! front of the mock upstream (in this test process, so its counters are the ground truth).
+
+use crate::harness::*;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use spendgate_mock_upstream::{prompt_tokens_of, MockConfig, MockStats, MockUpstream};
+use spendgate_testkit::{free_port, wait_for_port, ChildGuard};
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "mock-model";
+/// The upstream's key: it must reach the upstream and never the client.
+const UPSTREAM_KEY: &str = "sk-upstream-secret-7f3a9c21e4b8";
+
+/// The mock upstream served from this test's runtime; records the `Authorization` headers it
+/// received.
+struct Mock {
+    mock: MockUpstream,
+    port: u16,
+    auth: Arc<Mutex<BTreeSet<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Mock {
+    async fn start() -> Mock {
+        let mock = MockUpstream::new(MockConfig::default());
+        let auth = Arc::new(Mutex::new(BTreeSet::new()));
+        let seen = auth.clone();
+        let app = mock.router().layer(axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let seen = seen.clone();
+                async move {
+                    let a = req
+                        .headers()
+                        .get("authorization")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("")
+                        .to_string();
+                    if let Ok(mut s) = seen.lock() {
+                        if s.len() < 16 {
+                            s.insert(a);
+                        }
+                    }
+                    next.run(req).await
+                }
+            },
+        ));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind mock");
+        let port = listener.local_addr().expect("mock addr").port();
+        let task = tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        Mock {
+            mock,
+            port,
+            auth,
+            task,
+        }
+    }
+
+    fn stats(&self) -> MockStats {
+        self.mock.stats()
+    }
+
+    fn auth_seen(&self) -> BTreeSet<String> {
+        self.auth.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+}
+
+impl Drop for Mock {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Prices in micros per million tokens, as the config strings say.
+#[derive(Clone, Copy)]
+struct Prices {
+    input: u64,
+    cached: u64,
+    output: u64,
+}
+
+fn amount(micros: u64) -> String {
+    format!("{}.{:06}", micros / 1_000_000, micros % 1_000_000)
+}
+
+struct Opts {
+    global_budget: &'static str,
+    conversation_budget: &'static str,
+    prices: Prices,
+    timeout_s: u64,
+}
+
+impl Default for Opts {
+    fn default() -> Opts {
+        Opts {
+            global_budget: "1000",
+            conversation_budget: "1000",
+            // 0.15 / 0.075 / 0.60 per million: most charges are fractions of a micro.
+            prices: Prices {
+                input: 150_000,
+                cached: 75_000,
+                output: 600_000,
+            },
+            timeout_s: 30,
+        }
+    }
+}
+
+fn gateway_config(mock_port: u16, o: &Opts) -> String {
+    format!(
+        r#"lease_ttl_s = 10
+
+[limits.global]
+rate = "100000/second"
+burst = 100000
+concurrency = 10000
+budgets = [{{ amount = "{global}", window = "day" }}]
+
+[limits.ip]
+rate = "100000/second"
+burst = 100000
+concurrency = 10000
+budgets = []
+
+[limits.session]
+rate = "100000/second"
+burst = 100000
+concurrency = 10000
+budgets = []
+
+[limits.conversation]
+concurrency = 1
+budgets = [{{ amount = "{conv}", window = "day" }}]
+
+[run]
+max_context_tokens = 2000
+max_output_tokens = 100
+max_tool_result_bytes = 1000
+max_model_rounds = 3
+max_retries = 1
+max_cost = "100"
+
+[models."{MODEL}"]
+upstream = "up"
+input_per_million = "{input}"
+cached_input_per_million = "{cached}"
+output_per_million = "{output}"
+tokenizer = "bytes"
+
+[upstreams.up]
+base_url = "http://127.0.0.1:{mock_port}/v1"
+api_key = "{UPSTREAM_KEY}"
+timeout_s = {timeout}
+"#,
+        global = o.global_budget,
+        conv = o.conversation_budget,
+        input = amount(o.prices.input),
+        cached = amount(o.prices.cached),
+        output = amount(o.prices.output),
+        timeout = o.timeout_s,
+    )
+}
+
+/// spendgate in front of the mock, with one guest session.
+struct Gateway {
+    // Dropped first: the server goes before the mock it talks to.
+    server: Server,
+    mock: Mock,
+    session: String,
+    prices: Prices,
+}
+
+struct Reply {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    text: String,
+}
+
+impl Reply {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.text).unwrap_or(Value::Null)
+    }
+    fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    }
+    fn step(&self) -> String {
+        self.header("spendgate-step")
+            .unwrap_or_else(|| panic!("no spendgate-step header: {} {}", self.status, self.text))
+    }
+    fn reserved(&self) -> u64 {
+        self.header("spendgate-reserved-micros")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no reserved header: {} {}", self.status, self.text))
+    }
+    fn code(&self) -> String {
+        code(&self.json()).to_string()
+    }
+    /// The `data:` payloads of an SSE body, in order.
+    fn events(&self) -> Vec<String> {
+        self.text
+            .split('\n')
+            .filter_map(|l| l.strip_prefix("data:"))
+            .map(|d| d.trim().to_string())
+            .collect()
+    }
+    /// Nothing the client received names the upstream's key.
+    fn assert_no_key(&self) {
+        assert!(!self.text.contains(UPSTREAM_KEY), "key in body");
+        for (k, v) in &self.headers {
+            assert!(
+                !String::from_utf8_lossy(v.as_bytes()).contains(UPSTREAM_KEY),
+                "key in header {k}"
+            );
+        }
+    }
+}
+
+impl Gateway {
+    async fn start(opts: Opts) -> Gateway {
+        let mock = Mock::start().await;
+        let server = Server::start(&gateway_config(mock.port, &opts));
+        let session = server.session().await;
+        Gateway {
+            server,
+            mock,
+            session,
+            prices: opts.prices,
+        }
+    }
+
+    fn request(&self, conversation: &str, body: &Value) -> reqwest::RequestBuilder {
+        self.server
+            .http
+            .post(self.server.url("/v1/chat/completions"))
+            .bearer_auth(SERVICE)
+            .header("spendgate-session", &self.session)
+            .header("spendgate-client-ip", "10.1.2.3")
+            .header("spendgate-conversation", conversation)
+            .json(body)
+    }
+
+    async fn chat(&self, conversation: &str, body: Value, headers: &[(&str, &str)]) -> Reply {
+        let mut b = self.request(conversation, &body);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let r = b.send().await.expect("send");
+        let status = r.status().as_u16();
+        let headers = r.headers().clone();
+        // A stream cut by the upstream still ends cleanly here (the proxy ends it with an
+        // error event), so reading to the end never fails.
+        let text = r.text().await.expect("body");
+        Reply {
+            status,
+            headers,
+            text,
+        }
+    }
+
+    fn charge(&self, usage: &Value) -> u64 {
+        charge(self.prices, usage)
+    }
+
+    /// The admin view of one reservation, once it has left `held` (bounded wait).
+    async fn reservation(&self, id: &str) -> Value {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let v = self
+                .server
+                .admin_get("/admin/v1/reservations?limit=1000")
+                .await;
+            let row = v["reservations"]
+                .as_array()
+                .and_then(|rows| rows.iter().find(|r| r["id"] == id).cloned());
+            match row {
+                Some(r) if r["state"] != "held" => return r,
+                other if Instant::now() > deadline => {
+                    panic!("reservation {id} not resolved: {other:?}")
+                }
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+    }
+
+    async fn global(&self) -> Value {
+        self.server.global_usage().await
+    }
+
+    async fn metric(&self, line_prefix: &str) -> u64 {
+        let text = self
+            .server
+            .http
+            .get(self.server.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics body");
+        text.lines()
+            .find_map(|l| l.strip_prefix(line_prefix))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+/// usage × prices, rounded up to the micro.
+fn charge(p: Prices, usage: &Value) -> u64 {
+    let prompt = usage["prompt_tokens"].as_u64().expect("prompt_tokens");
+    let completion = usage["completion_tokens"]
+        .as_u64()
+        .expect("completion_tokens");
+    let cached = usage["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    let num = (prompt - cached) * p.input + cached * p.cached + completion * p.output;
+    num.div_ceil(1_000_000)
+}
+
+/// What the mock counted as served, priced.
+fn priced_delta(p: Prices, before: &MockStats, after: &MockStats) -> u64 {
+    charge(
+        p,
+        &json!({
+            "prompt_tokens": after.prompt_tokens - before.prompt_tokens,
+            "completion_tokens": after.completion_tokens - before.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": after.cached_tokens - before.cached_tokens},
+        }),
+    )
+}
+
+fn user(text: &str) -> Value {
+    json!([{"role": "user", "content": text}])
+}
+
+fn last_sent(g: &Gateway) -> Value {
+    g.mock
+        .stats()
+        .last_request
+        .expect("a request reached the mock")
+}
+
+/// Acceptance: normal and streamed calls are clamped, forwarded with exactly one output
+/// bound, and charged exactly the mock's reported usage × prices, rounded up; the upstream key
+/// reaches the upstream only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn calls_are_clamped_forwarded_and_charged_at_the_upstreams_usage() {
+    let g = Gateway::start(Opts::default()).await;
+    let mut replies = Vec::new();
+
+    // Non-streaming; max_tokens 100000 reaches the upstream as run.max_output_tokens.
+    let body = json!({"model": MODEL, "max_tokens": 100000, "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello there, how are you?"}]});
+    let r = g
+        .chat(
+            "c-normal",
+            body,
+            &[
+                ("x-mock-cached-tokens", "5"),
+                ("x-mock-completion-tokens", "37"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let v = r.json();
+    let sent = last_sent(&g);
+    assert_eq!(sent["max_tokens"], 100, "clamped to run.max_output_tokens");
+    assert!(sent.get("max_completion_tokens").is_none(), "{sent}");
+    assert_eq!(g.mock.stats().max_tokens_seen.last(), Some(&100));
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens_of(&sent));
+    assert_eq!(v["usage"]["completion_tokens"], 37);
+    assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 5);
+    assert!(v["choices"][0]["message"]["content"]
+        .as_str()
+        .is_some_and(|c| c.starts_with("tok0 tok1")));
+    let expected = g.charge(&v["usage"]);
+    assert_eq!(
+        r.header("spendgate-charged-micros"),
+        Some(expected.to_string())
+    );
+    assert_eq!(r.header("spendgate-outcome").as_deref(), Some("committed"));
+    let row = g.reservation(&r.step()).await;
+    assert_eq!(row["state"], "committed");
+    assert_eq!(row["charged_micros"], expected);
+    assert!(r.reserved() >= expected);
+    assert_eq!(row["reserved_micros"], r.reserved());
+    replies.push(r);
+
+    // Absent: the bound is inserted.
+    let r = g
+        .chat(
+            "c-absent",
+            json!({"model": MODEL, "messages": user("hi")}),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let sent = last_sent(&g);
+    assert_eq!(sent["max_tokens"], 100);
+    assert!(sent.get("max_completion_tokens").is_none());
+    assert_eq!(
+        r.header("spendgate-max-output-tokens").as_deref(),
+        Some("100")
+    );
+    replies.push(r);
+
+    // Only max_completion_tokens: it stays the alias, under our bound.
+    let r = g
+        .chat(
+            "c-mct",
+            json!({"model": MODEL, "max_completion_tokens": 50, "messages": user("hi")}),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let sent = last_sent(&g);
+    assert_eq!(sent["max_completion_tokens"], 50);
+    assert!(
+        sent.get("max_tokens").is_none(),
+        "exactly one alias: {sent}"
+    );
+    replies.push(r);
+
+    // Both: the smallest wins and exactly one is forwarded.
+    let r = g
+        .chat(
+            "c-both",
+            json!({"model": MODEL, "max_tokens": 80, "max_completion_tokens": 30, "messages": user("hi")}),
+            &[("x-mock-completion-tokens", "64")],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let sent = last_sent(&g);
+    assert_eq!(sent["max_completion_tokens"], 30);
+    assert!(
+        sent.get("max_tokens").is_none(),
+        "exactly one alias: {sent}"
+    );
+    assert_eq!(r.json()["usage"]["completion_tokens"], 30);
+    assert_eq!(
+        r.header("spendgate-charged-micros"),
+        Some(g.charge(&r.json()["usage"]).to_string())
+    );
+    replies.push(r);
+
+    // Streamed without asking for usage: the proxy asks for it, reads it, and does not pass
+    // the usage chunk (it has no choices) to a client that did not ask.
+    let r = g
+        .chat(
+            "c-stream",
+            json!({"model": MODEL, "stream": true, "max_tokens": 100000, "messages": user("stream me")}),
+            &[
+                ("x-mock-completion-tokens", "23"),
+                ("x-mock-cached-tokens", "2"),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert!(r
+        .header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream")));
+    let sent = last_sent(&g);
+    assert_eq!(sent["stream_options"]["include_usage"], true);
+    assert_eq!(sent["max_tokens"], 100);
+    let events = r.events();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let mut text = String::new();
+    for e in &events[..events.len() - 1] {
+        let c: Value = serde_json::from_str(e).expect("chunk json");
+        let choices = c["choices"].as_array().expect("choices");
+        assert_eq!(choices.len(), 1, "every chunk has its choice: {e}");
+        if let Some(t) = choices[0]["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+    }
+    assert_eq!(text.split(' ').count(), 23);
+    let usage = json!({"prompt_tokens": prompt_tokens_of(&sent), "completion_tokens": 23,
+        "prompt_tokens_details": {"cached_tokens": 2}});
+    let row = g.reservation(&r.step()).await;
+    assert_eq!(row["state"], "committed");
+    assert_eq!(row["charged_micros"], g.charge(&usage));
+    replies.push(r);
+
+    // Streamed, asking for usage: the usage chunk passes and is what was charged.
+    let r = g
+        .chat(
+            "c-stream-usage",
+            json!({"model": MODEL, "stream": true, "stream_options": {"include_usage": true}, "messages": user("stream me too")}),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let events = r.events();
+    let usage_chunk: Value = serde_json::from_str(&events[events.len() - 2]).expect("usage chunk");
+    assert_eq!(usage_chunk["choices"], json!([]));
+    let row = g.reservation(&r.step()).await;
+    assert_eq!(row["charged_micros"], g.charge(&usage_chunk["usage"]));
+    replies.push(r);
+
+    // The books: every charge above is in the global counter, nothing is held.
+    let global = g.global().await;
+    assert_eq!(global["reserved_micros"], 0);
+    let reservations = g
+        .server
+        .admin_get("/admin/v1/reservations?limit=1000")
+        .await;
+    let charged: u64 = reservations["reservations"]
+        .as_array()
+        .expect("rows")
+        .iter()
+        .map(|r| r["charged_micros"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(global["used_micros"], charged);
+    assert_eq!(g.mock.stats().requests, 6);
+
+    // The key reached the upstream, and never the client.
+    assert_eq!(
+        g.mock.auth_seen(),
+        BTreeSet::from([format!("Bearer {UPSTREAM_KEY}")])
+    );
+    for r in &replies {
+        r.assert_no_key();
+    }
+}
+
+/// Acceptance: what is over a bound never reaches the upstream, and is refused with the SPEC
+/// code; a request without identity or with an unknown model is refused too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn over_bound_requests_never_reach_the_upstream() {
+    let g = Gateway::start(Opts::default()).await;
+    let before = g.mock.stats().requests;
+    let summary = g.server.admin_get("/admin/v1/summary").await;
+
+    // Prompt over max_context_tokens (2000; one token per byte).
+    for stream in [false, true] {
+        let r = g
+            .chat(
+                "c-ctx",
+                json!({"model": MODEL, "stream": stream, "messages": user(&"x".repeat(2100))}),
+                &[],
+            )
+            .await;
+        assert_eq!(
+            (r.status, r.code()),
+            (400, "context_too_large".into()),
+            "{}",
+            r.text
+        );
+    }
+    // A tool result over max_tool_result_bytes (1000) fed back.
+    let r = g
+        .chat(
+            "c-tool",
+            json!({"model": MODEL, "messages": [
+                {"role": "user", "content": "search"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                    "function": {"name": "web_search", "arguments": "{\"q\":\"x\"}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "r".repeat(1001)}]}),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (400, "run_bound_exceeded".into()),
+        "{}",
+        r.text
+    );
+    assert_eq!(r.json()["error"]["scope"], "run");
+    // A model that is not configured.
+    let r = g
+        .chat(
+            "c-m",
+            json!({"model": "gpt-4o", "messages": user("hi")}),
+            &[],
+        )
+        .await;
+    assert_eq!((r.status, r.code()), (400, "model_not_allowed".into()));
+    // Unparseable and shapeless requests.
+    let r = g
+        .chat("c-m", json!({"model": MODEL, "messages": "hi"}), &[])
+        .await;
+    assert_eq!((r.status, r.code()), (400, "invalid_request".into()));
+    let r = g
+        .chat(
+            "c-m",
+            json!({"model": MODEL, "max_tokens": -5, "messages": user("hi")}),
+            &[],
+        )
+        .await;
+    assert_eq!((r.status, r.code()), (400, "invalid_request".into()));
+    // No identity.
+    let r = g
+        .server
+        .http
+        .post(g.server.url("/v1/chat/completions"))
+        .json(&json!({"model": MODEL, "messages": user("hi")}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 401);
+    let r = g
+        .server
+        .http
+        .post(g.server.url("/v1/chat/completions"))
+        .bearer_auth("not-the-token")
+        .header("spendgate-session", &g.session)
+        .header("spendgate-client-ip", "10.1.2.3")
+        .header("spendgate-conversation", "c")
+        .json(&json!({"model": MODEL, "messages": user("hi")}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 401);
+    let r = g
+        .server
+        .http
+        .post(g.server.url("/v1/chat/completions"))
+        .bearer_auth(SERVICE)
+        .header("spendgate-session", "forged")
+        .header("spendgate-client-ip", "10.1.2.3")
+        .header("spendgate-conversation", "c")
+        .json(&json!({"model": MODEL, "messages": user("hi")}))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 401);
+
+    assert_eq!(
+        g.mock.stats().requests,
+        before,
+        "nothing reached the upstream"
+    );
+    let after = g.server.admin_get("/admin/v1/summary").await;
+    assert_eq!(
+        summary["reservations"], after["reservations"],
+        "nothing was reserved"
+    );
+}
+
+/// Acceptance: 200 concurrent calls (half streamed) against a global budget that covers 50
+/// of their reservations: the mock serves at most the budget's worth (its own count is the
+/// ground truth), and every refused call gets 429 `budget_exhausted`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_calls_never_overspend_the_global_budget() {
+    // 10 and 30 micros per token: a "hello" call reserves 12 × 10 + 100 × 30 = 3120 (bytes
+    // bound) and the mock reports 9 × 10 + 100 × 30 = 3090.
+    let prices = Prices {
+        input: 10_000_000,
+        cached: 10_000_000,
+        output: 30_000_000,
+    };
+    let g = Arc::new(
+        Gateway::start(Opts {
+            global_budget: "0.156", // 50 × 3120
+            prices,
+            ..Opts::default()
+        })
+        .await,
+    );
+    let mut tasks = Vec::new();
+    for i in 0..200 {
+        let g = g.clone();
+        tasks.push(tokio::spawn(async move {
+            let body = json!({"model": MODEL, "stream": i % 2 == 0, "messages": user("hello")});
+            g.chat(
+                &format!("conv-{i}"),
+                body,
+                &[
+                    ("x-mock-completion-tokens", "100"),
+                    ("x-mock-latency-ms", "50"),
+                ],
+            )
+            .await
+        }));
+    }
+    let (mut served, mut refused) = (0u64, 0u64);
+    for t in tasks {
+        let r = t.await.expect("task");
+        match r.status {
+            200 => {
+                assert_eq!(r.reserved(), 3120);
+                served += 1;
+            }
+            429 => {
+                let v = r.json();
+                assert_eq!(code(&v), "budget_exhausted", "{v}");
+                assert_eq!(v["error"]["scope"], "global");
+                assert_eq!(r.header("x-should-retry").as_deref(), Some("false"));
+                assert!(r.header("retry-after").is_some());
+                refused += 1;
+            }
+            s => panic!("unexpected {s}: {}", r.text),
+        }
+    }
+    assert_eq!(served + refused, 200);
+    let stats = g.mock.stats();
+    assert_eq!(
+        stats.requests, served,
+        "only admitted calls reach the upstream"
+    );
+    assert_eq!(stats.completed, served);
+    let served_worth = priced_delta(prices, &MockStats::default(), &stats);
+    assert!(
+        served_worth <= 156_000,
+        "the mock served {served_worth} micros, over the budget"
+    );
+    assert_eq!(served, 50, "the budget covers exactly 50 such calls");
+    let global = g.global().await;
+    assert_eq!(global["used_micros"], served_worth, "books = ground truth");
+    assert_eq!(global["reserved_micros"], 0);
+}
+
+/// Acceptance: each fault mode ends in the right terminal state, the client gets a clear
+/// error, and the books reconcile with what the mock counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn fault_modes_end_in_the_right_state_and_reconcile() {
+    let g = Gateway::start(Opts {
+        timeout_s: 1,
+        ..Opts::default()
+    })
+    .await;
+    struct Case {
+        fault: &'static str,
+        stream: bool,
+        status: u16,
+        state: &'static str,
+        code: &'static str,
+    }
+    let case = |fault, stream, status, state, code| Case {
+        fault,
+        stream,
+        status,
+        state,
+        code,
+    };
+    let cases = [
+        case("none", false, 200, "committed", ""),
+        case("http_429", false, 429, "released", "rate_limit_exceeded"),
+        case("http_429", true, 429, "released", "rate_limit_exceeded"),
+        case("http_500", false, 500, "released", ""),
+        case("http_500", true, 500, "released", ""),
+        case("drop_mid_stream", false, 502, "unknown", "upstream_error"),
+        case("drop_mid_stream", true, 200, "unknown", "upstream_error"),
+        case("hang", false, 504, "unknown", "upstream_timeout"),
+        case("hang", true, 504, "unknown", "upstream_timeout"),
+        case("no_usage", false, 200, "unknown", ""),
+        case("no_usage", true, 200, "unknown", ""),
+        case("usage_over", false, 200, "committed", ""),
+        case("usage_over", true, 200, "committed", ""),
+        case("tool_call", false, 200, "committed", ""),
+        case("tool_call", true, 200, "committed", ""),
+    ];
+    let mut total_charged = 0u64;
+    for (i, c) in cases.iter().enumerate() {
+        let what = format!("{} stream={}", c.fault, c.stream);
+        let before = g.mock.stats();
+        let started = Instant::now();
+        let r = g
+            .chat(
+                &format!("fault-{i}"),
+                json!({"model": MODEL, "stream": c.stream, "messages": user("misbehave")}),
+                &[("x-mock-fault", c.fault)],
+            )
+            .await;
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{what}: bounded"
+        );
+        assert_eq!(r.status, c.status, "{what}: {}", r.text);
+        r.assert_no_key();
+        let after = g.mock.stats();
+        assert_eq!(after.requests, before.requests + 1, "{what}: one attempt");
+        let row = g.reservation(&r.step()).await;
+        assert_eq!(row["state"], c.state, "{what}: {row}");
+        let charged = row["charged_micros"].as_u64().expect("charged");
+        let reserved = row["reserved_micros"].as_u64().expect("reserved");
+        let served = priced_delta(g.prices, &before, &after);
+        match c.state {
+            "released" => {
+                assert_eq!(charged, 0, "{what}");
+                assert_eq!(served, 0, "{what}: the mock served nothing");
+            }
+            "unknown" => {
+                assert_eq!(charged, reserved, "{what}: charged in full");
+                assert!(served <= charged, "{what}: the hold covers what was served");
+            }
+            _ => {
+                assert_eq!(charged, served, "{what}: charged what the mock counted");
+            }
+        }
+        total_charged += charged;
+        // What the client sees.
+        match (c.fault, c.stream) {
+            ("usage_over", _) => {
+                assert!(charged > reserved, "{what}: an overrun");
+                assert_eq!(row["overrun"], true);
+            }
+            ("tool_call", false) => {
+                let v = r.json();
+                assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+                assert_eq!(
+                    v["choices"][0]["message"]["tool_calls"][0]["function"]["name"],
+                    "web_search"
+                );
+            }
+            ("tool_call", true) => {
+                assert!(r.text.contains("\"tool_calls\""), "{}", r.text);
+                assert_eq!(r.events().last().map(String::as_str), Some("[DONE]"));
+            }
+            ("drop_mid_stream", true) => {
+                // The stream started, then ends with an OpenAI-shaped error event.
+                let events = r.events();
+                let last: Value =
+                    serde_json::from_str(events.last().expect("events")).expect("json");
+                assert_eq!(last["error"]["code"], c.code, "{}", r.text);
+                assert!(events.len() >= 2, "content came first: {}", r.text);
+                assert!(!r.text.contains("[DONE]"));
+            }
+            ("no_usage", true) => {
+                assert_eq!(r.events().last().map(String::as_str), Some("[DONE]"));
+            }
+            _ if !c.code.is_empty() => {
+                assert_eq!(r.code(), c.code, "{what}: {}", r.text);
+            }
+            _ => {}
+        }
+        if c.status >= 500 && c.fault != "http_500" {
+            assert_eq!(r.header("x-should-retry").as_deref(), Some("false"));
+        }
+    }
+    let global = g.global().await;
+    assert_eq!(global["used_micros"], total_charged, "the books reconcile");
+    assert_eq!(global["reserved_micros"], 0);
+    assert!(g.metric("spendgate_overruns_total ").await >= 2);
+    assert!(g.metric("spendgate_unknown_outcomes_total ").await >= 6);
+}
+
+/// With `Spendgate-Run` a call is a step of that run: it counts as a model round (or a retry
+/// with `Spendgate-Retry: 1`), and the run stays open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_can_be_a_step_of_an_existing_run() {
+    let g = Gateway::start(Opts::default()).await;
+    let run = g.server.run(&g.session, "10.1.2.3", "c-run").await;
+    let body = json!({"model": MODEL, "messages": user("step")});
+    for _ in 0..3 {
+        let r = g
+            .chat("c-run", body.clone(), &[("spendgate-run", &run)])
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.header("spendgate-run"), Some(run.clone()));
+        let row = g.reservation(&r.step()).await;
+        assert_eq!(row["run_id"], run);
+        assert_eq!(row["state"], "committed");
+    }
+    // max_model_rounds = 3: a fourth round is refused before the upstream, a retry is not.
+    let before = g.mock.stats().requests;
+    let r = g
+        .chat("c-run", body.clone(), &[("spendgate-run", &run)])
+        .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (400, "run_bound_exceeded".into()),
+        "{}",
+        r.text
+    );
+    assert_eq!(g.mock.stats().requests, before);
+    let r = g
+        .chat(
+            "c-run",
+            body.clone(),
+            &[("spendgate-run", &run), ("spendgate-retry", "1")],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let r = g
+        .chat(
+            "c-run",
+            body.clone(),
+            &[("spendgate-run", &run), ("spendgate-retry", "1")],
+        )
+        .await;
+    assert_eq!((r.status, r.code()), (400, "run_bound_exceeded".into()));
+    // The run is still active (the proxy did not finish it); finishing it works.
+    let (status, v) = g
+        .server
+        .post(&format!("/v1/runs/{run}/finish"), json!({}))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["steps"], 4);
+    // A step of a finished or unknown run is refused.
+    let r = g
+        .chat("c-run", body.clone(), &[("spendgate-run", &run)])
+        .await;
+    assert!(r.status >= 400, "{}", r.text);
+    let r = g
+        .chat("c-run", body, &[("spendgate-run", "run_doesnotexist")])
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text);
+}
+
+/// A client that goes away mid-stream: the step is charged in full (`unknown`) and its
+/// one-step run finished, so nothing stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_gone_mid_stream_is_charged_in_full() {
+    let g = Gateway::start(Opts::default()).await;
+    let r = g
+        .request(
+            "c-gone",
+            &json!({"model": MODEL, "stream": true, "messages": user("slowly")}),
+        )
+        .header("x-mock-tokens-per-second", "20")
+        .header("x-mock-completion-tokens", "100")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 200);
+    let step = r
+        .headers()
+        .get("spendgate-step")
+        .and_then(|v| v.to_str().ok())
+        .expect("step")
+        .to_string();
+    let mut body = r.bytes_stream();
+    let first = tokio::time::timeout(Duration::from_secs(5), body.next())
+        .await
+        .expect("first chunk in time");
+    assert!(matches!(first, Some(Ok(_))));
+    drop(body);
+    let row = g.reservation(&step).await;
+    assert_eq!(row["state"], "unknown");
+    assert_eq!(row["charged_micros"], row["reserved_micros"]);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let s = g.server.admin_get("/admin/v1/summary").await;
+        if s["runs_active"] == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "run not finished: {s}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Real clients.
+
+fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The Python that has the official `openai` package: `SPENDGATE_TEST_PYTHON`, else the
+/// workspace's `.venv`.
+fn test_python() -> PathBuf {
+    if let Some(p) = std::env::var_os("SPENDGATE_TEST_PYTHON") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.exists(),
+            "SPENDGATE_TEST_PYTHON={} does not exist; install the client with: \
+             python3 -m venv .venv && .venv/bin/pip install openai",
+            p.display()
+        );
+        return p;
+    }
+    let venv = workspace_root().join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "no Python with the `openai` package: set SPENDGATE_TEST_PYTHON, or at the workspace \
+         root run: python3 -m venv .venv && .venv/bin/pip install openai"
+    );
+    venv
+}
+
+/// Conversation budget 1000 micros at 10/10/30 micros per token: a call with `max_tokens` 10
+/// fits (≈ 430), one with the default bound of 100 (≈ 3130) is refused for budget.
+fn client_opts() -> Opts {
+    Opts {
+        conversation_budget: "0.001",
+        prices: Prices {
+            input: 10_000_000,
+            cached: 10_000_000,
+            output: 30_000_000,
+        },
+        ..Opts::default()
+    }
+}
+
+/// Acceptance: the official `openai` Python package creates and streams chat completions
+/// through the proxy, and reads a budget refusal as `openai.RateLimitError` with the SPEC code.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn official_openai_python_client() {
+    let python = test_python();
+    let g = Gateway::start(client_opts()).await;
+    let script = workspace_root().join("tests/python/test_proxy_openai.py");
+    let mut cmd = Command::new(&python);
+    cmd.arg(&script)
+        .env("SPENDGATE_BASE_URL", g.server.url("/v1"))
+        .env("SPENDGATE_METRICS_URL", g.server.url("/metrics"))
+        .env("SPENDGATE_SERVICE_TOKEN", SERVICE)
+        .env("SPENDGATE_SESSION", &g.session)
+        .env("SPENDGATE_MODEL", MODEL)
+        .env(
+            "SPENDGATE_PRICES",
+            format!("{},{},{}", g.prices.input, g.prices.cached, g.prices.output),
+        )
+        .env("SPENDGATE_UPSTREAM_KEY", UPSTREAM_KEY)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        // Whatever the client writes goes into the test's own temp dir, removed with it.
+        .env("TMPDIR", g.server.dir.path())
+        .env_remove("OPENAI_API_KEY")
+        .env_remove("OPENAI_BASE_URL");
+    let (ok, output) = tokio::task::spawn_blocking(move || {
+        let mut child = ChildGuard::spawn(cmd).expect("spawn python");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while child.is_running() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let status = child.exit_status();
+        let output = child.output();
+        (status.is_some_and(|s| s.success()), output)
+    })
+    .await
+    .expect("join");
+    assert!(ok, "the openai client script failed:\n{output}");
+    assert!(output.contains("passed, 0 failed"), "{output}");
+    assert!(g.mock.stats().requests >= 3);
+}
+
+/// Acceptance: a Rust OpenAI client (`async-openai`, default settings: it retries 429s
+/// unless they say the quota is spent) makes a normal call, a streamed call, and reads a
+/// budget refusal without retrying it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rust_openai_client() {
+    use async_openai::config::OpenAIConfig;
+    use async_openai::error::OpenAIError;
+    use async_openai::types::chat::{
+        ChatCompletionRequestUserMessageArgs, CreateChatCompletionRequestArgs,
+    };
+    use async_openai::Client;
+
+    let g = Gateway::start(client_opts()).await;
+    let client = |conversation: &str| {
+        let config = OpenAIConfig::new()
+            .with_api_base(g.server.url("/v1"))
+            .with_api_key(SERVICE)
+            .with_header("spendgate-session", g.session.as_str())
+            .and_then(|c| c.with_header("spendgate-client-ip", "10.7.7.7"))
+            .and_then(|c| c.with_header("spendgate-conversation", conversation))
+            .expect("headers");
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()
+            .expect("http client");
+        Client::build(http, config)
+    };
+    let request = |max_tokens: Option<u32>| {
+        let mut b = CreateChatCompletionRequestArgs::default();
+        b.model(MODEL)
+            .messages([ChatCompletionRequestUserMessageArgs::default()
+                .content("Say hi")
+                .build()
+                .expect("message")
+                .into()]);
+        if let Some(m) = max_tokens {
+            b.max_completion_tokens(m);
+        }
+        b.build().expect("request")
+    };
+
+    // A normal call, charged at its usage.
+    let used_before = g.global().await["used_micros"].as_u64().unwrap_or(0);
+    let resp = client("rust-1")
+        .chat()
+        .create(request(Some(10)))
+        .await
+        .expect("chat completion");
+    let content = resp.choices[0].message.content.clone().unwrap_or_default();
+    assert!(content.starts_with("tok0"), "{content}");
+    let usage = resp.usage.expect("usage");
+    assert_eq!(usage.completion_tokens, 10);
+    let used_after = g.global().await["used_micros"].as_u64().unwrap_or(0);
+    let cached = usage
+        .prompt_tokens_details
+        .as_ref()
+        .and_then(|d| d.cached_tokens)
+        .unwrap_or(0);
+    assert_eq!(
+        used_after - used_before,
+        g.charge(&json!({"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached}}))
+    );
+
+    // A stream: every chunk parses and has its choice (the usage chunk the proxy asked for
+    // is not passed to a client that did not ask).
+    let mut stream = client("rust-2")
+        .chat()
+        .create_stream(request(Some(10)))
+        .await
+        .expect("stream");
+    let mut text = String::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while let Some(chunk) = stream.next().await {
+        assert!(Instant::now() < deadline);
+        let chunk = chunk.expect("chunk");
+        assert_eq!(chunk.choices.len(), 1);
+        if let Some(t) = &chunk.choices[0].delta.content {
+            text.push_str(t);
+        }
+    }
+    assert_eq!(text.split(' ').count(), 10, "{text}");
+
+    // A refusal: 429 budget_exhausted, seen at once, not retried.
+    let refused_metric =
+        "spendgate_refusals_total{what=\"proxy_step\",code=\"budget_exhausted\",scope=\"conversation\"} ";
+    let refusals_before = g.metric(refused_metric).await;
+    let started = Instant::now();
+    let err = tokio::time::timeout(
+        Duration::from_secs(10),
+        client("rust-3").chat().create(request(None)),
+    )
+    .await
+    .expect("a refusal is not retried for long")
+    .expect_err("refused");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    match err {
+        OpenAIError::ApiError(e) => {
+            assert_eq!(e.status_code.as_u16(), 429);
+            assert_eq!(e.api_error.code.as_deref(), Some("budget_exhausted"));
+        }
+        other => panic!("expected an API error, got {other:?}"),
+    }
+    assert_eq!(
+        g.metric(refused_metric).await,
+        refusals_before + 1,
+        "the client did not retry"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// `spendgate demo`.
+
+/// `spendgate demo` needs no config: the gateway, its built-in mock upstream and the demo page;
+/// a guest with only the cookie can chat.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn demo_starts_and_a_cookie_call_works() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let port = free_port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spendgate"));
+    cmd.arg("demo")
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--db")
+        .arg(dir.path().join("demo.db"))
+        .env("RUST_LOG", "warn")
+        .env_remove("SPENDGATE_CONFIG");
+    let mut child = ChildGuard::spawn(cmd).expect("spawn demo");
+    if wait_for_port(port, Duration::from_secs(20)).is_err() {
+        panic!("spendgate demo did not start:\n{}", child.output());
+    }
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(20))
+        .build()
+        .expect("client");
+    let page = http
+        .get(format!("{base}/demo/"))
+        .send()
+        .await
+        .expect("page");
+    assert_eq!(page.status().as_u16(), 200);
+    assert!(page
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|c| c.starts_with("text/html")));
+    let html = page.text().await.expect("html");
+    assert!(html.contains("/v1/chat/completions") && html.contains("/v1/sessions"));
+
+    let s = http
+        .post(format!("{base}/v1/sessions"))
+        .send()
+        .await
+        .expect("session");
+    assert_eq!(s.status().as_u16(), 201);
+    let cookie = s
+        .headers()
+        .get("set-cookie")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|c| c.split(';').next())
+        .expect("cookie")
+        .to_string();
+    assert!(cookie.starts_with("spendgate_session="), "{cookie}");
+    let models: Value = http
+        .get(format!("{base}/demo/models"))
+        .send()
+        .await
+        .expect("models")
+        .json()
+        .await
+        .expect("models json");
+    let model = models["models"][0]
+        .as_str()
+        .expect("a demo model")
+        .to_string();
+    for stream in [false, true] {
+        let r = http
+            .post(format!("{base}/v1/chat/completions"))
+            .header("cookie", &cookie)
+            .json(&json!({"model": model, "stream": stream, "messages": user("hello demo")}))
+            .send()
+            .await
+            .expect("chat");
+        assert_eq!(r.status().as_u16(), 200);
+        let text = r.text().await.expect("body");
+        assert!(text.contains("tok0"), "{text}");
+    }
+    // Without the cookie: refused.
+    let r = http
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&json!({"model": model, "messages": user("hello")}))
+        .send()
+        .await
+        .expect("chat");
+    assert_eq!(r.status().as_u16(), 401);
+    let usage: Value = http
+        .get(format!("{base}/v1/usage"))
+        .header("cookie", &cookie)
+        .send()
+        .await
+        .expect("usage")
+        .json()
+        .await
+        .expect("usage json");
+    let session_used = usage["scopes"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["kind"] == "global"))
+        .and_then(|s| s["used_micros"].as_u64())
+        .unwrap_or(0);
+    assert!(session_used > 0, "{usage}");
+    child.terminate().expect("terminate");
+}

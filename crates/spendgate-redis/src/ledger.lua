@@ -18,15 +18,11 @@
 
 local B = KEYS[1]
 local MAX = 9007199254740991
-local RETENTION = 3600000
-local IDEM_RETENTION = 600000
-local RECORDS_MAX = 2000000
-local EXPIRIES_PER_CALL = 256
-local SWEEP_EXPIRIES = 1024
+local SWEEP_EXPIRIES = 256
 local SWEEP_BATCH = 1024
-local ID_MAX = 128
 local TIES_MAX = 10000
-local LIFETIME_RETRY = 86400
+-- The core's constants (spendgate_core::ledger), passed in front of the policy.
+local RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = 0, 0, 0, 0, 0
 
 local K_META = B .. ':meta'
 local K_EPOCH = B .. ':epoch'
@@ -208,6 +204,7 @@ local function parse_policy(s)
   local function nx() i = i + 1; return t[i] end
   local function nn() return N(nx()) end
   local p = { kinds = {} }
+  RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = nn(), nn(), nn(), nn(), nn()
   for _, kind in ipairs({ 'global', 'ip', 'session', 'conversation' }) do
     local kp = { budgets = {} }
     local nb = nn()
@@ -413,31 +410,60 @@ local function res_create(id, fields, kind, amount, created)
   if kind ~= 'hold' then mincr('held_sum', amount) end
 end
 
--- Ledger::settle: a held reservation reaches a terminal state, charging `charged`.
-local function settle(id, state, charged, now)
+-- Counter and summary changes of several settlements, applied once per counter: the result
+-- is the same as applying them one by one (reserved saturates at 0, used at MAX, and
+-- overrun is set once used passes the limit, which only grows).
+local function acc_new() return { c = {}, ck = {}, m = {}, mk = {} } end
+local function acc_meta(acc, f, n)
+  if acc.m[f] == nil then
+    acc.m[f] = 0
+    acc.mk[#acc.mk + 1] = f
+  end
+  acc.m[f] = acc.m[f] + n
+end
+local function acc_flush(acc)
+  for _, e in ipairs(acc.ck) do
+    local d = acc.c[e]
+    local c = cload(e)
+    c.reserved = math.max(c.reserved - d[1], 0)
+    c.used = math.min(c.used + d[2], MAX)
+    if c.used > c.limit then c.overrun = 1 end
+    csave(c)
+  end
+  for _, f in ipairs(acc.mk) do mincr(f, acc.m[f]) end
+end
+
+-- Ledger::settle: a held reservation reaches a terminal state, charging `charged`. With an
+-- accumulator the counter and summary changes wait for acc_flush.
+local function settle(id, state, charged, now, acc)
   local k = kRes(id)
   local f = redis.call('HMGET', k, 'state', 'kind', 'amount', 'charged', 'overrun', 'counters', 'created')
   if not f[1] then return end
+  local a = acc or acc_new()
   local old, kind, amount = f[1], f[2], N(f[3])
   local overrun = 0
   if charged > amount then overrun = 1 end
   redis.call('HSET', k, 'state', state, 'charged', S(charged), 'resolved', S(now), 'overrun', S(overrun))
   redis.call('ZREM', K_RZ .. ':' .. old, id)
   redis.call('ZADD', K_RZ .. ':' .. state, f[7], id)
-  mincr('st:' .. old, -1)
-  mincr('st:' .. state, 1)
+  acc_meta(a, 'st:' .. old, -1)
+  acc_meta(a, 'st:' .. state, 1)
   if kind ~= 'hold' then
-    if old == 'held' then mincr('held_sum', -amount) end
-    mincr('charged_sum', charged - N(f[4]))
-    mincr('overruns', overrun - N(f[5]))
+    if old == 'held' then acc_meta(a, 'held_sum', -amount) end
+    acc_meta(a, 'charged_sum', charged - N(f[4]))
+    acc_meta(a, 'overruns', overrun - N(f[5]))
   end
   for _, e in ipairs(dec(f[6])) do
-    local c = cload(e)
-    c.reserved = math.max(c.reserved - amount, 0)
-    c.used = math.min(c.used + charged, MAX)
-    if c.used > c.limit then c.overrun = 1 end
-    csave(c)
+    local d = a.c[e]
+    if not d then
+      d = { 0, 0 }
+      a.c[e] = d
+      a.ck[#a.ck + 1] = e
+    end
+    d[1] = d[1] + amount
+    d[2] = math.min(d[2] + charged, MAX)
   end
+  if not acc then acc_flush(a) end
 end
 
 ---------------------------------------------------------------- runs
@@ -486,10 +512,12 @@ local function end_run(id, now, endstate)
   local f = redis.call('HMGET', rk, 'hold', 'slots')
   local step_end = 'unknown'
   if endstate == 'expired' then step_end = 'expired' end
+  local acc = acc_new()
   for _, s in ipairs(redis.call('LRANGE', kSteps(id), '0', '-1')) do
     local r = redis.call('HMGET', kRes(s), 'state', 'amount')
-    if r[1] == 'held' then settle(s, step_end, N(r[2]), now) end
+    if r[1] == 'held' then settle(s, step_end, N(r[2]), now, acc) end
   end
+  acc_flush(acc)
   local hid = f[1]
   if hid and hid ~= '' then
     local used = N(redis.call('HGET', kCounter(cenc('lifetime', 0, 'run', id)), 'used') or '0')

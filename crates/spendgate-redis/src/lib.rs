@@ -28,7 +28,7 @@
 //!   policy with a figure above 2^53 - 1.
 //! * **Check before writing.** An operation decides completely before its first write; the
 //!   only writes that may precede a refusal are due expiries, which the core applies first
-//!   too. Loops are bounded: 256 expiries per call, 1024 per sweep, bounded listings.
+//!   too. Loops are bounded: 256 expiries per call (per sweep too), bounded listings.
 //! * **Redis as a ledger.** `ready()` fails unless `maxmemory-policy` is `noeviction`
 //!   (admissions are refused too); it logs a warning when AOF is off or `appendfsync` is not
 //!   `always`. An epoch hash (`{prefix}:epoch`) is written when a deployment is initialised.
@@ -40,7 +40,7 @@
 //!
 //! Limitations, documented rather than hidden: operator adjustments are summed in a double
 //! (`Counter::adjusted` is exact while it stays below 2^53 in magnitude); a sweep processes at
-//! most 1024 expiries, 1024 idle rates and 1024 stale counters per call (the core does all);
+//! most 256 expiries, 1024 idle rates and 1024 stale counters per call (the core does all);
 //! listings return at most 100 000 entries.
 
 mod protocol;
@@ -48,7 +48,10 @@ mod protocol;
 use protocol::{Call, Item};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use sha2::{Digest, Sha256};
-use spendgate_core::{Command, Policy, Rate, Reply, ReservationMode, ScopeKind, MICROS_MAX};
+use spendgate_core::{
+    Command, Policy, Rate, Reply, ReservationMode, ScopeKind, EXPIRIES_PER_CALL_MAX,
+    IDEMPOTENCY_RETENTION_MS, ID_BYTES_MAX, LEDGER_RECORDS_MAX, MICROS_MAX, RECORD_RETENTION_MS,
+};
 use spendgate_store::{Clock, Store, StoreError};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -208,6 +211,15 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
         }
     }
     let mut out = Out(Vec::new());
+    for (v, what) in [
+        (RECORD_RETENTION_MS, "RECORD_RETENTION_MS"),
+        (IDEMPOTENCY_RETENTION_MS, "IDEMPOTENCY_RETENTION_MS"),
+        (LEDGER_RECORDS_MAX as u64, "LEDGER_RECORDS_MAX"),
+        (EXPIRIES_PER_CALL_MAX as u64, "EXPIRIES_PER_CALL_MAX"),
+        (ID_BYTES_MAX as u64, "ID_BYTES_MAX"),
+    ] {
+        out.num(v, what)?;
+    }
     for kind in [
         ScopeKind::Global,
         ScopeKind::Ip,
@@ -663,7 +675,11 @@ mod tests {
     #[test]
     fn default_policy_encodes() {
         let s = policy_arg(&Policy::default()).expect("default policy fits");
-        assert!(s.starts_with("2 day 50000000 month 1000000000 1 100 1000 20 1 64 "));
+        let core = format!(
+            "{RECORD_RETENTION_MS} {IDEMPOTENCY_RETENTION_MS} {LEDGER_RECORDS_MAX} {EXPIRIES_PER_CALL_MAX} {ID_BYTES_MAX} "
+        );
+        let rest = s.strip_prefix(&core).expect("core constants first");
+        assert!(rest.starts_with("2 day 50000000 month 1000000000 1 100 1000 20 1 64 "));
         assert!(s.contains(" per_step 30000 1 10 3600000 10 1 600 60000 600"));
     }
 

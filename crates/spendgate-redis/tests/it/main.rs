@@ -5,3 +5,4 @@ mod conformance;
 mod differential;
 mod faults;
 mod support;
+mod worst_case;

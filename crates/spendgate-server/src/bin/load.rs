@@ -24,9 +24,10 @@ const IN_FLIGHT_MAX: usize = 10_000;
 
 #[derive(Parser, Clone)]
 struct Args {
-    /// Base URL of a running `spendgate serve` (loopback only).
-    #[arg(long, default_value = "http://127.0.0.1:8080")]
-    base: String,
+    /// Base URL of a running `spendgate serve` (loopback only); several, comma-separated, to
+    /// spread the load over replicas (request i goes to replica i mod n).
+    #[arg(long, default_value = "http://127.0.0.1:8080", value_delimiter = ',')]
+    base: Vec<String>,
     #[arg(long, env = "SPENDGATE_SERVICE_TOKEN")]
     service_token: String,
     /// Tool name priced in the server's config.
@@ -48,6 +49,7 @@ struct Args {
 
 struct Ctx {
     http: reqwest::Client,
+    bases: Vec<String>,
     args: Args,
     runs: Vec<String>,
     errors: AtomicU64,
@@ -58,12 +60,13 @@ fn hist() -> Histogram<u64> {
 }
 
 async fn setup(args: &Args) -> anyhow::Result<Ctx> {
-    anyhow::ensure!(
-        args.base.starts_with("http://127.")
-            || args.base.starts_with("http://localhost")
-            || args.base.starts_with("http://[::1]"),
-        "only loopback targets are allowed"
-    );
+    for b in &args.base {
+        anyhow::ensure!(
+            b.starts_with("http://127.") || b.starts_with("http://localhost") || b.starts_with("http://[::1]"),
+            "only loopback targets are allowed"
+        );
+    }
+    let bases = args.base.clone();
     spendgate_server::install_crypto();
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(1024)
@@ -71,8 +74,9 @@ async fn setup(args: &Args) -> anyhow::Result<Ctx> {
         .build()?;
     let mut runs = Vec::new();
     for i in 0..args.runs {
+        let base = &bases[i % bases.len()];
         let s: Value = http
-            .post(format!("{}/v1/sessions", args.base))
+            .post(format!("{base}/v1/sessions"))
             .send()
             .await?
             .json()
@@ -81,7 +85,7 @@ async fn setup(args: &Args) -> anyhow::Result<Ctx> {
             .as_str()
             .ok_or_else(|| anyhow::anyhow!("no session: {s}"))?;
         let r = http
-            .post(format!("{}/v1/runs", args.base))
+            .post(format!("{base}/v1/runs"))
             .bearer_auth(&args.service_token)
             .json(&json!({"session": session, "client_ip": format!("10.{}.{}.1", i / 256, i % 256), "conversation": format!("bench-{i}"), "input_bytes": 10}))
             .send()
@@ -94,6 +98,7 @@ async fn setup(args: &Args) -> anyhow::Result<Ctx> {
     }
     Ok(Ctx {
         http,
+        bases,
         args: args.clone(),
         runs,
         errors: AtomicU64::new(0),
@@ -103,10 +108,11 @@ async fn setup(args: &Args) -> anyhow::Result<Ctx> {
 /// One reserve + commit pair; returns the reserve latency.
 async fn pair(ctx: &Ctx, i: usize) -> Option<Duration> {
     let run = &ctx.runs[i % ctx.runs.len()];
+    let base = &ctx.bases[(i / ctx.runs.len()) % ctx.bases.len()];
     let t = Instant::now();
     let r = ctx
         .http
-        .post(format!("{}/v1/runs/{run}/steps", ctx.args.base))
+        .post(format!("{base}/v1/runs/{run}/steps"))
         .bearer_auth(&ctx.args.service_token)
         .json(&json!({"kind": "tool", "tool": ctx.args.tool}))
         .send()
@@ -125,7 +131,7 @@ async fn pair(ctx: &Ctx, i: usize) -> Option<Duration> {
     let step = v["step_id"].as_str()?;
     let c = ctx
         .http
-        .post(format!("{}/v1/steps/{step}/commit", ctx.args.base))
+        .post(format!("{base}/v1/steps/{step}/commit"))
         .bearer_auth(&ctx.args.service_token)
         .json(&json!({"units": 0}))
         .send()
@@ -141,7 +147,7 @@ async fn pair(ctx: &Ctx, i: usize) -> Option<Duration> {
 async fn healthz(ctx: &Ctx) -> bool {
     match ctx
         .http
-        .get(format!("{}/healthz", ctx.args.base))
+        .get(format!("{}/healthz", ctx.bases[0]))
         .send()
         .await
     {

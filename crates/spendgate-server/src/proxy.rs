@@ -916,3 +916,130 @@ fn relay(
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STREAM: &str = concat!(
+        "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"tok0\"}}],\"usage\":null}\n\n",
+        "data: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}],\"usage\":null}\n\n",
+        "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":1,",
+        "\"prompt_tokens_details\":{\"cached_tokens\":2}}}\n\n",
+        "data: [DONE]\n\n",
+    );
+    const USAGE_LINE: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":2}}}\n";
+
+    fn run_tap(strip: bool, cuts: &[usize]) -> (String, SseTap) {
+        let mut tap = SseTap::new(strip);
+        let mut out = Vec::new();
+        let mut from = 0;
+        for &to in cuts.iter().chain([STREAM.len()].iter()) {
+            let to = to.min(STREAM.len());
+            if to < from {
+                continue;
+            }
+            out.extend_from_slice(&tap.feed(Bytes::copy_from_slice(&STREAM.as_bytes()[from..to])));
+            from = to;
+        }
+        out.extend_from_slice(&tap.finish());
+        (String::from_utf8(out).expect("utf8"), tap)
+    }
+
+    #[test]
+    fn tap_reads_usage_and_passes_everything_when_asked() {
+        for cut in 0..STREAM.len() {
+            let (out, tap) = run_tap(false, &[cut, cut + 7]);
+            assert_eq!(out, STREAM, "cut at {cut}");
+            assert_eq!(
+                tap.usage,
+                Some(TokenUsage {
+                    prompt_tokens: 9,
+                    completion_tokens: 1,
+                    cached_tokens: 2
+                })
+            );
+            assert!(tap.done);
+        }
+    }
+
+    #[test]
+    fn tap_hides_the_usage_chunk_from_clients_that_did_not_ask() {
+        let expected = STREAM.replace(USAGE_LINE, "");
+        for cut in 0..STREAM.len() {
+            let (out, tap) = run_tap(true, &[cut]);
+            assert_eq!(out, expected, "cut at {cut}");
+            assert!(tap.usage.is_some());
+        }
+    }
+
+    #[test]
+    fn tap_does_not_trust_a_cut_usage_line() {
+        let cut = STREAM.find("\"completion_tokens\"").expect("in stream");
+        let mut tap = SseTap::new(false);
+        let _ = tap.feed(Bytes::copy_from_slice(&STREAM.as_bytes()[..cut]));
+        assert!(tap.usage.is_none());
+        assert!(tap.mid_line());
+        assert!(sse_error("x", "y", tap.mid_line()).starts_with(b"\n\ndata: "));
+    }
+
+    #[test]
+    fn tap_passes_over_long_lines_unread() {
+        let mut tap = SseTap::new(true);
+        let long = format!(
+            "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":1,\"completion_tokens\":1}},\"pad\":\"{}\"}}\n",
+            "x".repeat(2 * SSE_LINE_BYTES_MAX)
+        );
+        let mut out = Vec::new();
+        for piece in long.as_bytes().chunks(64 * 1024) {
+            out.extend_from_slice(&tap.feed(Bytes::copy_from_slice(piece)));
+        }
+        out.extend_from_slice(&tap.finish());
+        assert!(out == long.as_bytes(), "passed through whole");
+        assert!(tap.usage.is_none(), "an unread usage is not trusted");
+        assert!(!tap.mid_line());
+    }
+
+    #[test]
+    fn usage_object_detection() {
+        assert!(!has_usage_object(b"{\"usage\":null}"));
+        assert!(!has_usage_object(b"{\"choices\":[]}"));
+        assert!(has_usage_object(b"{\"usage\": {\"prompt_tokens\":1}}"));
+        assert!(has_usage_object(b"{\"x\":\"usage\",\"usage\" : {}}"));
+    }
+
+    #[test]
+    fn redaction() {
+        let key = "sk-secret-123456";
+        let body = Bytes::from(format!(
+            "{{\"error\":\"Incorrect API key provided: {key}\"}}"
+        ));
+        let out = redact(body, key);
+        assert!(!String::from_utf8_lossy(&out).contains(key));
+        assert!(String::from_utf8_lossy(&out).contains("***"));
+        let plain = Bytes::from_static(b"{\"error\":\"nothing\"}");
+        assert_eq!(redact(plain.clone(), key), plain);
+        assert_eq!(redact(plain.clone(), ""), plain);
+    }
+
+    #[test]
+    fn byte_bound_is_never_below_the_mocks_count() {
+        let bodies = [
+            json!({"messages": [{"role": "user", "content": "hello"}]}),
+            json!({"messages": [{"role": "system", "content": "é".repeat(33)},
+                {"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "text", "text": "defgh"}]}]}),
+            json!({"messages": [{"role": "user", "content": "search"},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function",
+                    "function": {"name": "web_search", "arguments": "{\"q\":\"rust\"}"}}]},
+                {"role": "tool", "tool_call_id": "c", "content": "result"}],
+                "tools": [{"type": "function", "function": {"name": "web_search"}}]}),
+        ];
+        for b in &bodies {
+            let (ours, _, _) = prompt_tokens(Tokenizer::Bytes, b).expect("bound");
+            assert!(ours >= spendgate_mock_upstream::prompt_tokens_of(b), "{b}");
+        }
+        let (_, tool, user) = prompt_tokens(Tokenizer::Bytes, &bodies[2]).expect("bound");
+        assert_eq!((tool, user), (6, 6));
+        assert!(prompt_tokens(Tokenizer::Bytes, &json!({"messages": []})).is_err());
+    }
+}

@@ -73,6 +73,8 @@ async fn setup(args: &Args) -> anyhow::Result<Ctx> {
         .timeout(Duration::from_secs(10))
         .build()?;
     let mut runs = Vec::new();
+    // Conversations unique to this invocation (another run may hold the same store).
+    let tag: u32 = rand::random();
     for i in 0..args.runs {
         let base = &bases[i % bases.len()];
         let s: Value = http
@@ -87,7 +89,7 @@ async fn setup(args: &Args) -> anyhow::Result<Ctx> {
         let r = http
             .post(format!("{base}/v1/runs"))
             .bearer_auth(&args.service_token)
-            .json(&json!({"session": session, "client_ip": format!("10.{}.{}.1", i / 256, i % 256), "conversation": format!("bench-{i}"), "input_bytes": 10}))
+            .json(&json!({"session": session, "client_ip": format!("10.{}.{}.1", i / 256, i % 256), "conversation": format!("bench-{tag:08x}-{i}"), "input_bytes": 10}))
             .send()
             .await?;
         let v: Value = r.json().await?;

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Proxy benchmark: the latency `POST /v1/chat/completions` through spendgate adds over calling
+# the upstream directly. Starts the mock upstream (zero latency, unpaced tokens) and
+# `spendgate serve` (release build, sqlite store: every call is a one-step run admitted,
+# reserved, forwarded, committed and finished) on free loopback ports, then runs the open-loop
+# driver `spendgate-proxy-load`, which sends the same requests at RATE per second to each path,
+# interleaved, in one run. Prints Markdown tables.
+#
+#   scripts/bench-proxy.sh [RATE] [SECONDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RATE=${1:-200}
+SECONDS_EACH=${2:-10}
+cargo build --release -q -p spendgate-server --bins
+dir=$(mktemp -d)
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+port=$(free_port)
+mport=$(free_port)
+token=bench-service-token-0123456789
+cat > "$dir/bench.toml" <<TOML
+[server]
+listen = "127.0.0.1:$port"
+service_tokens = ["$token"]
+[sessions]
+keys = ["bench-session-key-0123456789abcdef"]
+secure_cookie = false
+create_rate_per_ip = "100000/second"
+create_rate_global = "100000/second"
+[store]
+kind = "sqlite"
+path = "$dir/bench.db"
+[limits.global]
+rate = "1000000/second"
+burst = 1000000
+concurrency = 100000
+budgets = [{ amount = "1000000", window = "day" }]
+[limits.ip]
+rate = "1000000/second"
+burst = 1000000
+concurrency = 100000
+budgets = []
+[limits.session]
+rate = "1000000/second"
+burst = 1000000
+concurrency = 100000
+budgets = [{ amount = "100000", window = "day" }]
+[limits.conversation]
+concurrency = 100000
+budgets = [{ amount = "100000", window = "day" }]
+[run]
+max_seconds = 3600
+max_cost = "1000000"
+[models."mock-model"]
+upstream = "bench"
+input_per_million = "0.15"
+cached_input_per_million = "0.075"
+output_per_million = "0.60"
+tokenizer = "o200k_base"
+[upstreams.bench]
+base_url = "http://127.0.0.1:$mport/v1"
+api_key = "bench-upstream-key"
+timeout_s = 30
+TOML
+./target/release/spendgate mock-upstream --listen "127.0.0.1:$mport" > "$dir/mock.log" 2>&1 &
+mpid=$!
+RUST_LOG=warn ./target/release/spendgate serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
+pid=$!
+trap 'kill $pid $mpid 2>/dev/null; wait $pid $mpid 2>/dev/null; rm -rf "$dir"' EXIT
+for _ in $(seq 100); do
+  curl -fs "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 \
+    && curl -fs "http://127.0.0.1:$mport/v1/models" >/dev/null 2>&1 && break
+  sleep 0.1
+done
+echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
+./target/release/spendgate-proxy-load --proxy "http://127.0.0.1:$port" --direct "http://127.0.0.1:$mport" \
+  --service-token "$token" --rate "$RATE" --seconds "$SECONDS_EACH" --warmup 2
+echo
+echo "mock upstream counted: $(curl -fs "http://127.0.0.1:$mport/mock/stats" | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["requests"], "requests,", s["completed"], "completed")')"
+echo "spendgate: $(curl -fs "http://127.0.0.1:$port/metrics" | grep -E '^spendgate_(admissions_total\{what="proxy_step"\}|unknown_outcomes_total|reservations\{state="held"\})' | tr '\n' ' ')"

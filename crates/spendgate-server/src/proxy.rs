@@ -92,6 +92,12 @@ fn caller(state: &api::AppState, peer: SocketAddr, headers: &HeaderMap) -> ApiRe
     let token = api::session_from_cookie(state, headers).ok_or_else(|| {
         ApiError::unauthorized("no session cookie; create one with POST /v1/sessions")
     })?;
+    if run.is_some() {
+        // Runs are opened by the operator's backend: a guest attaches to none.
+        return Err(ApiError::unauthorized(
+            "Spendgate-Run needs a service token (Authorization: Bearer ...)",
+        ));
+    }
     let session = state.keys.verify(&token, api::now_unix())?;
     let ip = api::client_ip_of(state, peer, headers);
     let conversation = header_str(headers, "spendgate-conversation")
@@ -557,6 +563,19 @@ pub async fn chat_completions(
         } else {
             Resolution::Unknown
         };
+        if matches!(status.as_u16(), 401 | 403) {
+            // The upstream refused our key: an operator problem, not the client's key.
+            tracing::error!(upstream = %model.upstream, %status, "the upstream refused spendgate's credentials; check upstreams.{}.api_key", model.upstream);
+            return Ok(fail(
+                guard,
+                how,
+                extra_only(out_headers),
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "the upstream refused spendgate's credentials for it; tell the operator",
+            )
+            .await);
+        }
         if let Some(a) = guard.resolve(how).await {
             note_resolution(&a, &mut out_headers);
         }
@@ -620,6 +639,17 @@ const FORWARDED_HEADERS: &[&str] = &[
     "x-mock-cached-tokens",
     "x-mock-tokens-per-second",
 ];
+
+/// Only spendgate's own step headers of an answer's headers.
+fn extra_only(headers: HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for (k, v) in &headers {
+        if k.as_str().starts_with("spendgate-") {
+            out.insert(k.clone(), v.clone());
+        }
+    }
+    out
+}
 
 /// Resolves the step and answers an error about the upstream, in the OpenAI shape, with the
 /// step's headers (`x-should-retry: false`: each retry would be another paid attempt).

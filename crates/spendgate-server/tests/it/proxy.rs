@@ -2,6 +2,7 @@
 //! front of the mock upstream (in this test process, so its counters are the ground truth).
 
 use crate::harness::*;
+use axum::response::IntoResponse;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use spendgate_mock_upstream::{prompt_tokens_of, MockConfig, MockStats, MockUpstream};
@@ -42,8 +43,15 @@ impl Mock {
                         .to_string();
                     if let Ok(mut s) = seen.lock() {
                         if s.len() < 16 {
-                            s.insert(a);
+                            s.insert(a.clone());
                         }
+                    }
+                    if req.uri().path().starts_with("/unauthorized/") {
+                        // An upstream that refuses the key and, like some do, echoes it.
+                        let body = json!({"error": {"message": format!("Incorrect API key provided: {a}"),
+                            "type": "invalid_request_error", "code": "invalid_api_key"}});
+                        return (axum::http::StatusCode::UNAUTHORIZED, axum::Json(body))
+                            .into_response();
                     }
                     next.run(req).await
                 }
@@ -159,7 +167,27 @@ tokenizer = "bytes"
 base_url = "http://127.0.0.1:{mock_port}/v1"
 api_key = "{UPSTREAM_KEY}"
 timeout_s = {timeout}
+
+[models.refused-key]
+upstream = "refusing"
+input_per_million = "1"
+output_per_million = "1"
+tokenizer = "bytes"
+
+[upstreams.refusing]
+base_url = "http://127.0.0.1:{mock_port}/unauthorized/v1"
+api_key = "{UPSTREAM_KEY}"
+
+[models.unreachable]
+upstream = "down"
+input_per_million = "1"
+output_per_million = "1"
+tokenizer = "bytes"
+
+[upstreams.down]
+base_url = "http://127.0.0.1:{down_port}/v1"
 "#,
+        down_port = free_port(),
         global = o.global_budget,
         conv = o.conversation_budget,
         input = amount(o.prices.input),
@@ -647,6 +675,48 @@ async fn over_bound_requests_never_reach_the_upstream() {
         summary["reservations"], after["reservations"],
         "nothing was reserved"
     );
+
+    // An upstream that refuses our key (and echoes it): the client gets a 502 of ours, not
+    // the upstream's 401 (its own key is fine) and never the key; nothing is charged.
+    let r = g
+        .chat(
+            "c-key",
+            json!({"model": "refused-key", "messages": user("hi")}),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (502, "upstream_error".into()),
+        "{}",
+        r.text
+    );
+    r.assert_no_key();
+    let row = g.reservation(&r.step()).await;
+    assert_eq!(
+        (row["state"].as_str(), row["charged_micros"].as_u64()),
+        (Some("released"), Some(0))
+    );
+    // An upstream that cannot be reached: the request never left, nothing is charged.
+    let r = g
+        .chat(
+            "c-down",
+            json!({"model": "unreachable", "messages": user("hi")}),
+            &[],
+        )
+        .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (502, "upstream_unreachable".into()),
+        "{}",
+        r.text
+    );
+    let row = g.reservation(&r.step()).await;
+    assert_eq!(
+        (row["state"].as_str(), row["charged_micros"].as_u64()),
+        (Some("released"), Some(0))
+    );
+    assert_eq!(g.global().await["used_micros"], 0);
 }
 
 /// Acceptance: 200 concurrent calls (half streamed) against a global budget that covers 50
@@ -1224,6 +1294,16 @@ async fn demo_starts_and_a_cookie_call_works() {
         let text = r.text().await.expect("body");
         assert!(text.contains("tok0"), "{text}");
     }
+    // A guest cannot attach a call to a run (runs are the operator backend's).
+    let r = http
+        .post(format!("{base}/v1/chat/completions"))
+        .header("cookie", &cookie)
+        .header("spendgate-run", "run_0123456789abcdef")
+        .json(&json!({"model": model, "messages": user("hello")}))
+        .send()
+        .await
+        .expect("chat");
+    assert_eq!(r.status().as_u16(), 401);
     // Without the cookie: refused.
     let r = http
         .post(format!("{base}/v1/chat/completions"))

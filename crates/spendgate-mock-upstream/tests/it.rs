@@ -27,6 +27,8 @@ impl Mock {
         let addr = listener.local_addr().expect("addr");
         let mock = MockUpstream::new(config);
         let task = tokio::spawn(mock.clone().serve(listener));
+        // reqwest is built with `rustls-no-provider` in this workspace: install one.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))
             .build()

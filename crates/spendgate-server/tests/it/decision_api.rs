@@ -229,7 +229,7 @@ async fn conversation_concurrency_and_run_bounds() {
 
     // The deadline: heartbeats keep the lease alive, but past max_seconds every step is
     // refused and the lease ends with it.
-    for _ in 0..3 {
+    for _ in 0..2 {
         tokio::time::sleep(std::time::Duration::from_millis(700)).await;
         let (status, v) = server
             .post(&format!("/v1/runs/{again}/heartbeat"), json!({}))
@@ -240,10 +240,15 @@ async fn conversation_concurrency_and_run_bounds() {
             "lease never extends past the deadline: {v}"
         );
     }
+    tokio::time::sleep(std::time::Duration::from_millis(700)).await;
     let (status, v) = server
         .post(&path, json!({"kind": "tool", "tool": "web_search"}))
         .await;
     assert_eq!((status, code(&v)), (400, "run_bound_exceeded"), "{v}");
+    let (status, v) = server
+        .post(&format!("/v1/runs/{again}/heartbeat"), json!({}))
+        .await;
+    assert_eq!((status, code(&v)), (409, "run_closed"), "the lease ended with the deadline: {v}");
 }
 
 /// Acceptance: a process killed with SIGKILL while holding reservations; after restart and

@@ -3,7 +3,8 @@
 //!
 //! Run: `cargo bench -p spendgate-core --bench admission`
 
-use criterion::{black_box, criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, criterion_main, Criterion};
+use std::hint::black_box;
 use spendgate_core::*;
 use std::time::Instant;
 

@@ -4,8 +4,8 @@
 //! Run: `cargo bench -p spendgate-core --bench admission`
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use std::hint::black_box;
 use spendgate_core::*;
+use std::hint::black_box;
 use std::time::Instant;
 
 fn views() -> [BudgetView; 5] {

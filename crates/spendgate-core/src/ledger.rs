@@ -1012,7 +1012,9 @@ impl Ledger {
             check_id("address prefix", &ip.prefix)?;
             // The same prefix twice would be checked once but held twice (I1).
             if req.ips[..i].iter().any(|o| o.prefix == ip.prefix) {
-                return Err(LedgerError::Invalid("address prefixes must be distinct".into()));
+                return Err(LedgerError::Invalid(
+                    "address prefixes must be distinct".into(),
+                ));
             }
         }
         if self.runs.contains_key(&req.run_id) {

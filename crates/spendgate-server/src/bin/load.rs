@@ -62,7 +62,9 @@ fn hist() -> Histogram<u64> {
 async fn setup(args: &Args) -> anyhow::Result<Ctx> {
     for b in &args.base {
         anyhow::ensure!(
-            b.starts_with("http://127.") || b.starts_with("http://localhost") || b.starts_with("http://[::1]"),
+            b.starts_with("http://127.")
+                || b.starts_with("http://localhost")
+                || b.starts_with("http://[::1]"),
             "only loopback targets are allowed"
         );
     }

@@ -23,8 +23,15 @@ fn check_config_prints_the_effective_config_with_secrets_masked() {
         .output()
         .expect("run");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(!stdout.contains("super-secret-value-123"), "secret leaked:\n{stdout}");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        !stdout.contains("super-secret-value-123"),
+        "secret leaked:\n{stdout}"
+    );
     assert!(stdout.contains("SG_TEST_TOKEN"), "{stdout}");
     assert!(stdout.contains("2.5"), "effective budget shown:\n{stdout}");
 }

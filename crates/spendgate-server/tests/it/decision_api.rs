@@ -248,7 +248,11 @@ async fn conversation_concurrency_and_run_bounds() {
     let (status, v) = server
         .post(&format!("/v1/runs/{again}/heartbeat"), json!({}))
         .await;
-    assert_eq!((status, code(&v)), (409, "run_closed"), "the lease ended with the deadline: {v}");
+    assert_eq!(
+        (status, code(&v)),
+        (409, "run_closed"),
+        "the lease ended with the deadline: {v}"
+    );
 }
 
 /// Acceptance: a process killed with SIGKILL while holding reservations; after restart and

@@ -41,7 +41,7 @@ budgets = []
 [limits.conversation]
 budgets = []
 [run]
-max_tool_calls = 100000
+max_tool_calls = 64
 max_seconds = 3600
 max_cost = "1000000"
 [tools.bench_tool]

@@ -42,17 +42,53 @@ struct Args {
     /// Connections for the closed-loop phases.
     #[arg(long, default_value_t = 32)]
     concurrency: usize,
-    /// Runs to spread steps over.
+    /// Runs open at once to spread steps over.
     #[arg(long, default_value_t = 64)]
     runs: usize,
+    /// Steps of one run before it is finished and a new run opened in its place, as real
+    /// runs are bounded (`run.max_tool_calls`). Run admissions and finishes are not counted
+    /// as pairs but are part of the load.
+    #[arg(long, default_value_t = 16)]
+    steps_per_run: u32,
+}
+
+/// One open run and how many steps it has had.
+struct Slot {
+    session: String,
+    client_ip: String,
+    run: String,
+    steps: u32,
+    opened: u64,
 }
 
 struct Ctx {
     http: reqwest::Client,
     bases: Vec<String>,
     args: Args,
-    runs: Vec<String>,
+    slots: Vec<tokio::sync::Mutex<Slot>>,
+    tag: u32,
     errors: AtomicU64,
+}
+
+async fn open_run(
+    http: &reqwest::Client,
+    base: &str,
+    token: &str,
+    session: &str,
+    ip: &str,
+    conversation: &str,
+) -> anyhow::Result<String> {
+    let r = http
+        .post(format!("{base}/v1/runs"))
+        .bearer_auth(token)
+        .json(&json!({"session": session, "client_ip": ip, "conversation": conversation, "input_bytes": 10}))
+        .send()
+        .await?;
+    let v: Value = r.json().await?;
+    Ok(v["run_id"]
+        .as_str()
+        .ok_or_else(|| anyhow::anyhow!("run refused: {v}"))?
+        .to_string())
 }
 
 fn hist() -> Histogram<u64> {
@@ -74,7 +110,7 @@ async fn setup(args: &Args) -> anyhow::Result<Ctx> {
         .pool_max_idle_per_host(1024)
         .timeout(Duration::from_secs(10))
         .build()?;
-    let mut runs = Vec::new();
+    let mut slots = Vec::new();
     // Conversations unique to this invocation (another run may hold the same store).
     let tag: u32 = rand::random();
     for i in 0..args.runs {
@@ -87,32 +123,74 @@ async fn setup(args: &Args) -> anyhow::Result<Ctx> {
             .await?;
         let session = s["session"]
             .as_str()
-            .ok_or_else(|| anyhow::anyhow!("no session: {s}"))?;
-        let r = http
-            .post(format!("{base}/v1/runs"))
-            .bearer_auth(&args.service_token)
-            .json(&json!({"session": session, "client_ip": format!("10.{}.{}.1", i / 256, i % 256), "conversation": format!("bench-{tag:08x}-{i}"), "input_bytes": 10}))
-            .send()
-            .await?;
-        let v: Value = r.json().await?;
-        let run = v["run_id"]
-            .as_str()
-            .ok_or_else(|| anyhow::anyhow!("run refused: {v}"))?;
-        runs.push(run.to_string());
+            .ok_or_else(|| anyhow::anyhow!("no session: {s}"))?
+            .to_string();
+        let client_ip = format!("10.{}.{}.1", i / 256, i % 256);
+        let run = open_run(
+            &http,
+            base,
+            &args.service_token,
+            &session,
+            &client_ip,
+            &format!("bench-{tag:08x}-{i}-0"),
+        )
+        .await?;
+        slots.push(tokio::sync::Mutex::new(Slot {
+            session,
+            client_ip,
+            run,
+            steps: 0,
+            opened: 0,
+        }));
     }
     Ok(Ctx {
         http,
         bases,
         args: args.clone(),
-        runs,
+        slots,
+        tag,
         errors: AtomicU64::new(0),
     })
 }
 
 /// One reserve + commit pair; returns the reserve latency.
 async fn pair(ctx: &Ctx, i: usize) -> Option<Duration> {
-    let run = &ctx.runs[i % ctx.runs.len()];
-    let base = &ctx.bases[(i / ctx.runs.len()) % ctx.bases.len()];
+    let index = i % ctx.slots.len();
+    let base = &ctx.bases[(i / ctx.slots.len()) % ctx.bases.len()];
+    let mut slot = ctx.slots[index].lock().await;
+    if slot.steps >= ctx.args.steps_per_run {
+        let _ = ctx
+            .http
+            .post(format!("{base}/v1/runs/{}/finish", slot.run))
+            .bearer_auth(&ctx.args.service_token)
+            .send()
+            .await;
+        slot.opened += 1;
+        let conversation = format!("bench-{:08x}-{index}-{}", ctx.tag, slot.opened);
+        match open_run(
+            &ctx.http,
+            base,
+            &ctx.args.service_token,
+            &slot.session,
+            &slot.client_ip,
+            &conversation,
+        )
+        .await
+        {
+            Ok(run) => {
+                slot.run = run;
+                slot.steps = 0;
+            }
+            Err(e) => {
+                if ctx.errors.fetch_add(1, Ordering::Relaxed) == 0 {
+                    eprintln!("first refusal: {e}");
+                }
+                return None;
+            }
+        }
+    }
+    slot.steps += 1;
+    let run = slot.run.clone();
     let t = Instant::now();
     let r = ctx
         .http
@@ -194,7 +272,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let ctx = Arc::new(setup(&args).await?);
     // Warm up connections.
-    for i in 0..ctx.runs.len() {
+    for i in 0..ctx.slots.len() {
         let _ = pair(&ctx, i).await;
     }
     let healthz_rps = closed_loop(ctx.clone(), "healthz").await;

@@ -51,11 +51,16 @@ pub fn leading_zero_bits(d: &[u8]) -> u32 {
     n
 }
 
+/// Whether `solution` solves the puzzle `nonce` at `bits`.
+pub fn solves(nonce: &str, bits: u8, solution: &str) -> bool {
+    leading_zero_bits(&Sha256::digest(format!("{nonce}:{solution}"))) >= u32::from(bits)
+}
+
 /// Solves a puzzle (for tests, demos and clients written in Rust).
 pub fn solve(nonce: &str, bits: u8) -> String {
     (0u64..)
         .map(|i| i.to_string())
-        .find(|s| leading_zero_bits(&Sha256::digest(format!("{nonce}:{s}"))) >= u32::from(bits))
+        .find(|s| solves(nonce, bits, s))
         .unwrap_or_default()
 }
 

@@ -21,18 +21,26 @@ pub struct Server {
 /// A config with the test tokens and the given extra TOML (appended; it must not repeat
 /// `[server]`/`[sessions]` keys set here).
 pub fn config_text(port: u16, store: &str, extra: &str) -> String {
+    config_text_with_sessions(port, store, DEFAULT_SESSIONS, extra)
+}
+
+/// `[sessions]` keys of the test configs besides `keys` and `secure_cookie`.
+pub const DEFAULT_SESSIONS: &str =
+    "create_rate_per_ip = \"100000/second\"\ncreate_rate_global = \"100000/second\"";
+
+pub fn config_text_with_sessions(port: u16, store: &str, sessions: &str, extra: &str) -> String {
     format!(
         r#"
 [server]
 listen = "127.0.0.1:{port}"
 service_tokens = ["{SERVICE}"]
 admin_tokens = ["{ADMIN}"]
+trusted_proxies = ["127.0.0.1/32"]
 
 [sessions]
 keys = ["{SESSION_KEY}"]
 secure_cookie = false
-create_rate_per_ip = "100000/second"
-create_rate_global = "100000/second"
+{sessions}
 
 [store]
 {store}
@@ -58,10 +66,26 @@ impl Server {
         Server::start_in(dir, &store, extra)
     }
 
+    /// A server on sqlite with its own `[sessions]` settings.
+    pub fn start_with_sessions(sessions: &str, extra: &str) -> Server {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = dir.path().join("spendgate.db");
+        let store = format!("kind = \"sqlite\"\npath = \"{}\"", db.display());
+        Server::start_full(dir, &store, sessions, extra)
+    }
+
     fn start_in(dir: tempfile::TempDir, store: &str, extra: &str) -> Server {
+        Server::start_full(dir, store, DEFAULT_SESSIONS, extra)
+    }
+
+    fn start_full(dir: tempfile::TempDir, store: &str, sessions: &str, extra: &str) -> Server {
         let port = free_port();
         let config = dir.path().join("spendgate.toml");
-        std::fs::write(&config, config_text(port, store, extra)).expect("write config");
+        std::fs::write(
+            &config,
+            config_text_with_sessions(port, store, sessions, extra),
+        )
+        .expect("write config");
         spendgate_server::install_crypto();
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(20))

@@ -4,5 +4,6 @@ mod harness;
 
 mod cli;
 mod decision_api;
-mod replicas;
 mod proxy;
+mod replicas;
+mod sessions;

@@ -1,0 +1,103 @@
+//! Guest session creation: limited per address prefix and globally, and protected by a
+//! signed, expiring, single-use proof-of-work challenge when configured.
+
+use crate::harness::*;
+use serde_json::{json, Value};
+
+async fn create(server: &Server, xff: &str, body: Option<Value>) -> (u16, Option<String>, Value) {
+    let mut req = server
+        .http
+        .post(server.url("/v1/sessions"))
+        .header("x-forwarded-for", xff);
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    let r = req.send().await.expect("send");
+    let status = r.status().as_u16();
+    let retry = r
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    (status, retry, r.json().await.unwrap_or(Value::Null))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn session_creation_is_rate_limited_per_ip_prefix_and_globally() {
+    let server = Server::start_with_sessions(
+        "create_rate_per_ip = \"2/hour\"\ncreate_rate_global = \"5/hour\"",
+        "[identity]\nipv4_prefix = 24\n",
+    );
+    // Two from one /24 (the client address comes from X-Forwarded-For via the trusted proxy).
+    for host in [1, 2] {
+        let (status, _, v) = create(&server, &format!("198.51.100.{host}"), None).await;
+        assert_eq!(status, 201, "{v}");
+    }
+    let (status, retry, v) = create(&server, "198.51.100.3", None).await;
+    assert_eq!((status, code(&v)), (429, "rate_limited"), "same /24: {v}");
+    assert_eq!(v["error"]["scope"], "ip");
+    assert!(retry
+        .and_then(|r| r.parse::<u64>().ok())
+        .is_some_and(|r| r > 0));
+    // Other prefixes go on until the global allowance (5) is spent.
+    for net in [1, 2, 3] {
+        let (status, _, v) = create(&server, &format!("203.0.{net}.9"), None).await;
+        assert_eq!(status, 201, "{v}");
+    }
+    let (status, _, v) = create(&server, "192.0.2.1", None).await;
+    assert_eq!((status, code(&v)), (429, "rate_limited"), "{v}");
+    assert_eq!(v["error"]["scope"], "global");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn challenge_is_signed_expiring_and_single_use() {
+    let server = Server::start_with_sessions(
+        "create_rate_per_ip = \"1000/second\"\ncreate_rate_global = \"1000/second\"\nchallenge = \"always\"\nchallenge_bits = 8",
+        "",
+    );
+    let (status, _, v) = create(&server, "198.51.100.1", None).await;
+    assert_eq!((status, code(&v)), (403, "challenge_required"), "{v}");
+    let challenge = v["challenge"].clone();
+    let nonce = challenge["nonce"].as_str().expect("nonce");
+    let bits = challenge["bits"].as_u64().expect("bits") as u8;
+    assert_eq!(bits, 8);
+
+    // A wrong solution and a forged challenge are refused.
+    let wrong = (0u64..)
+        .map(|i| i.to_string())
+        .find(|s| !spendgate_server::challenge::solves(nonce, bits, s))
+        .expect("some string fails");
+    let (status, _, v) = create(
+        &server,
+        "198.51.100.1",
+        Some(json!({"challenge": challenge, "solution": wrong})),
+    )
+    .await;
+    assert_eq!((status, code(&v)), (403, "challenge_required"), "{v}");
+    let mut forged = challenge.clone();
+    forged["bits"] = json!(1);
+    let easy = spendgate_server::challenge::solve(nonce, 1);
+    let (status, _, v) = create(
+        &server,
+        "198.51.100.1",
+        Some(json!({"challenge": forged, "solution": easy})),
+    )
+    .await;
+    assert_eq!(
+        (status, code(&v)),
+        (403, "challenge_required"),
+        "forged: {v}"
+    );
+
+    let solution = spendgate_server::challenge::solve(nonce, bits);
+    let body = json!({"challenge": challenge, "solution": solution});
+    let (status, _, v) = create(&server, "198.51.100.1", Some(body.clone())).await;
+    assert_eq!(status, 201, "{v}");
+    assert!(v["session"].as_str().is_some());
+    let (status, _, v) = create(&server, "198.51.100.1", Some(body)).await;
+    assert_eq!(
+        (status, code(&v)),
+        (403, "challenge_required"),
+        "a solution opens one session only: {v}"
+    );
+}

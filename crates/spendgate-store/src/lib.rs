@@ -140,3 +140,57 @@ pub fn spawn_sweeper(store: Arc<dyn Store>, every: Duration) -> tokio::task::Joi
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store that answers only after `delay`: stands for a store that is slow or gone.
+    struct Slow {
+        delay: Duration,
+        inner: MemoryStore,
+    }
+
+    #[async_trait]
+    impl Store for Slow {
+        async fn execute(&self, cmd: Command) -> Result<Reply, StoreError> {
+            tokio::time::sleep(self.delay).await;
+            self.inner.execute(cmd).await
+        }
+        async fn ready(&self) -> Result<(), StoreError> {
+            tokio::time::sleep(self.delay).await;
+            Ok(())
+        }
+        fn kind(&self) -> &'static str {
+            "slow"
+        }
+    }
+
+    #[tokio::test]
+    async fn a_call_past_the_timeout_fails_closed() {
+        let slow = Arc::new(Slow {
+            delay: Duration::from_millis(300),
+            inner: MemoryStore::new(Policy::default(), Arc::new(SystemClock)),
+        });
+        let timed: Arc<dyn Store> = Arc::new(Timed::new(slow, Duration::from_millis(50)));
+        let started = std::time::Instant::now();
+        let err = timed
+            .create_session(vec![IpScope {
+                prefix: "192.0.2.1/32".into(),
+                factor: 1,
+            }])
+            .await
+            .expect_err("past the timeout the call fails");
+        assert!(err.is_unavailable(), "{err:?}");
+        assert!(
+            started.elapsed() < Duration::from_millis(250),
+            "refused at the timeout, not after the store answered"
+        );
+        assert!(timed.ready().await.is_err());
+        let fast: Arc<dyn Store> = Arc::new(Timed::new(
+            Arc::new(MemoryStore::new(Policy::default(), Arc::new(SystemClock))),
+            Duration::from_millis(50),
+        ));
+        assert!(fast.ready().await.is_ok());
+    }
+}

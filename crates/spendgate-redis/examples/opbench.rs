@@ -1,0 +1,240 @@
+//! Redis CPU per ledger operation, measured on a private `redis-server`.
+//!
+//! `cargo run --release -p spendgate-redis --example opbench -- [PAIRS] [CLIENTS] [POLICY]`
+//!
+//! Runs PAIRS reserve+commit pairs from CLIENTS concurrent clients; each client's run takes
+//! 16 tool steps, then is finished and a new run admitted (like `spendgate-load`). Every script
+//! call is recorded by SLOWLOG (threshold 0); the table gives the server-side µs per call of
+//! each operation. POLICY is `bench` (the limits of scripts/bench-redis.sh: one global day
+//! budget) or `full` (budgets on every scope kind, as the default policy: 5 counters a step).
+
+use spendgate_core::*;
+use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
+use spendgate_store::Store;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+const STEPS_PER_RUN: usize = 16;
+
+fn policy(kind: &str) -> Policy {
+    let mut p = Policy::default();
+    let big = Rate {
+        count: 1_000_000,
+        period_ms: 1000,
+        burst: 1_000_000,
+    };
+    for sp in [
+        &mut p.global,
+        &mut p.ip,
+        &mut p.session,
+        &mut p.conversation,
+    ] {
+        if sp.rate.is_some() {
+            sp.rate = Some(big);
+        }
+        if sp.concurrency.is_some() {
+            sp.concurrency = Some(100_000);
+        }
+        for b in &mut sp.budgets {
+            b.amount = Micros(1_000_000_000_000);
+        }
+    }
+    if kind == "bench" {
+        p.global.budgets = vec![Budget {
+            amount: Micros(1_000_000_000_000),
+            window: Window::Day,
+        }];
+        p.ip.budgets.clear();
+        p.ip.concurrency = None;
+        p.session.budgets.clear();
+        p.session.concurrency = None;
+        p.conversation.budgets.clear();
+        p.conversation.rate = None;
+        p.conversation.concurrency = None;
+    }
+    p.run.max_tool_calls = 64;
+    p.run.max_seconds = 3600;
+    p.run.max_cost = Micros(1_000_000_000_000);
+    p
+}
+
+fn run_request(client: usize, n: usize) -> RunRequest {
+    RunRequest {
+        run_id: RunId(format!("run-{client}-{n}")),
+        session: format!("session-{client}"),
+        ips: vec![IpScope {
+            prefix: format!("10.0.{client}.1/32"),
+            factor: 1,
+        }],
+        conversation: format!("conv-{client}-{n}"),
+        input_bytes: 10,
+    }
+}
+
+async fn client(store: Arc<RedisStore>, c: usize, pairs: usize) -> Result<(), String> {
+    let s: &dyn Store = &*store;
+    let mut n = 0;
+    let mut run = run_request(c, n);
+    s.admit_run(run.clone(), None)
+        .await
+        .map_err(|e| e.to_string())?
+        .value
+        .map_err(|r| format!("{r:?}"))?;
+    let mut steps = 0;
+    for i in 0..pairs {
+        if steps == STEPS_PER_RUN {
+            s.finish(run.run_id.clone())
+                .await
+                .map_err(|e| e.to_string())?;
+            n += 1;
+            run = run_request(c, n);
+            s.admit_run(run.clone(), None)
+                .await
+                .map_err(|e| e.to_string())?
+                .value
+                .map_err(|r| format!("{r:?}"))?;
+            steps = 0;
+        }
+        if i % 8 == 7 {
+            s.heartbeat(run.run_id.clone())
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let step = ReservationId(format!("{}.{steps}", run.run_id.0));
+        steps += 1;
+        let req = StepRequest {
+            run_id: run.run_id.clone(),
+            step_id: step.clone(),
+            kind: StepKind::Tool {
+                tool: "bench_tool".into(),
+                price: ToolPrice {
+                    per_call: Micros(1),
+                    per_unit: Micros::ZERO,
+                },
+                units: 0,
+            },
+        };
+        s.reserve_step(req, None)
+            .await
+            .map_err(|e| e.to_string())?
+            .value
+            .map_err(|r| format!("{r:?}"))?;
+        s.resolve(step, Resolution::Commit(Settlement::Units(0)))
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+fn text(v: &redis::Value) -> String {
+    match v {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        redis::Value::Int(i) => i.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> Result<(), String> {
+    let args: Vec<String> = std::env::args().collect();
+    let pairs: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(20_000);
+    let clients: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(32);
+    let kind = args.get(3).cloned().unwrap_or_else(|| "bench".into());
+    let server = spendgate_testkit::RedisServer::start(Default::default())
+        .map_err(|e| format!("redis-server: {e}"))?;
+    let opts = RedisOptions {
+        url: server.url(),
+        prefix: "opbench".into(),
+        timeout: Duration::from_secs(5),
+        clock: ClockSource::Server,
+    };
+    let store = Arc::new(
+        RedisStore::open(opts, policy(&kind))
+            .await
+            .map_err(|e| e.to_string())?,
+    );
+    let client_redis = redis::Client::open(server.url()).map_err(|e| e.to_string())?;
+    let mut conn = client_redis
+        .get_multiplexed_async_connection_with_config(
+            &redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(60))),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let cmd = |args: &[&str]| {
+        let mut c = redis::cmd(args[0]);
+        for a in &args[1..] {
+            c.arg(*a);
+        }
+        c
+    };
+    cmd(&["CONFIG", "SET", "slowlog-log-slower-than", "0"])
+        .query_async::<redis::Value>(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    cmd(&["CONFIG", "SET", "slowlog-max-len", "4000000"])
+        .query_async::<redis::Value>(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    cmd(&["SLOWLOG", "RESET"])
+        .query_async::<redis::Value>(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    cmd(&["CONFIG", "RESETSTAT"])
+        .query_async::<redis::Value>(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let per = pairs / clients.max(1);
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        tasks.push(tokio::spawn(client(store.clone(), c, per)));
+    }
+    for t in tasks {
+        t.await.map_err(|e| e.to_string())??;
+    }
+    cmd(&["CONFIG", "SET", "slowlog-log-slower-than", "10000000"])
+        .query_async::<redis::Value>(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let log = cmd(&["SLOWLOG", "GET", "-1"])
+        .query_async::<redis::Value>(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut by_op: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    if let redis::Value::Array(entries) = log {
+        for e in entries {
+            let redis::Value::Array(f) = e else { continue };
+            let (Some(redis::Value::Int(us)), Some(redis::Value::Array(argv))) = (f.get(2), f.get(3))
+            else {
+                continue;
+            };
+            let cmd0 = argv.first().map(text).unwrap_or_default().to_lowercase();
+            if cmd0 != "evalsha" && cmd0 != "eval" {
+                continue;
+            }
+            let op = argv.get(4).map(text).unwrap_or_default();
+            let slot = by_op.entry(op).or_default();
+            slot.0 += 1;
+            slot.1 += *us as u64;
+        }
+    }
+    let stats = cmd(&["INFO", "commandstats"])
+        .query_async::<String>(&mut conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    println!("{pairs} pairs, {clients} clients, policy {kind}");
+    println!("| operation | calls | µs per call |");
+    println!("|---|---|---|");
+    let (mut calls, mut total) = (0, 0);
+    for (op, (n, us)) in &by_op {
+        calls += n;
+        total += us;
+        println!("| {op} | {n} | {:.1} |", *us as f64 / (*n).max(1) as f64);
+    }
+    println!("| all | {calls} | {:.1} |", total as f64 / calls.max(1) as f64);
+    for l in stats.lines().filter(|l| l.contains("evalsha")) {
+        println!("    {l}");
+    }
+    Ok(())
+}

@@ -37,6 +37,7 @@ pub struct AppState {
     pub http: reqwest::Client,
     /// Upstreams by name, resolved at start (the demo adds its built-in mock).
     pub upstreams: std::collections::BTreeMap<String, crate::proxy::Upstream>,
+    pub alerts: crate::alerts::Alerts,
     /// Session creation was busy at the last creation (adaptive challenges apply).
     pub pressure: std::sync::atomic::AtomicBool,
 }
@@ -516,10 +517,11 @@ pub struct CommitBody {
     pub result_bytes: Option<u64>,
 }
 
-fn resolved_response(state: &AppState, applied: Applied<Resolved>) -> Response {
+fn resolved_response(state: &AppState, step: &str, applied: Applied<Resolved>) -> Response {
     let r = applied.value;
     if r.overrun && !r.repeated {
         state.metrics.overrun();
+        state.alerts.overrun(step, r.reserved.0, r.charged.0);
         tracing::warn!(
             charged = r.charged.0,
             reserved = r.reserved.0,
@@ -571,9 +573,12 @@ pub async fn commit_step(
 
 async fn resolve(state: &AppState, step_id: String, how: Resolution) -> ApiResult<Response> {
     let started = Instant::now();
-    let applied = state.store.resolve(ReservationId(step_id), how).await;
+    let applied = state
+        .store
+        .resolve(ReservationId(step_id.clone()), how)
+        .await;
     state.metrics.store_call(started.elapsed());
-    Ok(resolved_response(state, applied?))
+    Ok(resolved_response(state, &step_id, applied?))
 }
 
 pub async fn release_step(

@@ -2,6 +2,7 @@
 //! store, and maps answers and errors; it holds no limit of its own (SPEC I4).
 
 pub mod admin;
+pub mod alerts;
 pub mod api;
 pub mod challenge;
 pub mod config;
@@ -134,7 +135,9 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
             (name.clone(), up)
         })
         .collect();
+    let alerts = alerts::Alerts::start(http.clone(), config.alerts.webhook_url.clone());
     Ok(Arc::new(AppState {
+        alerts,
         upstreams,
         config: Arc::new(config),
         store,
@@ -235,7 +238,16 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let sweeper = spendgate_store::spawn_sweeper(state.store.clone(), SWEEP_EVERY);
+    let checker = alerts::spawn_checker(
+        state.store.clone(),
+        state.alerts.clone(),
+        state.config.alerts.thresholds_permille.clone(),
+    );
     let app = router(state);
+    // Streams are relayed chunk by chunk: do not let Nagle hold a small chunk back.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let result = axum::serve(
         listener,
         app.into_make_service_with_connect_info::<std::net::SocketAddr>(),
@@ -243,5 +255,6 @@ pub async fn serve(
     .with_graceful_shutdown(shutdown)
     .await;
     sweeper.abort();
+    checker.abort();
     result
 }

@@ -2,6 +2,7 @@
 
 mod harness;
 
+mod alerts;
 mod cli;
 mod decision_api;
 mod proxy;

@@ -1,0 +1,221 @@
+//! Alerts (SPEC §8): a log line and a webhook POST (JSON with a Slack-compatible `text`) when
+//! global spend crosses a configured threshold, once per threshold per window across all
+//! replicas; also on overruns, expired reservations and store outages.
+//!
+//! "Once across all replicas" uses the store itself: the replica that first marks
+//! `alert:global:WINDOW:THRESHOLD` used (a single-use key, `Command::ConsumeOnce`) sends it;
+//! the others see the key taken. Overruns and expiries are reported by the replica that saw
+//! them; store outages by each replica (the store cannot arbitrate while it is down), once per
+//! outage.
+
+use serde_json::{json, Value};
+use spendgate_core::{rfc3339, ScopeKey, UsageLine};
+use spendgate_store::Store;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// Alerts waiting to be sent; past it new ones are logged and dropped.
+pub const ALERT_QUEUE_MAX: usize = 256;
+/// Time one webhook POST may take.
+pub const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How often global spend is checked against the thresholds.
+pub const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// Expired reservations are looked for every this many checks.
+pub const SUMMARY_EVERY_CHECKS: u64 = 5;
+
+#[derive(Clone)]
+pub struct Alerts {
+    tx: mpsc::Sender<Value>,
+    store_down: Arc<AtomicBool>,
+}
+
+impl Alerts {
+    /// Starts the sender task; alerts go to the log always and to `webhook_url` when set.
+    pub fn start(http: reqwest::Client, webhook_url: Option<String>) -> Alerts {
+        let (tx, mut rx) = mpsc::channel::<Value>(ALERT_QUEUE_MAX);
+        tokio::spawn(async move {
+            while let Some(event) = rx.recv().await {
+                let Some(url) = &webhook_url else { continue };
+                let sent = http
+                    .post(url)
+                    .timeout(WEBHOOK_TIMEOUT)
+                    .json(&event)
+                    .send()
+                    .await;
+                if let Err(e) = sent.and_then(|r| r.error_for_status()) {
+                    tracing::warn!(error = %e, "alert webhook failed");
+                }
+            }
+        });
+        Alerts {
+            tx,
+            store_down: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    pub fn emit(&self, kind: &str, text: String, mut detail: Value) {
+        tracing::warn!(alert = kind, "{text}");
+        detail["event"] = json!(kind);
+        detail["text"] = json!(format!("spendgate: {text}"));
+        if self.tx.try_send(detail).is_err() {
+            tracing::warn!(alert = kind, "alert queue full; webhook not sent");
+        }
+    }
+
+    pub fn overrun(&self, step: &str, reserved: u64, charged: u64) {
+        self.emit(
+            "overrun",
+            format!("overrun on step {step}: charged {charged} micros against {reserved} reserved"),
+            json!({"step": step, "reserved_micros": reserved, "charged_micros": charged}),
+        );
+    }
+
+    pub fn expired(&self, n: usize) {
+        self.emit(
+            "expired",
+            format!("{n} reservation(s) expired (holder gone); charged in full"),
+            json!({"expired_reservations": n}),
+        );
+    }
+
+    /// Reports the store going down (once per outage) and coming back.
+    pub fn store_state(&self, up: bool) {
+        let was_down = self.store_down.swap(!up, Ordering::Relaxed);
+        if !up && !was_down {
+            self.emit(
+                "store_unavailable",
+                "the store is unavailable: nothing new is admitted".into(),
+                json!({}),
+            );
+        } else if up && was_down {
+            self.emit(
+                "store_recovered",
+                "the store is reachable again".into(),
+                json!({}),
+            );
+        }
+    }
+}
+
+/// The thresholds (per mille) that `line` has crossed.
+pub fn crossed(line: &UsageLine, thresholds_permille: &[u32]) -> Vec<u32> {
+    if line.limit.0 == 0 {
+        return Vec::new();
+    }
+    let used = u128::from(line.used.0) * 1000;
+    thresholds_permille
+        .iter()
+        .copied()
+        .filter(|t| used >= u128::from(line.limit.0) * u128::from(*t))
+        .collect()
+}
+
+/// Checks global spend against the thresholds every `CHECK_EVERY`; sends each crossing once
+/// per window across replicas.
+pub fn spawn_checker(
+    store: Arc<dyn Store>,
+    alerts: Alerts,
+    thresholds_permille: Vec<u32>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(CHECK_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let (mut checks, mut last_expired) = (SUMMARY_EVERY_CHECKS - 1, u64::MAX);
+        loop {
+            tick.tick().await;
+            let lines = match store.usage(vec![(ScopeKey::global(), 1)]).await {
+                Ok(l) => {
+                    alerts.store_state(true);
+                    l
+                }
+                Err(e) if e.is_unavailable() => {
+                    alerts.store_state(false);
+                    continue;
+                }
+                Err(_) => continue,
+            };
+            checks += 1;
+            if checks % SUMMARY_EVERY_CHECKS == 0 {
+                if let Ok(summary) = store.summary().await {
+                    let expired = summary.reservations.get("expired").copied().unwrap_or(0);
+                    if expired > last_expired {
+                        let key = format!("alert:expired:{expired}");
+                        if let Ok(a) = store.consume_once(key, 86_400_000).await {
+                            if a.value {
+                                alerts.expired((expired - last_expired) as usize);
+                            }
+                        }
+                    }
+                    last_expired = expired;
+                }
+            }
+            for line in &lines {
+                for t in crossed(line, &thresholds_permille) {
+                    let key = format!("alert:global:{}:{t}", line.window);
+                    // Remember the key past the window's reset (its id is in the key anyway).
+                    let ttl_ms = line
+                        .resets_at
+                        .map(|r| r.0.saturating_sub(now_ms()))
+                        .unwrap_or(0)
+                        + 86_400_000;
+                    match store.consume_once(key, ttl_ms).await {
+                        Ok(a) if a.value => alerts.emit(
+                            "threshold",
+                            format!(
+                                "global spend for {} crossed {}%: {} of {} micros",
+                                line.window,
+                                f64::from(t) / 10.0,
+                                line.used.0,
+                                line.limit.0
+                            ),
+                            json!({
+                                "scope": "global",
+                                "window": line.window.to_string(),
+                                "threshold": f64::from(t) / 1000.0,
+                                "used_micros": line.used.0,
+                                "limit_micros": line.limit.0,
+                                "resets_at": line.resets_at.map(rfc3339),
+                            }),
+                        ),
+                        Ok(_) => {}
+                        Err(e) => tracing::debug!(error = %e, "alert dedupe failed; will retry"),
+                    }
+                }
+            }
+        }
+    })
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spendgate_core::{Micros, UnixMs, Window};
+
+    #[test]
+    fn crossing() {
+        let line = UsageLine {
+            scope: ScopeKey::global(),
+            window: Window::Day.at(UnixMs(0)),
+            limit: Micros(1000),
+            used: Micros(800),
+            reserved: Micros(100),
+            overrun: false,
+            resets_at: None,
+        };
+        assert_eq!(crossed(&line, &[500, 800, 1000]), vec![500, 800]);
+        let zero = UsageLine {
+            limit: Micros(0),
+            ..line
+        };
+        assert!(crossed(&zero, &[500]).is_empty());
+    }
+}

@@ -1,0 +1,119 @@
+//! Alerts: a webhook POST when global spend crosses a threshold (once per threshold and
+//! window), and on overruns.
+
+use crate::harness::*;
+use axum::routing::post;
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+async fn receiver() -> (String, Arc<Mutex<Vec<Value>>>, tokio::task::JoinHandle<()>) {
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let sink = got.clone();
+    let app = Router::new().route(
+        "/hook",
+        post(move |Json(v): Json<Value>| {
+            let sink = sink.clone();
+            async move {
+                sink.lock().expect("lock").push(v);
+                "ok"
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (url, got, task)
+}
+
+fn events(got: &Arc<Mutex<Vec<Value>>>, kind: &str) -> Vec<Value> {
+    got.lock()
+        .expect("lock")
+        .iter()
+        .filter(|v| v["event"] == kind)
+        .cloned()
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn threshold_alerts_fire_once_and_overruns_alert() {
+    let (url, got, task) = receiver().await;
+    let server = Server::start(&format!(
+        r#"
+[limits.global]
+budgets = [{{ amount = "0.10", window = "day" }}]
+
+[run]
+max_tool_calls = 100
+
+[tools.search]
+per_call = "0.01"
+per_unit = "0.01"
+
+[alerts]
+webhook_url = "{url}"
+thresholds = [0.5, 1.0]
+"#
+    ));
+    let s = server.session().await;
+    let run = server.run(&s, "192.0.2.50", "alerts").await;
+    // Three steps reserved at 0.02 (one unit), committed at 0.02: 0.06 of 0.10 = 60%.
+    for _ in 0..3 {
+        let (st, v) = server
+            .post(
+                &format!("/v1/runs/{run}/steps"),
+                json!({"kind": "tool", "tool": "search"}),
+            )
+            .await;
+        assert_eq!(st, 201, "{v}");
+        let step = v["step_id"].as_str().expect("step");
+        let (st, v) = server
+            .post(&format!("/v1/steps/{step}/commit"), json!({"units": 1}))
+            .await;
+        assert_eq!(st, 200, "{v}");
+    }
+    let until = Instant::now() + Duration::from_secs(5);
+    while events(&got, "threshold").is_empty() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let t = events(&got, "threshold");
+    assert_eq!(t.len(), 1, "{t:?}");
+    assert_eq!(t[0]["threshold"], 0.5);
+    assert_eq!(t[0]["used_micros"], 60_000);
+    assert!(
+        t[0]["text"].as_str().is_some_and(|x| x.contains("50")),
+        "Slack-compatible text: {t:?}"
+    );
+
+    // An overrun: reserved at one unit (0.02), committed at three (0.04).
+    let (st, v) = server
+        .post(
+            &format!("/v1/runs/{run}/steps"),
+            json!({"kind": "tool", "tool": "search"}),
+        )
+        .await;
+    assert_eq!(st, 201, "{v}");
+    let step = v["step_id"].as_str().expect("step").to_string();
+    let (st, v) = server
+        .post(&format!("/v1/steps/{step}/commit"), json!({"units": 3}))
+        .await;
+    assert_eq!((st, v["overrun"].as_bool()), (200, Some(true)), "{v}");
+    let until = Instant::now() + Duration::from_secs(5);
+    while events(&got, "overrun").is_empty() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let o = events(&got, "overrun");
+    assert_eq!(o.len(), 1, "{o:?}");
+    assert_eq!(o[0]["step"], step.as_str());
+    // 0.10 of 0.10 now: the 1.0 threshold fires once; 0.5 does not fire again.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let t = events(&got, "threshold");
+    let thresholds: Vec<f64> = t.iter().filter_map(|v| v["threshold"].as_f64()).collect();
+    assert_eq!(thresholds, vec![0.5, 1.0], "{t:?}");
+    task.abort();
+}

@@ -9,6 +9,7 @@ pub mod config;
 pub mod error;
 pub mod identity;
 pub mod metrics;
+pub mod ops;
 pub mod proxy;
 pub mod tokens;
 

@@ -51,6 +51,25 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         tokens_per_second: u64,
     },
+    /// Spend by scope and window, read from a running gateway's admin API.
+    Report {
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+        #[arg(long, env = "SPENDGATE_ADMIN_TOKEN", hide_env_values = true)]
+        admin_token: String,
+        /// Scope kind: global, ip, session, conversation, run.
+        #[arg(long)]
+        kind: Option<String>,
+        #[arg(long, default_value_t = 50)]
+        top: usize,
+    },
+    /// Percentiles of observed usage per run and suggested bounds, from a running gateway.
+    Tune {
+        #[arg(long, default_value = "http://127.0.0.1:8080")]
+        url: String,
+        #[arg(long, env = "SPENDGATE_ADMIN_TOKEN", hide_env_values = true)]
+        admin_token: String,
+    },
     /// Store maintenance.
     Store {
         #[command(subcommand)]
@@ -154,6 +173,35 @@ async fn main() -> anyhow::Result<()> {
                 listener.local_addr()?
             );
             mock.serve(listener).await?;
+        }
+        Cmd::Report {
+            url,
+            admin_token,
+            kind,
+            top,
+        } => {
+            spendgate_server::install_crypto();
+            let http = reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(30))
+                .build()?;
+            let path = format!(
+                "/admin/v1/scopes?top={top}{}",
+                kind.map(|k| format!("&kind={k}")).unwrap_or_default()
+            );
+            let v = spendgate_server::ops::admin_get(&http, &url, &admin_token, &path).await?;
+            print!("{}", spendgate_server::ops::render_report(&v));
+        }
+        Cmd::Tune { url, admin_token } => {
+            spendgate_server::install_crypto();
+            let http = reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(30))
+                .build()?;
+            let path = format!(
+                "/admin/v1/reservations?limit={}",
+                spendgate_server::ops::TUNE_ROWS_MAX
+            );
+            let v = spendgate_server::ops::admin_get(&http, &url, &admin_token, &path).await?;
+            print!("{}", spendgate_server::ops::render_tune(&v));
         }
         Cmd::Store {
             action: StoreCmd::AcceptReset { config },

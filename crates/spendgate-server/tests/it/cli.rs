@@ -55,3 +55,59 @@ fn bad_configs_are_refused_naming_the_key() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn report_and_tune_read_a_running_gateway() {
+    use crate::harness::*;
+    use serde_json::json;
+    let server = Server::start("[run]\nmax_tool_calls = 10\n\n[tools.t]\nper_call = \"0.01\"\n");
+    let s = server.session().await;
+    let run = server.run(&s, "192.0.2.77", "report").await;
+    for units in [0, 0] {
+        let (st, v) = server
+            .post(
+                &format!("/v1/runs/{run}/steps"),
+                json!({"kind": "tool", "tool": "t"}),
+            )
+            .await;
+        assert_eq!(st, 201, "{v}");
+        let step = v["step_id"].as_str().expect("step");
+        let (st, _) = server
+            .post(&format!("/v1/steps/{step}/commit"), json!({"units": units}))
+            .await;
+        assert_eq!(st, 200);
+    }
+    let (st, _) = server
+        .post(&format!("/v1/runs/{run}/finish"), json!({}))
+        .await;
+    assert_eq!(st, 200);
+    let run_cmd = |args: &[&str]| {
+        let out = spendgate()
+            .args(args)
+            .args(["--url", &server.url(""), "--admin-token", ADMIN])
+            .output()
+            .expect("run");
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let report = run_cmd(&["report"]);
+    assert!(
+        report.contains("global") && report.contains("0.020000"),
+        "{report}"
+    );
+    let tune = run_cmd(&["tune"]);
+    assert!(tune.starts_with("1 runs observed"), "{tune}");
+    assert!(
+        tune.contains("run.max_tool_calls = 3"),
+        "p99 of 2 tool calls plus half: {tune}"
+    );
+    let bad = spendgate()
+        .args(["report", "--url", &server.url(""), "--admin-token", "wrong"])
+        .output()
+        .expect("run");
+    assert!(!bad.status.success());
+}

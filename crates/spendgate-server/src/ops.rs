@@ -1,0 +1,215 @@
+//! `spendgate report` and `spendgate tune`: operator tools that read a running gateway through
+//! its admin API (so they work the same on every store, and never open the sqlite file a
+//! server holds).
+
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::fmt::Write;
+
+/// Reservations read by `tune` at most (the admin API's row bound).
+pub const TUNE_ROWS_MAX: usize = 1000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    #[error("admin API: {0}")]
+    Http(String),
+    #[error("admin API answered {status}: {body}")]
+    Status { status: u16, body: String },
+}
+
+pub async fn admin_get(
+    http: &reqwest::Client,
+    base: &str,
+    token: &str,
+    path: &str,
+) -> Result<Value, OpsError> {
+    let r = http
+        .get(format!("{}{path}", base.trim_end_matches('/')))
+        .bearer_auth(token)
+        .send()
+        .await
+        .map_err(|e| OpsError::Http(e.to_string()))?;
+    let status = r.status().as_u16();
+    let body = r.text().await.map_err(|e| OpsError::Http(e.to_string()))?;
+    if status != 200 {
+        return Err(OpsError::Status { status, body });
+    }
+    serde_json::from_str(&body).map_err(|e| OpsError::Http(e.to_string()))
+}
+
+fn units(micros: u64) -> String {
+    format!("{}.{:06}", micros / 1_000_000, micros % 1_000_000)
+}
+
+/// Spend by scope and window, as a table.
+pub fn render_report(scopes: &Value) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<48} {:<22} {:>16} {:>16} {:>16}  resets at",
+        "scope", "window", "limit", "used", "reserved"
+    );
+    for s in scopes["scopes"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+    {
+        let n = |k: &str| s[k].as_u64().unwrap_or(0);
+        let _ = writeln!(
+            out,
+            "{:<48} {:<22} {:>16} {:>16} {:>16}  {}{}",
+            s["scope"].as_str().unwrap_or(""),
+            s["window"].as_str().unwrap_or(""),
+            units(n("limit_micros")),
+            units(n("used_micros")),
+            units(n("reserved_micros")),
+            s["resets_at"].as_str().unwrap_or("never"),
+            if s["overrun"].as_bool() == Some(true) {
+                "  OVERRUN"
+            } else {
+                ""
+            },
+        );
+    }
+    out
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    if sorted.is_empty() {
+        return 0;
+    }
+    let i = ((sorted.len() as f64 - 1.0) * p).ceil() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Percentiles of observed usage per run (cost, model rounds, tool calls) over the ended
+/// reservations the gateway still remembers, and bounds suggested from them: the p99 with
+/// half again as headroom, rounded up. Suggestions are a starting point, not capacity evidence.
+pub fn render_tune(reservations: &Value) -> String {
+    #[derive(Default)]
+    struct RunUse {
+        cost: u64,
+        rounds: u64,
+        tools: u64,
+    }
+    let mut runs: BTreeMap<String, RunUse> = BTreeMap::new();
+    for r in reservations["reservations"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+    {
+        let state = r["state"].as_str().unwrap_or("");
+        let kind = r["kind"].as_str().unwrap_or("");
+        if state == "held" || kind == "run_hold" {
+            continue;
+        }
+        let e = runs
+            .entry(r["run_id"].as_str().unwrap_or("").to_string())
+            .or_default();
+        e.cost += r["charged_micros"].as_u64().unwrap_or(0);
+        if kind.starts_with("model:") {
+            e.rounds += 1;
+        } else if kind.starts_with("tool:") {
+            e.tools += 1;
+        }
+    }
+    let mut out = String::new();
+    if runs.is_empty() {
+        let _ = writeln!(out, "no ended reservations to learn from yet");
+        return out;
+    }
+    let col = |f: &dyn Fn(&RunUse) -> u64| {
+        let mut v: Vec<u64> = runs.values().map(f).collect();
+        v.sort_unstable();
+        v
+    };
+    let cost = col(&|r| r.cost);
+    let rounds = col(&|r| r.rounds);
+    let tools = col(&|r| r.tools);
+    let _ = writeln!(out, "{} runs observed", runs.len());
+    let _ = writeln!(
+        out,
+        "{:<16} {:>14} {:>14} {:>14} {:>14}  suggested bound",
+        "per run", "p50", "p90", "p99", "max"
+    );
+    let headroom = |v: u64| v.saturating_add(v.div_ceil(2)).max(1);
+    let row = |out: &mut String, name: &str, v: &[u64], fmt: &dyn Fn(u64) -> String, key: &str| {
+        let _ = writeln!(
+            out,
+            "{:<16} {:>14} {:>14} {:>14} {:>14}  {key} = {}",
+            name,
+            fmt(percentile(v, 0.5)),
+            fmt(percentile(v, 0.9)),
+            fmt(percentile(v, 0.99)),
+            fmt(*v.last().unwrap_or(&0)),
+            fmt(headroom(percentile(v, 0.99))),
+        );
+    };
+    row(
+        &mut out,
+        "cost",
+        &cost,
+        &|m| format!("\"{}\"", units(m)),
+        "run.max_cost",
+    );
+    row(
+        &mut out,
+        "model rounds",
+        &rounds,
+        &|n| n.to_string(),
+        "run.max_model_rounds",
+    );
+    row(
+        &mut out,
+        "tool calls",
+        &tools,
+        &|n| n.to_string(),
+        "run.max_tool_calls",
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn tune_groups_by_run_and_suggests_headroom() {
+        let mut rows = Vec::new();
+        for run in 0..10u64 {
+            for step in 0..=run % 3 {
+                rows.push(json!({"run_id": format!("r{run}"), "kind": "model:m", "state": "committed", "charged_micros": 1000 * (step + 1)}));
+            }
+            rows.push(json!({"run_id": format!("r{run}"), "kind": "tool:t", "state": "unknown", "charged_micros": 500}));
+        }
+        rows.push(
+            json!({"run_id": "held", "kind": "model:m", "state": "held", "charged_micros": 0}),
+        );
+        let out = render_tune(&json!({"reservations": rows}));
+        assert!(out.starts_with("10 runs observed"), "{out}");
+        assert!(
+            out.contains("run.max_model_rounds = 5"),
+            "p99 of 3 rounds + half: {out}"
+        );
+        assert!(out.contains("run.max_tool_calls = 2"), "{out}");
+        assert!(
+            out.contains("run.max_cost = \"0.009750\""),
+            "p99 cost 6500 + half: {out}"
+        );
+    }
+
+    #[test]
+    fn report_renders_rows() {
+        let out = render_report(
+            &json!({"scopes": [{"scope": "global", "window": "day:2026-11-30", "limit_micros": 50_000_000,
+            "used_micros": 1_500_000, "reserved_micros": 10_000, "resets_at": "2026-12-01T00:00:00Z", "overrun": false}]}),
+        );
+        assert!(
+            out.contains("50.000000")
+                && out.contains("1.500000")
+                && out.contains("2026-12-01T00:00:00Z"),
+            "{out}"
+        );
+    }
+}

@@ -210,7 +210,7 @@ async fn main() -> Result<(), String> {
                 continue;
             };
             let cmd0 = argv.first().map(text).unwrap_or_default().to_lowercase();
-            if cmd0 != "evalsha" && cmd0 != "eval" {
+            if !matches!(cmd0.as_str(), "evalsha" | "eval" | "fcall" | "fcall_ro") {
                 continue;
             }
             let op = argv.get(4).map(text).unwrap_or_default();
@@ -233,7 +233,7 @@ async fn main() -> Result<(), String> {
         println!("| {op} | {n} | {:.1} |", *us as f64 / (*n).max(1) as f64);
     }
     println!("| all | {calls} | {:.1} |", total as f64 / calls.max(1) as f64);
-    for l in stats.lines().filter(|l| l.contains("evalsha")) {
+    for l in stats.lines().filter(|l| l.contains("evalsha") || l.contains("fcall")) {
         println!("    {l}");
     }
     Ok(())

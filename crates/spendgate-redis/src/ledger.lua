@@ -16,7 +16,10 @@
 --   the core's `advance` applies them before the operation).
 -- * Loops are bounded: expiries per call, sweep batches, ties in listings.
 
-local B = KEYS[1]
+-- Per-call state: set by `main` at the start of every call (a function library's locals
+-- outlive a call; nothing below may carry anything from one call to the next except the
+-- parsed-policy cache, which is a pure function of the policy string).
+local B
 local MAX = 9007199254740991
 local SWEEP_EXPIRIES = 256
 local SWEEP_BATCH = 1024
@@ -24,14 +27,18 @@ local TIES_MAX = 10000
 -- The core's constants (spendgate_core::ledger), passed in front of the policy.
 local RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = 0, 0, 0, 0, 0
 
-local K_META = B .. ':meta'
-local K_EPOCH = B .. ':epoch'
-local K_TIMERS = B .. ':timers'
-local K_RATES = B .. ':rates'
-local K_SLOTS = B .. ':slots'
-local K_TOP = B .. ':top'
-local K_CWIN = B .. ':cwin'
-local K_RZ = B .. ':rz'
+local K_META, K_EPOCH, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ
+local function set_base(b)
+  B = b
+  K_META = b .. ':meta'
+  K_EPOCH = b .. ':epoch'
+  K_TIMERS = b .. ':timers'
+  K_RATES = b .. ':rates'
+  K_SLOTS = b .. ':slots'
+  K_TOP = b .. ':top'
+  K_CWIN = b .. ':cwin'
+  K_RZ = b .. ':rz'
+end
 
 local function h(s) return redis.sha1hex(s) end
 local function kRun(id) return B .. ':r:' .. h(id) end
@@ -225,6 +232,24 @@ local function parse_policy(s)
   p.ttl = nn()
   if nn() == 1 then p.sc_ip = { nn(), nn(), nn() } end
   if nn() == 1 then p.sc_global = { nn(), nn(), nn() } end
+  p.consts = { RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX }
+  return p
+end
+
+-- Parsed policies by policy string (a pure function of the string; replicas of one deployment
+-- send the same one). Bounded: cleared when it holds too many.
+local POLICIES, POLICIES_N = {}, 0
+local function policy(s)
+  local p = POLICIES[s]
+  if not p then
+    p = parse_policy(s)
+    if POLICIES_N >= 16 then
+      POLICIES, POLICIES_N = {}, 0
+    end
+    POLICIES[s] = p
+    POLICIES_N = POLICIES_N + 1
+  end
+  RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = unpack(p.consts)
   return p
 end
 
@@ -1156,49 +1181,55 @@ end
 
 ---------------------------------------------------------------- dispatch
 
-local op = ARGV[1]
-local A = {}
-for i = 6, #ARGV do A[#A + 1] = ARGV[i] end
+local function main(KEYS, ARGV)
+  set_base(KEYS[1])
+  local op = ARGV[1]
+  local A = {}
+  for i = 6, #ARGV do A[#A + 1] = ARGV[i] end
 
-local now
-if ARGV[2] == '' then
-  local t = redis.call('TIME')
-  now = N(t[1]) * 1000 + idiv(N(t[2]), 1000)
-else
-  now = N(ARGV[2])
+  local now
+  if ARGV[2] == '' then
+    local t = redis.call('TIME')
+    now = N(t[1]) * 1000 + idiv(N(t[2]), 1000)
+  else
+    now = N(ARGV[2])
+  end
+
+  if op == 'epoch_init' then
+    local f = redis.call('HMGET', K_EPOCH, 'id', 'kind')
+    local seq = redis.call('HGET', K_META, 'seq') or '0'
+    if f[1] then return { 'OK', f[1], f[2] or 'init', seq } end
+    if redis.call('EXISTS', K_META) == 1 then return { 'X', 'epoch_missing' } end
+    redis.call('HSET', K_EPOCH, 'id', A[1], 'kind', 'init', 'at', S(now))
+    return { 'OK', A[1], 'init', seq }
+  end
+  if op == 'epoch_reset' then
+    redis.call('HSET', K_EPOCH, 'id', A[1], 'kind', 'reset', 'at', S(now))
+    return { 'OK', A[1], 'reset', redis.call('HGET', K_META, 'seq') or '0' }
+  end
+
+  local ep = redis.call('HMGET', K_EPOCH, 'id', 'kind')
+  if not ep[1] then return { 'X', 'epoch_missing' } end
+  if ep[1] ~= ARGV[3] then return { 'X', 'epoch_changed', ep[1], ep[2] or 'init' } end
+  local mf = redis.call('HMGET', K_META, 'seq', 'clock')
+  SEQ = N(mf[1] or '0')
+  if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
+  local clock = N(mf[2] or '0')
+  if now < clock then now = clock end
+
+  P = policy(ARGV[5])
+
+  if READS[op] then return READS[op](now, A) end
+  local f = OPS[op]
+  if not f then return redis.error_reply('spendgate: unknown operation ' .. op) end
+
+  -- Ledger::advance: the clock never goes back; due expiries are processed first (a sweep
+  -- processes and counts them itself).
+  if now ~= clock then redis.call('HSET', K_META, 'clock', S(now)) end
+  local swept = false
+  if op ~= 'sweep' then swept = expire_due(now, EXPIRIES_PER_CALL) > 0 end
+  return f(now, swept, A)
 end
 
-if op == 'epoch_init' then
-  local f = redis.call('HMGET', K_EPOCH, 'id', 'kind')
-  local seq = redis.call('HGET', K_META, 'seq') or '0'
-  if f[1] then return { 'OK', f[1], f[2] or 'init', seq } end
-  if redis.call('EXISTS', K_META) == 1 then return { 'X', 'epoch_missing' } end
-  redis.call('HSET', K_EPOCH, 'id', A[1], 'kind', 'init', 'at', S(now))
-  return { 'OK', A[1], 'init', seq }
-end
-if op == 'epoch_reset' then
-  redis.call('HSET', K_EPOCH, 'id', A[1], 'kind', 'reset', 'at', S(now))
-  return { 'OK', A[1], 'reset', redis.call('HGET', K_META, 'seq') or '0' }
-end
-
-local ep = redis.call('HMGET', K_EPOCH, 'id', 'kind')
-if not ep[1] then return { 'X', 'epoch_missing' } end
-if ep[1] ~= ARGV[3] then return { 'X', 'epoch_changed', ep[1], ep[2] or 'init' } end
-local mf = redis.call('HMGET', K_META, 'seq', 'clock')
-SEQ = N(mf[1] or '0')
-if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
-local clock = N(mf[2] or '0')
-if now < clock then now = clock end
-
-P = parse_policy(ARGV[5])
-
-if READS[op] then return READS[op](now, A) end
-local f = OPS[op]
-if not f then return redis.error_reply('spendgate: unknown operation ' .. op) end
-
--- Ledger::advance: the clock never goes back; due expiries are processed first (a sweep
--- processes and counts them itself).
-if now ~= clock then redis.call('HSET', K_META, 'clock', S(now)) end
-local swept = false
-if op ~= 'sweep' then swept = expire_due(now, EXPIRIES_PER_CALL) > 0 end
-return f(now, swept, A)
+redis.register_function { function_name = 'SPENDGATE_FN', callback = main }
+redis.register_function { function_name = 'SPENDGATE_FN_ro', callback = main, flags = { 'no-writes' } }

@@ -125,8 +125,7 @@ pub struct RedisStore {
     base: String,
     policy_arg: String,
     conn: ConnectionManager,
-    write: redis::Script,
-    read: redis::Script,
+    lib: Arc<Library>,
     epoch: Mutex<EpochState>,
     health: tokio::sync::Mutex<Health>,
     refreshing: AtomicBool,
@@ -141,20 +140,70 @@ impl fmt::Debug for RedisStore {
     }
 }
 
-fn write_script() -> redis::Script {
-    redis::Script::new(&format!("#!lua\n{SCRIPT_BODY}"))
+/// The ledger as a Redis function library: its name carries a digest of the code, so
+/// replicas running different versions each call their own.
+#[derive(Debug)]
+struct Library {
+    code: String,
+    /// The function that may write.
+    write: String,
+    /// The same code registered `no-writes`, for the read-only operations.
+    read: String,
 }
 
-fn read_script() -> redis::Script {
-    redis::Script::new(&format!("#!lua flags=no-writes\n{SCRIPT_BODY}"))
-}
-
-fn script_code(read: bool) -> String {
-    if read {
-        format!("#!lua flags=no-writes\n{SCRIPT_BODY}")
-    } else {
-        format!("#!lua\n{SCRIPT_BODY}")
+fn library() -> Library {
+    let digest = Sha256::digest(SCRIPT_BODY.as_bytes());
+    let name = format!("spendgate_{}", hex::encode(&digest[..8]));
+    Library {
+        code: format!(
+            "#!lua name={name}\n{}",
+            SCRIPT_BODY.replace("SPENDGATE_FN", &name)
+        ),
+        read: format!("{name}_ro"),
+        write: name,
     }
+}
+
+/// `FCALL`, loading the library first when Redis does not have it (the function did not
+/// run, so running it now is not a retry of an unknown outcome).
+async fn fcall(
+    conn: &mut ConnectionManager,
+    lib: &Library,
+    read: bool,
+    base: &str,
+    argv: &[&str],
+    timeout: Duration,
+) -> Result<Item, StoreError> {
+    let build = || {
+        let mut c = redis::cmd("FCALL");
+        c.arg(if read { &lib.read } else { &lib.write })
+            .arg(1)
+            .arg(base)
+            .arg(argv);
+        c
+    };
+    let value = match build().query_async::<redis::Value>(conn).await {
+        Ok(v) => v,
+        Err(e) if e.to_string().contains("Function not found") => {
+            let loaded = redis::cmd("FUNCTION")
+                .arg("LOAD")
+                .arg(&lib.code)
+                .query_async::<redis::Value>(conn)
+                .await;
+            match loaded {
+                Ok(_) => {}
+                // Another replica loaded it meanwhile.
+                Err(e) if e.to_string().contains("already exists") => {}
+                Err(e) => return Err(map_redis_error(e, timeout)),
+            }
+            build()
+                .query_async::<redis::Value>(conn)
+                .await
+                .map_err(|e| map_redis_error(e, timeout))?
+        }
+        Err(e) => return Err(map_redis_error(e, timeout)),
+    };
+    Item::from_value(value)
 }
 
 fn unavailable(msg: impl Into<String>) -> StoreError {
@@ -340,8 +389,7 @@ impl RedisStore {
             base,
             policy_arg,
             conn,
-            write: write_script(),
-            read: read_script(),
+            lib: Arc::new(library()),
             epoch: Mutex::new(EpochState::default()),
             health: tokio::sync::Mutex::new(Health::default()),
             refreshing: AtomicBool::new(false),
@@ -363,13 +411,10 @@ impl RedisStore {
             ClockSource::Server => String::new(),
             ClockSource::Manual(c) => c.now().0.to_string(),
         };
+        let lib = library();
         let fut = async {
             let argv = ["epoch_reset", now.as_str(), "", "0", "", id.as_str()];
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(script_code(false)).arg(1).arg(&base).arg(&argv[..]);
-            cmd.query_async::<redis::Value>(&mut conn)
-                .await
-                .map_err(|e| map_redis_error(e, opts.timeout))
+            fcall(&mut conn, &lib, false, &base, &argv, opts.timeout).await
         };
         tokio::time::timeout(opts.timeout.max(Duration::from_secs(5)), fut)
             .await
@@ -385,34 +430,9 @@ impl RedisStore {
         }
     }
 
-    /// `EVALSHA`, loading the script first when Redis does not know it (NOSCRIPT: the script
-    /// did not run, so running it now is not a retry of an unknown outcome).
     async fn eval(&self, read: bool, argv: &[&str]) -> Result<Item, StoreError> {
-        let script = if read { &self.read } else { &self.write };
         let mut conn = self.conn.clone();
-        let build = || {
-            let mut c = redis::cmd("EVALSHA");
-            c.arg(script.get_hash()).arg(1).arg(&self.base).arg(argv);
-            c
-        };
-        let t = self.opts.timeout;
-        let value = match build().query_async::<redis::Value>(&mut conn).await {
-            Ok(v) => v,
-            Err(e) if e.code() == Some("NOSCRIPT") => {
-                redis::cmd("SCRIPT")
-                    .arg("LOAD")
-                    .arg(script_code(read))
-                    .query_async::<String>(&mut conn)
-                    .await
-                    .map_err(|e| map_redis_error(e, t))?;
-                build()
-                    .query_async::<redis::Value>(&mut conn)
-                    .await
-                    .map_err(|e| map_redis_error(e, t))?
-            }
-            Err(e) => return Err(map_redis_error(e, t)),
-        };
-        Item::from_value(value)
+        fcall(&mut conn, &self.lib, read, &self.base, argv, self.opts.timeout).await
     }
 
     /// The epoch id and lowest acceptable seq for a call; initialises the deployment's epoch

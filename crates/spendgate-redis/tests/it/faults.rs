@@ -282,20 +282,33 @@ async fn a_rolled_back_ledger_is_refused_until_accepted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_cache_flush_is_survived() {
     let server = server(false);
-    let store = open(server_opts(&server, Duration::from_secs(2)), policy()).await;
+    let opts = server_opts(&server, Duration::from_secs(2));
+    let store = open(opts.clone(), policy()).await;
     let s = store_of(&store);
     admit(s, "r1").await;
-    server.command(&["SCRIPT", "FLUSH"]).expect("SCRIPT FLUSH");
+    for flush in [["SCRIPT", "FLUSH"], ["FUNCTION", "FLUSH"]] {
+        server.command(&flush).expect("flush");
+    }
     reserve(s, "r1", "x1")
         .await
-        .expect("NOSCRIPT: reloaded and run once");
+        .expect("function not found: loaded and run once");
     assert_eq!(global_usage(s).await, (0, TOOL), "reserved exactly once");
-    server.command(&["SCRIPT", "FLUSH"]).expect("SCRIPT FLUSH");
+    server.command(&["FUNCTION", "FLUSH"]).expect("FUNCTION FLUSH");
     assert_eq!(
         global_usage(s).await,
         (0, TOOL),
-        "the read script reloads too"
+        "the read function reloads too"
     );
+    // A second store (another replica) finds the library loaded; loading it again is harmless.
+    let other = open(opts, policy()).await;
+    server.command(&["FUNCTION", "FLUSH"]).expect("FUNCTION FLUSH");
+    let (a, b) = tokio::join!(
+        reserve(store_of(&other), "r1", "x2"),
+        reserve(s, "r1", "x3")
+    );
+    a.expect("reserved");
+    b.expect("reserved");
+    assert_eq!(global_usage(s).await, (0, 3 * TOOL));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

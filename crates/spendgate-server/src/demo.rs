@@ -167,6 +167,10 @@ pub async fn run(
     println!("  ledger: {}", db_path.display());
     tracing::info!(%addr, %mock_addr, "spendgate demo listening");
 
+    // Streams are relayed chunk by chunk: do not let Nagle hold a small chunk back.
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     let result = axum::serve(
         listener,
         app.into_make_service_with_connect_info::<SocketAddr>(),

@@ -21,6 +21,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use spendgate_core::*;
+use spendgate_store::StoreError;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -380,31 +381,8 @@ pub async fn chat_completions(
     let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
 
     // Open a one-step run unless the call is a step of an existing run.
-    let (run_id, own_run) = match &who.run {
-        Some(r) => {
-            api::check_id_path("run", r)?;
-            (RunId(r.clone()), false)
-        }
-        None => {
-            let run = RunRequest {
-                run_id: RunId(api::new_id("run")),
-                session: who.session.clone(),
-                ips: who.ips.clone(),
-                conversation: who.conversation.clone(),
-                input_bytes,
-            };
-            let applied = state.store.admit_run(run, None).await?;
-            match applied.value {
-                Ok(a) => (a.run_id, true),
-                Err(r) => {
-                    state.metrics.refused("proxy_run", r.code.name(), r.scope);
-                    return Err(ApiError::from(&r));
-                }
-            }
-        }
-    };
     let step_id = ReservationId(api::new_id("stp"));
-    let step = StepRequest {
+    let step_of = |run_id: &RunId| StepRequest {
         run_id: run_id.clone(),
         step_id: step_id.clone(),
         kind: StepKind::Model {
@@ -415,23 +393,66 @@ pub async fn chat_completions(
             retry: who.retry,
         },
     };
-    let reserved = match state.store.reserve_step(step, None).await {
-        Ok(a) => a.value,
-        Err(e) => {
-            if own_run {
-                let _ = state.store.finish(run_id.clone()).await;
+    let (run_id, own_run, reserved) = match &who.run {
+        Some(r) => {
+            api::check_id_path("run", r)?;
+            let run_id = RunId(r.clone());
+            let reserved = state.store.reserve_step(step_of(&run_id), None).await;
+            (run_id, false, reserved)
+        }
+        None => {
+            let run_id = RunId(api::new_id("run"));
+            let run = RunRequest {
+                run_id: run_id.clone(),
+                session: who.session.clone(),
+                ips: who.ips.clone(),
+                conversation: who.conversation.clone(),
+                input_bytes,
+            };
+            // Both queued back to back: a group-committing store makes them durable in one
+            // write instead of two in a row. A store that applies the step first answers
+            // "not found"; it is then asked again once the run is in.
+            let (admitted, reserved) = tokio::join!(
+                state.store.admit_run(run, None),
+                state.store.reserve_step(step_of(&run_id), None)
+            );
+            match admitted.map(|a| a.value) {
+                Ok(Ok(_)) => {}
+                Ok(Err(r)) => {
+                    state.metrics.refused("proxy_run", r.code.name(), r.scope);
+                    return Err(ApiError::from(&r));
+                }
+                Err(e) => {
+                    // The run's fate is unknown; anything held for it held nothing paid.
+                    abandon(&state, &step_id, Some(&run_id)).await;
+                    return Err(e.into());
+                }
             }
-            return Err(e.into());
+            let reserved = match reserved {
+                Err(StoreError::Ledger(LedgerError::NotFound(_))) => {
+                    state.store.reserve_step(step_of(&run_id), None).await
+                }
+                other => other,
+            };
+            (run_id, true, reserved)
         }
     };
-    let reserved = match reserved {
-        Ok(r) => r,
-        Err(r) => {
+    let reserved = match reserved.map(|a| a.value) {
+        Ok(Ok(r)) => r,
+        Ok(Err(r)) => {
             if own_run {
                 let _ = state.store.finish(run_id.clone()).await;
             }
             state.metrics.refused("proxy_step", r.code.name(), r.scope);
             return Err(ApiError::from(&r));
+        }
+        Err(e) => {
+            if own_run {
+                abandon(&state, &step_id, Some(&run_id)).await;
+            } else {
+                abandon(&state, &step_id, None).await;
+            }
+            return Err(e.into());
         }
     };
     state.metrics.admitted("proxy_step");
@@ -629,6 +650,21 @@ pub async fn chat_completions(
     *r.status_mut() = status;
     r.headers_mut().extend(out_headers);
     Ok(r)
+}
+
+/// After a store error before forwarding: nothing was sent upstream, so a step that may
+/// have been reserved anyway is released, and a one-step run finished (best effort: what
+/// stays held expires and is charged in full).
+async fn abandon(state: &api::AppState, step: &ReservationId, run: Option<&RunId>) {
+    match state.store.resolve(step.clone(), Resolution::Release).await {
+        Ok(_) | Err(StoreError::Ledger(LedgerError::NotFound(_))) => {}
+        Err(e) => tracing::warn!(error = %e, "could not release an abandoned proxy step"),
+    }
+    if let Some(run) = run {
+        if let Err(e) = state.store.finish(run.clone()).await {
+            tracing::warn!(error = %e, "could not finish an abandoned proxy run");
+        }
+    }
 }
 
 /// Request headers passed to the upstream besides the body and its key (the mock's controls).

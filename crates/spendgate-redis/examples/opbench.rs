@@ -233,7 +233,7 @@ async fn main() -> Result<(), String> {
         println!("| {op} | {n} | {:.1} |", *us as f64 / (*n).max(1) as f64);
     }
     println!("| all | {calls} | {:.1} |", total as f64 / calls.max(1) as f64);
-    for l in stats.lines().filter(|l| l.contains("evalsha") || l.contains("fcall")) {
+    for l in stats.lines().filter(|l| l.starts_with("cmdstat_")) {
         println!("    {l}");
     }
     Ok(())

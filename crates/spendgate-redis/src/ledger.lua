@@ -28,6 +28,7 @@ local TIES_MAX = 10000
 local RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = 0, 0, 0, 0, 0
 
 local K_META, K_EPOCH, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ
+local HC = {}
 local function set_base(b)
   B = b
   K_META = b .. ':meta'
@@ -38,9 +39,18 @@ local function set_base(b)
   K_TOP = b .. ':top'
   K_CWIN = b .. ':cwin'
   K_RZ = b .. ':rz'
+  HC = {}
 end
 
-local function h(s) return redis.sha1hex(s) end
+-- SHA-1 hex of identifiers, memoised for the call (set_base clears HC)
+local function h(s)
+  local v = HC[s]
+  if not v then
+    v = redis.sha1hex(s)
+    HC[s] = v
+  end
+  return v
+end
 local function kRun(id) return B .. ':r:' .. h(id) end
 local function kSteps(id) return B .. ':rs:' .. h(id) end
 local function kRes(id) return B .. ':s:' .. h(id) end
@@ -284,19 +294,67 @@ end
 
 ---------------------------------------------------------------- meta
 
-local SEQ = 0
+-- The meta hash is read once at the start of a call (META: field -> string or false) and its
+-- changes are written once at the end (meta_flush): seq, clock and the summary counts, which
+-- change by deltas (MD, in the order MDK).
+local META_FIELDS = { 'seq', 'clock', 'nrec', 'cutoff', 'active', 'st:held', 'st:committed', 'st:released',
+  'st:unknown', 'st:expired', 'held_sum', 'charged_sum', 'overruns' }
+local META_READ = { 'seq', 'clock' }
+local SEQ, SEQ0 = 0, 0
+local META, MD, MDK = {}, {}, {}
+local function meta_load(fields)
+  local f = redis.call('HMGET', K_META, unpack(fields))
+  META, MD, MDK = {}, {}, {}
+  for i, name in ipairs(fields) do META[name] = f[i] end
+  SEQ = N(META.seq or '0')
+  SEQ0 = SEQ
+end
 local function bump()
   SEQ = SEQ + 1
-  redis.call('HSET', K_META, 'seq', S(SEQ))
 end
 local function mincr(f, n)
-  if n ~= 0 then redis.call('HINCRBY', K_META, f, S(n)) end
+  if n ~= 0 then
+    if MD[f] == nil then
+      MD[f] = 0
+      MDK[#MDK + 1] = f
+    end
+    MD[f] = MD[f] + n
+  end
+end
+-- Writes seq, the clock (when `clock` is given) and the summary changes in one HSET; a field
+-- whose value would leave the exact range (or was not read) gets an HINCRBY instead.
+local function meta_flush(clock)
+  local set, incr = {}, {}
+  if SEQ ~= SEQ0 then
+    set[#set + 1] = 'seq'
+    set[#set + 1] = S(SEQ)
+  end
+  if clock then
+    set[#set + 1] = 'clock'
+    set[#set + 1] = S(clock)
+  end
+  for _, f in ipairs(MDK) do
+    local d = MD[f]
+    if d ~= 0 then
+      local old = META[f]
+      local v = nil
+      if old ~= nil then v = N(old or '0') end
+      if v and v <= MAX and v >= -MAX and v + d <= MAX and v + d >= -MAX then
+        set[#set + 1] = f
+        set[#set + 1] = S(v + d)
+      else
+        incr[#incr + 1] = f
+      end
+    end
+  end
+  if #set > 0 then redis.call('HSET', K_META, unpack(set)) end
+  for _, f in ipairs(incr) do redis.call('HINCRBY', K_META, f, S(MD[f])) end
 end
 local function records_held()
-  return N(redis.call('HGET', K_META, 'nrec') or '0')
+  return N(META.nrec or '0') + (MD.nrec or 0)
 end
 local function cutoff()
-  return redis.call('HGET', K_META, 'cutoff')
+  return META.cutoff
 end
 
 ---------------------------------------------------------------- scopes
@@ -330,20 +388,32 @@ local function cparts(e)
   local w, idx, kind = string.match(e, '^([^|]*)|([^|]*)|([^|]*)|')
   return w, N(idx), kind
 end
+-- Counters loaded in this call, by encoding (main clears it; csave and cdel keep it current).
+-- `score` is the counter's score in the top indexes as stored.
+local CC = {}
 local function cload(e)
+  local c = CC[e]
+  if c then return c end
   local f = redis.call('HMGET', kCounter(e), 'limit', 'used', 'reserved', 'overrun', 'adjusted')
   if not f[1] then
-    return { enc = e, limit = 0, used = 0, reserved = 0, overrun = 0, adjusted = 0, new = true }
+    c = { enc = e, limit = 0, used = 0, reserved = 0, overrun = 0, adjusted = 0, new = true }
+  else
+    c = { enc = e, limit = N(f[1]), used = N(f[2]), reserved = N(f[3]), overrun = N(f[4]), adjusted = N(f[5]) }
+    c.score = math.min(c.used + c.reserved, MAX)
   end
-  return { enc = e, limit = N(f[1]), used = N(f[2]), reserved = N(f[3]), overrun = N(f[4]), adjusted = N(f[5]) }
+  CC[e] = c
+  return c
 end
 local function csave(c)
   redis.call('HSET', kCounter(c.enc), 'limit', S(c.limit), 'used', S(c.used), 'reserved', S(c.reserved),
     'overrun', S(c.overrun), 'adjusted', S(c.adjusted))
   local w, idx, kind = cparts(c.enc)
-  local score = S(math.min(c.used + c.reserved, MAX))
-  redis.call('ZADD', K_TOP, score, c.enc)
-  redis.call('ZADD', K_TOP .. ':' .. kind, score, c.enc)
+  local score = math.min(c.used + c.reserved, MAX)
+  if score ~= c.score then
+    redis.call('ZADD', K_TOP, S(score), c.enc)
+    redis.call('ZADD', K_TOP .. ':' .. kind, S(score), c.enc)
+    c.score = score
+  end
   if c.new then
     local r = resets_at(w, idx)
     if kind ~= 'global' and r then redis.call('ZADD', K_CWIN, S(r), c.enc) end
@@ -352,6 +422,7 @@ local function csave(c)
 end
 local function cdel(e)
   local _, _, kind = cparts(e)
+  CC[e] = nil
   redis.call('DEL', kCounter(e))
   redis.call('ZREM', K_TOP, e)
   redis.call('ZREM', K_TOP .. ':' .. kind, e)
@@ -1037,9 +1108,11 @@ function OPS.set_cutoff(now, swept, A)
   if engaged then
     changed = old ~= reason
     redis.call('HSET', K_META, 'cutoff', reason)
+    META.cutoff = reason
   else
     changed = old ~= false
     redis.call('HDEL', K_META, 'cutoff')
+    META.cutoff = false
   end
   if changed or swept then bump() end
   return ok(changed or swept, { B01(engaged) })
@@ -1211,11 +1284,12 @@ local function main(KEYS, ARGV)
   local ep = redis.call('HMGET', K_EPOCH, 'id', 'kind')
   if not ep[1] then return { 'X', 'epoch_missing' } end
   if ep[1] ~= ARGV[3] then return { 'X', 'epoch_changed', ep[1], ep[2] or 'init' } end
-  local mf = redis.call('HMGET', K_META, 'seq', 'clock')
-  SEQ = N(mf[1] or '0')
+  local is_read = READS[op] ~= nil
+  if is_read then meta_load(META_READ) else meta_load(META_FIELDS) end
   if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
-  local clock = N(mf[2] or '0')
+  local clock = N(META.clock or '0')
   if now < clock then now = clock end
+  CC = {}
 
   P = policy(ARGV[5])
 
@@ -1225,10 +1299,11 @@ local function main(KEYS, ARGV)
 
   -- Ledger::advance: the clock never goes back; due expiries are processed first (a sweep
   -- processes and counts them itself).
-  if now ~= clock then redis.call('HSET', K_META, 'clock', S(now)) end
   local swept = false
   if op ~= 'sweep' then swept = expire_due(now, EXPIRIES_PER_CALL) > 0 end
-  return f(now, swept, A)
+  local reply = f(now, swept, A)
+  if now ~= clock then meta_flush(now) else meta_flush(nil) end
+  return reply
 end
 
 redis.register_function { function_name = 'SPENDGATE_FN', callback = main }

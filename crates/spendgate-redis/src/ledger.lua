@@ -495,9 +495,10 @@ local function res_remove(id)
 end
 
 -- fields: flat list of field, value pairs (strings) including 'kind' and 'amount'
-local function res_create(id, fields, kind, amount, created)
+-- `fresh`: the caller already checked that no reservation has this id.
+local function res_create(id, fields, kind, amount, created, fresh)
   local k = kRes(id)
-  if redis.call('EXISTS', k) == 1 then res_remove(id) end
+  if not fresh and redis.call('EXISTS', k) == 1 then res_remove(id) end
   redis.call('HSET', k, unpack(fields))
   redis.call('ZADD', K_RZ, S(created), id)
   redis.call('ZADD', K_RZ .. ':held', S(created), id)
@@ -531,9 +532,11 @@ end
 
 -- Ledger::settle: a held reservation reaches a terminal state, charging `charged`. With an
 -- accumulator the counter and summary changes wait for acc_flush.
-local function settle(id, state, charged, now, acc)
+-- `pre`: the reservation's fields state, kind, amount, charged, overrun, counters, created
+-- when the caller already read them.
+local function settle(id, state, charged, now, acc, pre)
   local k = kRes(id)
-  local f = redis.call('HMGET', k, 'state', 'kind', 'amount', 'charged', 'overrun', 'counters', 'created')
+  local f = pre or redis.call('HMGET', k, 'state', 'kind', 'amount', 'charged', 'overrun', 'counters', 'created')
   if not f[1] then return end
   local a = acc or acc_new()
   local old, kind, amount = f[1], f[2], N(f[3])
@@ -564,19 +567,21 @@ end
 
 ---------------------------------------------------------------- runs
 
-local RUN_FIELDS = { 'id', 'session', 'conv', 'ips', 'created', 'deadline', 'lease_until', 'rounds', 'tools',
-  'retries', 'state', 'ended_at', 'slots', 'hold', 'mode', 'b_in', 'b_ctx', 'b_out', 'b_trb', 'b_rounds',
-  'b_tools', 'b_retries', 'b_secs', 'b_cost', 'b_shrink', 'b_minout' }
+-- The run fields a step needs (reserve_step is run_load's only caller): strings, then numbers.
+local RUN_STR = { 'state', 'session', 'conv', 'ips', 'mode' }
+local RUN_NUM = { 'deadline', 'lease_until', 'rounds', 'tools', 'retries', 'b_ctx', 'b_out', 'b_rounds',
+  'b_tools', 'b_retries', 'b_cost', 'b_shrink', 'b_minout' }
+-- RUN_STR then RUN_NUM (written out: the library's load-time code has no ipairs)
+local RUN_FIELDS = { 'state', 'session', 'conv', 'ips', 'mode', 'deadline', 'lease_until', 'rounds', 'tools',
+  'retries', 'b_ctx', 'b_out', 'b_rounds', 'b_tools', 'b_retries', 'b_cost', 'b_shrink', 'b_minout' }
 
 local function run_load(id)
   local f = redis.call('HMGET', kRun(id), unpack(RUN_FIELDS))
   if not f[1] then return nil end
   local r = {}
-  for i, name in ipairs(RUN_FIELDS) do r[name] = f[i] end
-  for _, name in ipairs({ 'created', 'deadline', 'lease_until', 'rounds', 'tools', 'retries', 'b_in', 'b_ctx',
-    'b_out', 'b_trb', 'b_rounds', 'b_tools', 'b_retries', 'b_secs', 'b_cost', 'b_shrink', 'b_minout' }) do
-    r[name] = N(r[name])
-  end
+  local ns = #RUN_STR
+  for i = 1, ns do r[RUN_STR[i]] = f[i] end
+  for i = 1, #RUN_NUM do r[RUN_NUM[i]] = N(f[ns + i]) end
   local flat = dec(r.ips)
   local ips = {}
   for i = 1, #flat, 2 do ips[#ips + 1] = { flat[i], N(flat[i + 1]) } end
@@ -589,16 +594,24 @@ local function run_counter(run_id, cost)
 end
 
 -- Ledger::renew: extends an active run's lease by one TTL, never past its deadline.
-local function renew(id, now, ttl)
+-- `pre`: the run's state, deadline and lease_until when the caller already read them (and
+-- nothing changed them since); `extra`: more field, value pairs to write to the run hash.
+local function renew(id, now, ttl, pre, extra)
   local rk = kRun(id)
-  local f = redis.call('HMGET', rk, 'state', 'deadline', 'lease_until')
-  if f[1] ~= 'active' then return nil end
+  local f = pre or redis.call('HMGET', rk, 'state', 'deadline', 'lease_until')
+  if f[1] ~= 'active' then
+    if extra then redis.call('HSET', rk, unpack(extra)) end
+    return nil
+  end
   local deadline, lease = N(f[2]), N(f[3])
   local new = math.max(math.min(now + ttl, deadline), math.min(lease, deadline))
   if new ~= lease then
     redis.call('ZADD', K_TIMERS, S(new), '1|' .. id)
-    redis.call('HSET', rk, 'lease_until', S(new))
+    extra = extra or {}
+    extra[#extra + 1] = 'lease_until'
+    extra[#extra + 1] = S(new)
   end
+  if extra then redis.call('HSET', rk, unpack(extra)) end
   return new
 end
 
@@ -958,14 +971,13 @@ function OPS.reserve_step(now, swept, A)
         'retry', '0', 'units', A[10], 'amount', S(plan.amount), 'counters', enc(encs), 'state', 'held',
         'charged', '0', 'created', S(now), 'resolved', '', 'maxout', '', 'overrun', '0' }
     end
-    res_create(step_id, fields, kind, plan.amount, now)
+    res_create(step_id, fields, kind, plan.amount, now, true)
     local field = 'tools'
     if kind == 'model' then
       if retry then field = 'retries' else field = 'rounds' end
     end
-    redis.call('HINCRBY', kRun(run_id), field, '1')
     redis.call('RPUSH', kSteps(run_id), step_id)
-    renew(run_id, now, P.ttl)
+    renew(run_id, now, P.ttl, { run.state, run.deadline, run.lease_until }, { field, S(run[field] + 1) })
     local mo = ''
     if plan.max_out then mo = S(plan.max_out) end
     outcome = { 'step_ok', step_id, S(plan.amount), mo, B01(plan.shrunk) }
@@ -979,12 +991,13 @@ end
 -- args: step_id how ...; how = tokens uncached cached completion | units n | bytes n | release | unknown
 function OPS.resolve(now, swept, A)
   local id, how = A[1], A[2]
-  local f = redis.call('HMGET', kRes(id), 'state', 'kind', 'amount', 'charged', 'overrun', 'run', 'p1', 'p2', 'p3')
+  local f = redis.call('HMGET', kRes(id), 'state', 'kind', 'amount', 'charged', 'overrun', 'counters',
+    'created', 'run', 'p1', 'p2', 'p3')
   if not f[1] or f[2] == 'hold' then return err({ 'notfound', 'step ' .. id }) end
   local state, kind, amount = f[1], f[2], N(f[3])
   local too_large = false
   if how == 'bytes' then
-    local trb = redis.call('HGET', kRun(f[6]), 'b_trb')
+    local trb = redis.call('HGET', kRun(f[8]), 'b_trb')
     too_large = trb and N(A[3]) > N(trb) or false
   end
   if state ~= 'held' then
@@ -1003,19 +1016,19 @@ function OPS.resolve(now, swept, A)
     new = 'committed'
     if kind == 'model' then
       if how ~= 'tokens' then return err({ 'invalid', 'a model step commits with "usage"' }) end
-      charged = price_ceil({ { A[3], N(f[7]) }, { A[4], N(f[8]) }, { A[5], N(f[9]) } })
+      charged = price_ceil({ { A[3], N(f[9]) }, { A[4], N(f[10]) }, { A[5], N(f[11]) } })
     else
       if how == 'tokens' then
         return err({ 'invalid', 'a tool step commits with "units" or "result_bytes"' })
       elseif how == 'units' then
-        charged = tool_cost(N(f[7]), N(f[8]), A[3])
+        charged = tool_cost(N(f[9]), N(f[10]), A[3])
       else
         charged = amount
       end
     end
   end
-  settle(id, new, charged, now)
-  renew(f[6], now, P.ttl)
+  settle(id, new, charged, now, nil, f)
+  renew(f[8], now, P.ttl)
   bump()
   return ok(true, { new, S(charged), S(amount), B01(charged > amount), '0', B01(too_large) })
 end

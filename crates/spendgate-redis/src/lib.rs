@@ -2,15 +2,19 @@
 //!
 //! # Design
 //!
-//! * **One script, one operation per call.** `ledger.lua` is a transcription of
+//! * **One function, one operation per call.** `ledger.lua` is a transcription of
 //!   `spendgate_core::Ledger`: the same checks in the same order, the same answers, the same
-//!   `ledger_seq` arithmetic (one `HINCRBY` per change, inside the script). It is loaded with
-//!   `SCRIPT LOAD` and called with `EVALSHA`; on `NOSCRIPT` (script cache flushed, server
-//!   restarted) it is loaded again and re-run, which is safe because a `NOSCRIPT` answer means
-//!   the script did not run. No other failure is retried: an answer that was lost leaves the
-//!   outcome unknown, and a reservation made that way stays held until it expires and is
-//!   charged in full (I3). Read-only operations run in a second copy of the script flagged
-//!   `no-writes`.
+//!   `ledger_seq` arithmetic (inside the function). It is a Redis function library (Redis 7:
+//!   `FUNCTION LOAD`, called with `FCALL`), so its ~80 helpers are defined once at load rather
+//!   than on every call, and the parsed policy is cached by policy string. The library name
+//!   carries a digest of the code, so replicas of different versions each call their own.
+//!   When Redis answers "Function not found" (flushed, restarted empty) the library is loaded
+//!   again and the call re-run, which is safe because the function did not run. No other
+//!   failure is retried: an answer that was lost leaves the outcome unknown, and a
+//!   reservation made that way stays held until it expires and is charged in full (I3).
+//!   Read-only operations call the same code registered `no-writes`. Per call, the meta hash
+//!   is read once and written once, counters are read once and the top indexes only
+//!   rewritten when a counter's score moves.
 //! * **One clock.** With [`ClockSource::Server`] the script reads the Redis server's `TIME`,
 //!   so replicas with skewed clocks agree on windows, GCRA and leases. Window ids (including
 //!   UTC calendar months) are computed inside the script with the same civil-date arithmetic

@@ -73,7 +73,7 @@ echo
 echo "### Three replicas"
 ./target/release/spendgate-load --base "$(IFS=,; echo "${bases[*]}")" --service-token "$token" --rate "$RATE" --seconds "$SECONDS_EACH" --concurrency 48 --runs 96
 echo
-redis-cli -p "$rport" info commandstats | grep -E "evalsha|cmdstat_eval" | sed "s/^/    /" >&2 || true
+redis-cli -p "$rport" info commandstats | grep -E "evalsha|cmdstat_eval|fcall" | sed "s/^/    /" >&2 || true
 sha=$(redis-cli -p "$rport" script load "return 1")
 trivial=$(redis-benchmark -p "$rport" -c 50 -n 200000 -q evalsha "$sha" 0 | tr '\r' '\n' | grep -Eo '[0-9.]+ requests per second' | tail -1)
 echo "### Physical limit on the same server"

@@ -6,7 +6,7 @@
 //! The model is deliberately small: per-step mode, one policy with a global and a session day
 //! budget, one active run per conversation, run bounds on rounds, retries, tool calls, cost and
 //! seconds; three sessions with two conversations each; clock moves that stay well inside one
-//! day and inside the retention of ended runs. Every amount is a multiple of 1_000 micros and
+//! day and inside the retention of ended runs (`RECORD_RETENTION_MS`; longer advances are skipped). Every amount is a multiple of 1_000 micros and
 //! the limits are small, so that budgets are often filled exactly, overruns often cross
 //! limits, and runs often live until their deadline caps the lease. Expiry happens, in both, at the start of the
 //! next operation that writes (reads never expire anything), so the model expires due leases
@@ -607,6 +607,11 @@ async fn run_case(b: &dyn Backend, ops: &[Op]) -> Result<(), TestCaseError> {
         // The store's answer, the model's, the answer's seq, and whether the model changed.
         let (got, want, seq, changed): (Ans, Ans, Option<u64>, bool) = match op {
             Op::Advance { ms } => {
+                // The model does not purge ended runs: keep the whole case inside their
+                // retention (a case spans at most RECORD_RETENTION_MS of clock).
+                if m.now + ms >= START.0 + RECORD_RETENTION_MS {
+                    continue;
+                }
                 b.advance(*ms);
                 m.now += ms;
                 continue;

@@ -27,6 +27,8 @@ pub const LEDGER_RECORDS_MAX: usize = 2_000_000;
 pub const ID_BYTES_MAX: usize = 128;
 /// `Retry-After` for a lifetime budget, which never resets.
 pub const LIFETIME_RETRY_AFTER_S: u64 = 86_400;
+/// Idle rate state and counters of long-ended windows are dropped at most this often.
+pub const COMPACT_EVERY_MS: u64 = 30_000;
 /// Expired timers processed by one call; the rest wait for the next call or the sweeper.
 pub const EXPIRIES_PER_CALL_MAX: usize = 256;
 
@@ -489,6 +491,8 @@ pub struct Ledger {
     timers: BTreeSet<(UnixMs, Timer)>,
     track_changes: bool,
     dirty: HashSet<Entity>,
+    /// When idle rate state and stale counters were last dropped (not persisted).
+    compacted: Option<UnixMs>,
 }
 
 fn check_id(what: &str, id: &str) -> Result<(), LedgerError> {
@@ -706,6 +710,19 @@ impl Ledger {
             self.touch(Entity::Meta);
         }
         let mut n = self.expire_due(now, usize::MAX);
+        // Dropping idle rate state and stale counters scans everything: do it at most once
+        // per COMPACT_EVERY_MS so a frequent sweeper does not stall the store.
+        if self
+            .compacted
+            .is_some_and(|c| now.0 < c.0.saturating_add(COMPACT_EVERY_MS))
+        {
+            return Applied {
+                value: n,
+                seq: self.seq,
+                changed: n > 0,
+            };
+        }
+        self.compacted = Some(now);
         let now_us = now.0.saturating_mul(1000);
         let idle: Vec<String> = self
             .rates

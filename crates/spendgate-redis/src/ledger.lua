@@ -410,7 +410,6 @@ local function csave(c)
   local w, idx, kind = cparts(c.enc)
   local score = math.min(c.used + c.reserved, MAX)
   if score ~= c.score then
-    redis.call('ZADD', K_TOP, S(score), c.enc)
     redis.call('ZADD', K_TOP .. ':' .. kind, S(score), c.enc)
     c.score = score
   end
@@ -424,7 +423,6 @@ local function cdel(e)
   local _, _, kind = cparts(e)
   CC[e] = nil
   redis.call('DEL', kCounter(e))
-  redis.call('ZREM', K_TOP, e)
   redis.call('ZREM', K_TOP .. ':' .. kind, e)
   redis.call('ZREM', K_CWIN, e)
 end
@@ -482,7 +480,6 @@ local function res_remove(id)
   local f = redis.call('HMGET', k, 'state', 'kind', 'amount', 'charged', 'overrun')
   if not f[1] then return end
   local state, kind = f[1], f[2]
-  redis.call('ZREM', K_RZ, id)
   redis.call('ZREM', K_RZ .. ':' .. state, id)
   mincr('st:' .. state, -1)
   mincr('nrec', -1)
@@ -500,7 +497,6 @@ local function res_create(id, fields, kind, amount, created, fresh)
   local k = kRes(id)
   if not fresh and redis.call('EXISTS', k) == 1 then res_remove(id) end
   redis.call('HSET', k, unpack(fields))
-  redis.call('ZADD', K_RZ, S(created), id)
   redis.call('ZADD', K_RZ .. ':held', S(created), id)
   mincr('st:held', 1)
   mincr('nrec', 1)
@@ -1209,6 +1205,20 @@ local function top_with_ties(z, n)
   return out
 end
 
+-- The n highest of index `base:part` with ties, or with part '' of every such index: there is
+-- no index of all parts (it would cost a write per change); the union of each part's top n
+-- with ties holds the overall top n with ties, and the caller sorts and truncates.
+local RES_STATES = { 'held', 'committed', 'released', 'unknown', 'expired' }
+local SCOPE_KINDS = { 'global', 'ip', 'session', 'conversation', 'run' }
+local function listing(base, part, parts, n)
+  if part ~= '' then return top_with_ties(base .. ':' .. part, n) end
+  local out = {}
+  for _, p in ipairs(parts) do
+    for _, m in ipairs(top_with_ties(base .. ':' .. p, n)) do out[#out + 1] = m end
+  end
+  return out
+end
+
 local READS = {}
 
 function READS.check(now, A)
@@ -1239,10 +1249,9 @@ local RES_FIELDS = { 'id', 'run', 'kind', 'name', 'p1', 'p2', 'p3', 'retry', 'un
 
 -- args: state ('' = all) limit
 function READS.reservations(now, A)
-  local z = K_RZ
-  if A[1] ~= '' then z = K_RZ .. ':' .. A[1] end
+  local ids = listing(K_RZ, A[1], RES_STATES, N(A[2]))
   local rows = {}
-  for _, id in ipairs(top_with_ties(z, N(A[2]))) do
+  for _, id in ipairs(ids) do
     local f = redis.call('HMGET', kRes(id), unpack(RES_FIELDS))
     if f[1] then
       local row = {}
@@ -1255,10 +1264,8 @@ end
 
 -- args: kind ('' = all) top
 function READS.top(now, A)
-  local z = K_TOP
-  if A[1] ~= '' then z = K_TOP .. ':' .. A[1] end
   local rows = {}
-  for _, e in ipairs(top_with_ties(z, N(A[2]))) do
+  for _, e in ipairs(listing(K_TOP, A[1], SCOPE_KINDS, N(A[2]))) do
     local f = redis.call('HMGET', kCounter(e), 'limit', 'used', 'reserved', 'overrun', 'adjusted')
     if f[1] then rows[#rows + 1] = { e, f[1], f[2], f[3], f[4], f[5] } end
   end

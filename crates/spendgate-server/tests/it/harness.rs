@@ -20,10 +20,6 @@ pub struct Server {
 
 /// A config with the test tokens and the given extra TOML (appended; it must not repeat
 /// `[server]`/`[sessions]` keys set here).
-pub fn config_text(port: u16, store: &str, extra: &str) -> String {
-    config_text_with_sessions(port, store, DEFAULT_SESSIONS, extra)
-}
-
 /// `[sessions]` keys of the test configs besides `keys` and `secure_cookie`.
 pub const DEFAULT_SESSIONS: &str =
     "create_rate_per_ip = \"100000/second\"\ncreate_rate_global = \"100000/second\"";

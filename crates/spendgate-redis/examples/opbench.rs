@@ -158,7 +158,8 @@ async fn main() -> Result<(), String> {
     let client_redis = redis::Client::open(server.url()).map_err(|e| e.to_string())?;
     let mut conn = client_redis
         .get_multiplexed_async_connection_with_config(
-            &redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(60))),
+            &redis::AsyncConnectionConfig::new()
+                .set_response_timeout(Some(Duration::from_secs(60))),
         )
         .await
         .map_err(|e| e.to_string())?;
@@ -205,7 +206,8 @@ async fn main() -> Result<(), String> {
     if let redis::Value::Array(entries) = log {
         for e in entries {
             let redis::Value::Array(f) = e else { continue };
-            let (Some(redis::Value::Int(us)), Some(redis::Value::Array(argv))) = (f.get(2), f.get(3))
+            let (Some(redis::Value::Int(us)), Some(redis::Value::Array(argv))) =
+                (f.get(2), f.get(3))
             else {
                 continue;
             };
@@ -232,7 +234,10 @@ async fn main() -> Result<(), String> {
         total += us;
         println!("| {op} | {n} | {:.1} |", *us as f64 / (*n).max(1) as f64);
     }
-    println!("| all | {calls} | {:.1} |", total as f64 / calls.max(1) as f64);
+    println!(
+        "| all | {calls} | {:.1} |",
+        total as f64 / calls.max(1) as f64
+    );
     for l in stats.lines().filter(|l| l.starts_with("cmdstat_")) {
         println!("    {l}");
     }

@@ -27,12 +27,11 @@ local TIES_MAX = 10000
 -- The core's constants (spendgate_core::ledger), passed in front of the policy.
 local RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = 0, 0, 0, 0, 0
 
-local K_META, K_EPOCH, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ
+local K_META, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ
 local HC = {}
 local function set_base(b)
   B = b
   K_META = b .. ':meta'
-  K_EPOCH = b .. ':epoch'
   K_TIMERS = b .. ':timers'
   K_RATES = b .. ':rates'
   K_SLOTS = b .. ':slots'
@@ -297,9 +296,9 @@ end
 -- The meta hash is read once at the start of a call (META: field -> string or false) and its
 -- changes are written once at the end (meta_flush): seq, clock and the summary counts, which
 -- change by deltas (MD, in the order MDK).
-local META_FIELDS = { 'seq', 'clock', 'nrec', 'cutoff', 'active', 'st:held', 'st:committed', 'st:released',
+local META_FIELDS = { 'epoch', 'epoch_kind', 'seq', 'clock', 'nrec', 'cutoff', 'active', 'st:held', 'st:committed', 'st:released',
   'st:unknown', 'st:expired', 'held_sum', 'charged_sum', 'overruns' }
-local META_READ = { 'seq', 'clock' }
+local META_READ = { 'epoch', 'epoch_kind', 'seq', 'clock' }
 local SEQ, SEQ0 = 0, 0
 local META, MD, MDK = {}, {}, {}
 local function meta_load(fields)
@@ -1289,23 +1288,23 @@ local function main(KEYS, ARGV)
   end
 
   if op == 'epoch_init' then
-    local f = redis.call('HMGET', K_EPOCH, 'id', 'kind')
-    local seq = redis.call('HGET', K_META, 'seq') or '0'
+    local f = redis.call('HMGET', K_META, 'epoch', 'epoch_kind', 'seq')
+    local seq = f[3] or '0'
     if f[1] then return { 'OK', f[1], f[2] or 'init', seq } end
     if redis.call('EXISTS', K_META) == 1 then return { 'X', 'epoch_missing' } end
-    redis.call('HSET', K_EPOCH, 'id', A[1], 'kind', 'init', 'at', S(now))
+    redis.call('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'init', 'epoch_at', S(now))
     return { 'OK', A[1], 'init', seq }
   end
   if op == 'epoch_reset' then
-    redis.call('HSET', K_EPOCH, 'id', A[1], 'kind', 'reset', 'at', S(now))
+    redis.call('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'reset', 'epoch_at', S(now))
     return { 'OK', A[1], 'reset', redis.call('HGET', K_META, 'seq') or '0' }
   end
 
-  local ep = redis.call('HMGET', K_EPOCH, 'id', 'kind')
-  if not ep[1] then return { 'X', 'epoch_missing' } end
-  if ep[1] ~= ARGV[3] then return { 'X', 'epoch_changed', ep[1], ep[2] or 'init' } end
+  -- The epoch lives in the meta hash: one read checks it and loads the ledger's meta.
   local is_read = READS[op] ~= nil
   if is_read then meta_load(META_READ) else meta_load(META_FIELDS) end
+  if not META.epoch then return { 'X', 'epoch_missing' } end
+  if META.epoch ~= ARGV[3] then return { 'X', 'epoch_changed', META.epoch, META.epoch_kind or 'init' } end
   if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
   local clock = N(META.clock or '0')
   if now < clock then now = clock end

@@ -35,7 +35,7 @@
 //!   too. Loops are bounded: 256 expiries per call (per sweep too), bounded listings.
 //! * **Redis as a ledger.** `ready()` fails unless `maxmemory-policy` is `noeviction`
 //!   (admissions are refused too); it logs a warning when AOF is off or `appendfsync` is not
-//!   `always`. An epoch hash (`{prefix}:epoch`) is written when a deployment is initialised.
+//!   `always`. An epoch (fields of the meta hash `{prefix}:meta`) is written when a deployment is initialised.
 //!   Each store remembers the epoch id and the highest `ledger_seq` it has seen; a script that
 //!   finds the epoch missing (Redis came back empty), different (re-initialised) or the seq
 //!   lower (restored from an old snapshot) refuses, and the store answers
@@ -436,7 +436,15 @@ impl RedisStore {
 
     async fn eval(&self, read: bool, argv: &[&str]) -> Result<Item, StoreError> {
         let mut conn = self.conn.clone();
-        fcall(&mut conn, &self.lib, read, &self.base, argv, self.opts.timeout).await
+        fcall(
+            &mut conn,
+            &self.lib,
+            read,
+            &self.base,
+            argv,
+            self.opts.timeout,
+        )
+        .await
     }
 
     /// The epoch id and lowest acceptable seq for a call; initialises the deployment's epoch

@@ -293,7 +293,9 @@ async fn script_cache_flush_is_survived() {
         .await
         .expect("function not found: loaded and run once");
     assert_eq!(global_usage(s).await, (0, TOOL), "reserved exactly once");
-    server.command(&["FUNCTION", "FLUSH"]).expect("FUNCTION FLUSH");
+    server
+        .command(&["FUNCTION", "FLUSH"])
+        .expect("FUNCTION FLUSH");
     assert_eq!(
         global_usage(s).await,
         (0, TOOL),
@@ -301,7 +303,9 @@ async fn script_cache_flush_is_survived() {
     );
     // A second store (another replica) finds the library loaded; loading it again is harmless.
     let other = open(opts, policy()).await;
-    server.command(&["FUNCTION", "FLUSH"]).expect("FUNCTION FLUSH");
+    server
+        .command(&["FUNCTION", "FLUSH"])
+        .expect("FUNCTION FLUSH");
     let (a, b) = tokio::join!(
         reserve(store_of(&other), "r1", "x2"),
         reserve(s, "r1", "x3")

@@ -270,3 +270,66 @@ pub async fn durable_reopen_keeps_the_ledger(b: &dyn Backend) {
     assert_eq!(ur(&lines, ScopeKind::Session), (3_000 + 2_000 + 300, 0));
     admit(&s, w2.run("r3")).await;
 }
+
+/// `execute_many` applies commands in order, each on its own: a later command sees the earlier
+/// ones, and one failing does not stop or undo the others.
+pub async fn many_commands_apply_in_order(b: &dyn Backend) {
+    let s = b.open(policy(), START).await;
+    let w = Who::new("s1", "c1", "192.0.2.1/32");
+    let answers = s
+        .execute_many(vec![
+            Command::AdmitRun {
+                req: w.run("r1"),
+                idem: None,
+            },
+            Command::ReserveStep {
+                req: tool_step("r1", "a", TOOL_PER_CALL, 0),
+                idem: None,
+            },
+            Command::ReserveStep {
+                req: tool_step("nope", "b", TOOL_PER_CALL, 0),
+                idem: None,
+            },
+            Command::Resolve {
+                step: step_id("a"),
+                how: units(0),
+            },
+            Command::Finish { run: run_id("r1") },
+        ])
+        .await;
+    assert_eq!(answers.len(), 5);
+    assert!(
+        matches!(&answers[0], Ok(Reply::Run(a)) if a.value.is_ok()),
+        "{:?}",
+        answers[0]
+    );
+    assert!(
+        matches!(&answers[1], Ok(Reply::Step(a)) if a.value.is_ok()),
+        "{:?}",
+        answers[1]
+    );
+    assert!(
+        matches!(
+            &answers[2],
+            Err(spendgate_store::StoreError::Ledger(LedgerError::NotFound(
+                _
+            )))
+        ),
+        "{:?}",
+        answers[2]
+    );
+    let charged = TOOL_PER_CALL.cost(0);
+    assert!(
+        matches!(&answers[3], Ok(Reply::Resolved(a)) if a.value.charged == charged && a.value.state == ReservationState::Committed),
+        "{:?}",
+        answers[3]
+    );
+    assert!(
+        matches!(&answers[4], Ok(Reply::Finished(a)) if a.value.charged == charged),
+        "{:?}",
+        answers[4]
+    );
+    let r = reservation(&s, "a").await;
+    assert_eq!((r.state, r.charged), (ReservationState::Committed, charged));
+    check_ledger(&s, &w.scopes()).await;
+}

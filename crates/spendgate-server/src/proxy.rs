@@ -202,11 +202,21 @@ impl StepGuard {
         how: Resolution,
     ) -> Option<Applied<Resolved>> {
         let unknown = how == Resolution::Unknown;
-        let r = state.store.resolve(step, how).await;
+        let mut cmds = vec![Command::Resolve { step, how }];
         if let Some(run) = run {
-            if let Err(e) = state.store.finish(run).await {
-                tracing::warn!(error = %e, "could not finish a one-step proxy run; its lease will expire");
-            }
+            cmds.push(Command::Finish { run });
+        }
+        let mut answers = state.store.execute_many(cmds).await.into_iter();
+        let r = match answers.next() {
+            Some(Ok(Reply::Resolved(a))) => Ok(a),
+            Some(Ok(other)) => Err(StoreError::Unavailable(format!(
+                "unexpected answer {other:?}"
+            ))),
+            Some(Err(e)) => Err(e),
+            None => Err(StoreError::Unavailable("no answer".into())),
+        };
+        if let Some(Err(e)) = answers.next() {
+            tracing::warn!(error = %e, "could not finish a one-step proxy run; its lease will expire");
         }
         match r {
             Ok(a) => {
@@ -409,13 +419,38 @@ pub async fn chat_completions(
                 conversation: who.conversation.clone(),
                 input_bytes,
             };
-            // Both queued back to back: a group-committing store makes them durable in one
-            // write instead of two in a row. A store that applies the step first answers
-            // "not found"; it is then asked again once the run is in.
-            let (admitted, reserved) = tokio::join!(
-                state.store.admit_run(run, None),
-                state.store.reserve_step(step_of(&run_id), None)
-            );
+            // Admission and reservation in one call: a group-committing store (sqlite) makes
+            // both durable in one write.
+            let mut answers = state
+                .store
+                .execute_many(vec![
+                    Command::AdmitRun {
+                        req: run,
+                        idem: None,
+                    },
+                    Command::ReserveStep {
+                        req: step_of(&run_id),
+                        idem: None,
+                    },
+                ])
+                .await
+                .into_iter();
+            let admitted = match answers.next() {
+                Some(Ok(Reply::Run(a))) => Ok(a),
+                Some(Ok(other)) => Err(StoreError::Unavailable(format!(
+                    "unexpected answer {other:?}"
+                ))),
+                Some(Err(e)) => Err(e),
+                None => Err(StoreError::Unavailable("no answer".into())),
+            };
+            let reserved = match answers.next() {
+                Some(Ok(Reply::Step(a))) => Ok(a),
+                Some(Ok(other)) => Err(StoreError::Unavailable(format!(
+                    "unexpected answer {other:?}"
+                ))),
+                Some(Err(e)) => Err(e),
+                None => Err(StoreError::Unavailable("no answer".into())),
+            };
             match admitted.map(|a| a.value) {
                 Ok(Ok(_)) => {}
                 Ok(Err(r)) => {
@@ -428,12 +463,6 @@ pub async fn chat_completions(
                     return Err(e.into());
                 }
             }
-            let reserved = match reserved {
-                Err(StoreError::Ledger(LedgerError::NotFound(_))) => {
-                    state.store.reserve_step(step_of(&run_id), None).await
-                }
-                other => other,
-            };
             (run_id, true, reserved)
         }
     };

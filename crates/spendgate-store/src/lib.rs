@@ -49,6 +49,17 @@ impl StoreError {
 pub trait Store: Send + Sync + 'static {
     async fn execute(&self, cmd: Command) -> Result<Reply, StoreError>;
 
+    /// Applies several commands in order, each atomically as in [`Store::execute`], and
+    /// answers each. Backends that group commits (sqlite) apply them in one batch, so they
+    /// become durable in one write; others apply them one after the other.
+    async fn execute_many(&self, cmds: Vec<Command>) -> Vec<Result<Reply, StoreError>> {
+        let mut out = Vec::with_capacity(cmds.len());
+        for cmd in cmds {
+            out.push(self.execute(cmd).await);
+        }
+        out
+    }
+
     /// Whether the store is reachable and fit to admit work (SPEC `/readyz`).
     async fn ready(&self) -> Result<(), StoreError>;
 
@@ -115,6 +126,13 @@ impl<S: Store + ?Sized> Store for Timed<S> {
         tokio::time::timeout(self.timeout, self.inner.execute(cmd))
             .await
             .map_err(|_| StoreError::Timeout(self.timeout))?
+    }
+    async fn execute_many(&self, cmds: Vec<Command>) -> Vec<Result<Reply, StoreError>> {
+        let n = cmds.len();
+        match tokio::time::timeout(self.timeout, self.inner.execute_many(cmds)).await {
+            Ok(answers) => answers,
+            Err(_) => vec![Err(StoreError::Timeout(self.timeout)); n],
+        }
     }
     async fn ready(&self) -> Result<(), StoreError> {
         tokio::time::timeout(self.timeout, self.inner.ready())

@@ -37,6 +37,12 @@ impl Store for MemoryStore {
         let now = self.clock.now();
         Ok(ledger.apply(&self.policy, now, &cmd)?)
     }
+    async fn execute_many(&self, cmds: Vec<Command>) -> Vec<Result<Reply, StoreError>> {
+        let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
+        cmds.iter()
+            .map(|cmd| Ok(ledger.apply(&self.policy, self.clock.now(), cmd)?))
+            .collect()
+    }
     async fn ready(&self) -> Result<(), StoreError> {
         Ok(())
     }

@@ -94,6 +94,8 @@ type Inspector = Box<dyn FnOnce(&Ledger) + Send>;
 
 enum Msg {
     Exec(Command, Answer<Reply>),
+    /// Several commands applied in order in the same batch (one durable write).
+    Many(Vec<(Command, Answer<Reply>)>),
     /// Answered by the writer itself: whether it is alive and serving.
     Ping(Answer<()>),
     /// Runs a closure over the ledger, between commands.
@@ -191,6 +193,25 @@ impl Store for SqliteStore {
         let (tx, rx) = oneshot::channel();
         self.enqueue(Msg::Exec(cmd, tx))?;
         rx.await.map_err(|_| writer_gone())?
+    }
+
+    async fn execute_many(&self, cmds: Vec<Command>) -> Vec<Result<Reply, StoreError>> {
+        let n = cmds.len();
+        let (msgs, rxs): (Vec<_>, Vec<_>) = cmds
+            .into_iter()
+            .map(|cmd| {
+                let (tx, rx) = oneshot::channel();
+                ((cmd, tx), rx)
+            })
+            .unzip();
+        if let Err(e) = self.enqueue(Msg::Many(msgs)) {
+            return vec![Err(e); n];
+        }
+        let mut out = Vec::with_capacity(n);
+        for rx in rxs {
+            out.push(rx.await.map_err(|_| writer_gone()).and_then(|r| r));
+        }
+        out
     }
 
     async fn ready(&self) -> Result<(), StoreError> {
@@ -426,6 +447,19 @@ impl Writer {
     /// Handles one message; returns true when the ledger panicked (the batch is abandoned).
     fn handle(&mut self, msg: Msg, pending: &mut Vec<Pending>) -> bool {
         match msg {
+            Msg::Many(list) => {
+                let mut failed = false;
+                for (cmd, tx) in list {
+                    if failed {
+                        let _ = tx.send(Err(StoreError::Unavailable(
+                            "the ledger failed while applying a command".into(),
+                        )));
+                    } else {
+                        failed = self.handle(Msg::Exec(cmd, tx), pending);
+                    }
+                }
+                failed
+            }
             Msg::Ping(tx) => {
                 let _ = tx.send(match &self.broken {
                     None => Ok(()),

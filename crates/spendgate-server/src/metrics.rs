@@ -12,8 +12,8 @@ const LABEL_SETS_MAX: usize = 256;
 
 #[derive(Default)]
 pub struct Metrics {
-    admissions: Mutex<BTreeMap<String, u64>>,
-    refusals: Mutex<BTreeMap<(String, String, String), u64>>,
+    admissions: Mutex<BTreeMap<&'static str, u64>>,
+    refusals: Mutex<BTreeMap<(&'static str, &'static str, &'static str), u64>>,
     overruns: AtomicU64,
     store_calls: AtomicU64,
     store_micros: AtomicU64,
@@ -30,17 +30,13 @@ fn bump<K: Ord>(m: &Mutex<BTreeMap<K, u64>>, k: K) {
 }
 
 impl Metrics {
-    pub fn admitted(&self, what: &str) {
-        bump(&self.admissions, what.to_string());
+    pub fn admitted(&self, what: &'static str) {
+        bump(&self.admissions, what);
     }
-    pub fn refused(&self, what: &str, code: &str, scope: Option<ScopeKind>) {
+    pub fn refused(&self, what: &'static str, code: &'static str, scope: Option<ScopeKind>) {
         bump(
             &self.refusals,
-            (
-                what.to_string(),
-                code.to_string(),
-                scope.map(|s| s.name()).unwrap_or("").to_string(),
-            ),
+            (what, code, scope.map(|s| s.name()).unwrap_or("")),
         );
     }
     pub fn overrun(&self) {

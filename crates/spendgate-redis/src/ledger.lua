@@ -60,6 +60,47 @@ local function S(x) return string.format('%d', x) end
 local function N(s) return tonumber(s) end
 local function B01(b) if b then return '1' end return '0' end
 
+-- A run is one string key: the msgpack of an array without holes (numbers are exact below
+-- 2^53 in msgpack as in Lua), indexed by these:
+local R_ID, R_SESSION, R_CONV, R_IPS, R_CREATED, R_DEADLINE, R_LEASE, R_ROUNDS, R_TOOLS, R_RETRIES = 1, 2, 3,
+  4, 5, 6, 7, 8, 9, 10
+local R_STATE, R_ENDED, R_SLOTS, R_HOLD, R_MODE = 11, 12, 13, 14, 15
+-- R_IPS: list of {prefix, factor}; R_SLOTS: list of slot names; R_HOLD: hold id or ''.
+-- The run bounds: in ctx out trb rounds tools retries secs cost shrink minout.
+local R_B_IN, R_B_CTX, R_B_OUT, R_B_TRB, R_B_ROUNDS, R_B_TOOLS, R_B_RETRIES, R_B_SECS, R_B_COST = 16, 17, 18, 19,
+  20, 21, 22, 23, 24
+local R_B_SHRINK, R_B_MINOUT = 25, 26
+-- The run's lifetime counter: R_C is 1 once it exists, then limit used reserved overrun
+-- adjusted at R_C + 1 .. R_C + 5.
+local R_C = 27
+-- Run records read in this call (false: none), and those changed since: run_get and run_put
+-- go through the cache, and main writes every changed record once at the end of the call.
+local RUNS, RDIRTY = {}, {}
+local function run_get(id)
+  local r = RUNS[id]
+  if r == nil then
+    local s = redis.call('GET', kRun(id))
+    if s then r = cmsgpack.unpack(s) else r = false end
+    RUNS[id] = r
+  end
+  return r or nil
+end
+local function run_put(id, r)
+  RUNS[id] = r
+  RDIRTY[id] = true
+end
+local function run_del(id)
+  RUNS[id] = false
+  RDIRTY[id] = nil
+  redis.call('DEL', kRun(id), kSteps(id))
+end
+local function run_flush()
+  for id in pairs(RDIRTY) do
+    redis.call('SET', kRun(id), cmsgpack.pack(RUNS[id]))
+  end
+  RDIRTY = {}
+end
+
 -- floor(a / b) for non-negative integers a, b with a < 2^53
 local function idiv(a, b)
   local q = math.floor(a / b)
@@ -390,22 +431,50 @@ end
 -- Counters loaded in this call, by encoding (main clears it; csave and cdel keep it current).
 -- `score` is the counter's score in the top indexes as stored.
 local CC = {}
+-- A run's lifetime counter is part of its run record (R_C); every other counter is a hash of
+-- its own.
+local RUN_C = 'lifetime|0|run|'
+local function run_of(e)
+  if string.sub(e, 1, #RUN_C) == RUN_C then return string.sub(e, #RUN_C + 1) end
+  return nil
+end
+-- A counter as stored, as five numbers (nil: there is none).
+local function cread(e)
+  local rid = run_of(e)
+  if rid then
+    local r = run_get(rid)
+    if r and r[R_C] == 1 then return { r[R_C + 1], r[R_C + 2], r[R_C + 3], r[R_C + 4], r[R_C + 5] } end
+    return nil
+  end
+  local f = redis.call('HMGET', kCounter(e), 'limit', 'used', 'reserved', 'overrun', 'adjusted')
+  if not f[1] then return nil end
+  return { N(f[1]), N(f[2]), N(f[3]), N(f[4]), N(f[5]) }
+end
 local function cload(e)
   local c = CC[e]
   if c then return c end
-  local f = redis.call('HMGET', kCounter(e), 'limit', 'used', 'reserved', 'overrun', 'adjusted')
-  if not f[1] then
+  local f = cread(e)
+  if not f then
     c = { enc = e, limit = 0, used = 0, reserved = 0, overrun = 0, adjusted = 0, new = true }
   else
-    c = { enc = e, limit = N(f[1]), used = N(f[2]), reserved = N(f[3]), overrun = N(f[4]), adjusted = N(f[5]) }
+    c = { enc = e, limit = f[1], used = f[2], reserved = f[3], overrun = f[4], adjusted = f[5] }
     c.score = math.min(c.used + c.reserved, MAX)
   end
   CC[e] = c
   return c
 end
 local function csave(c)
-  redis.call('HSET', kCounter(c.enc), 'limit', S(c.limit), 'used', S(c.used), 'reserved', S(c.reserved),
-    'overrun', S(c.overrun), 'adjusted', S(c.adjusted))
+  local rid = run_of(c.enc)
+  if rid then
+    local r = run_get(rid)
+    if not r then error('spendgate: the counter of a run that does not exist') end
+    r[R_C], r[R_C + 1], r[R_C + 2], r[R_C + 3], r[R_C + 4], r[R_C + 5] = 1, c.limit, c.used, c.reserved, c.overrun,
+      c.adjusted
+    run_put(rid, r)
+  else
+    redis.call('HSET', kCounter(c.enc), 'limit', S(c.limit), 'used', S(c.used), 'reserved', S(c.reserved),
+      'overrun', S(c.overrun), 'adjusted', S(c.adjusted))
+  end
   local w, idx, kind = cparts(c.enc)
   local score = math.min(c.used + c.reserved, MAX)
   if score ~= c.score then
@@ -421,7 +490,8 @@ end
 local function cdel(e)
   local _, _, kind = cparts(e)
   CC[e] = nil
-  redis.call('DEL', kCounter(e))
+  -- (a run's counter goes with its run record)
+  if not run_of(e) then redis.call('DEL', kCounter(e)) end
   redis.call('ZREM', K_TOP .. ':' .. kind, e)
   redis.call('ZREM', K_CWIN, e)
 end
@@ -562,26 +632,14 @@ end
 
 ---------------------------------------------------------------- runs
 
--- The run fields a step needs (reserve_step is run_load's only caller): strings, then numbers.
-local RUN_STR = { 'state', 'session', 'conv', 'ips', 'mode' }
-local RUN_NUM = { 'deadline', 'lease_until', 'rounds', 'tools', 'retries', 'b_ctx', 'b_out', 'b_rounds',
-  'b_tools', 'b_retries', 'b_cost', 'b_shrink', 'b_minout' }
--- RUN_STR then RUN_NUM (written out: the library's load-time code has no ipairs)
-local RUN_FIELDS = { 'state', 'session', 'conv', 'ips', 'mode', 'deadline', 'lease_until', 'rounds', 'tools',
-  'retries', 'b_ctx', 'b_out', 'b_rounds', 'b_tools', 'b_retries', 'b_cost', 'b_shrink', 'b_minout' }
-
+-- The run fields a step needs, by name.
 local function run_load(id)
-  local f = redis.call('HMGET', kRun(id), unpack(RUN_FIELDS))
-  if not f[1] then return nil end
-  local r = {}
-  local ns = #RUN_STR
-  for i = 1, ns do r[RUN_STR[i]] = f[i] end
-  for i = 1, #RUN_NUM do r[RUN_NUM[i]] = N(f[ns + i]) end
-  local flat = dec(r.ips)
-  local ips = {}
-  for i = 1, #flat, 2 do ips[#ips + 1] = { flat[i], N(flat[i + 1]) } end
-  r.ips = ips
-  return r
+  local r = run_get(id)
+  if not r then return nil end
+  return { state = r[R_STATE], session = r[R_SESSION], conv = r[R_CONV], ips = r[R_IPS], mode = r[R_MODE],
+    deadline = r[R_DEADLINE], rounds = r[R_ROUNDS], tools = r[R_TOOLS], retries = r[R_RETRIES],
+    b_ctx = r[R_B_CTX], b_out = r[R_B_OUT], b_rounds = r[R_B_ROUNDS], b_tools = r[R_B_TOOLS],
+    b_retries = r[R_B_RETRIES], b_cost = r[R_B_COST], b_shrink = r[R_B_SHRINK], b_minout = r[R_B_MINOUT] }
 end
 
 local function run_counter(run_id, cost)
@@ -589,31 +647,22 @@ local function run_counter(run_id, cost)
 end
 
 -- Ledger::renew: extends an active run's lease by one TTL, never past its deadline.
--- `pre`: the run's state, deadline and lease_until when the caller already read them (and
--- nothing changed them since); `extra`: more field, value pairs to write to the run hash.
-local function renew(id, now, ttl, pre, extra)
-  local rk = kRun(id)
-  local f = pre or redis.call('HMGET', rk, 'state', 'deadline', 'lease_until')
-  if f[1] ~= 'active' then
-    if extra then redis.call('HSET', rk, unpack(extra)) end
-    return nil
-  end
-  local deadline, lease = N(f[2]), N(f[3])
+local function renew(id, now, ttl)
+  local r = run_get(id)
+  if not r or r[R_STATE] ~= 'active' then return nil end
+  local deadline, lease = r[R_DEADLINE], r[R_LEASE]
   local new = math.max(math.min(now + ttl, deadline), math.min(lease, deadline))
   if new ~= lease then
     redis.call('ZADD', K_TIMERS, S(new), '1|' .. id)
-    extra = extra or {}
-    extra[#extra + 1] = 'lease_until'
-    extra[#extra + 1] = S(new)
+    r[R_LEASE] = new
+    run_put(id, r)
   end
-  if extra then redis.call('HSET', rk, unpack(extra)) end
   return new
 end
 
 -- Ledger::end_run: held steps charged in full, whole-run hold reconciled, slots freed.
 local function end_run(id, now, endstate)
-  local rk = kRun(id)
-  local f = redis.call('HMGET', rk, 'hold', 'slots')
+  local run = run_get(id)
   local step_end = 'unknown'
   if endstate == 'expired' then step_end = 'expired' end
   local acc = acc_new()
@@ -622,9 +671,9 @@ local function end_run(id, now, endstate)
     if r[1] == 'held' then settle(s, step_end, N(r[2]), now, acc) end
   end
   acc_flush(acc)
-  local hid = f[1]
-  if hid and hid ~= '' then
-    local used = N(redis.call('HGET', kCounter(cenc('lifetime', 0, 'run', id)), 'used') or '0')
+  local hid = run[R_HOLD]
+  if hid ~= '' then
+    local used = cload(RUN_C .. id).used
     local amount = N(redis.call('HGET', kRes(hid), 'amount') or '0')
     if endstate == 'expired' then
       settle(hid, 'expired', math.max(amount, used), now)
@@ -632,7 +681,7 @@ local function end_run(id, now, endstate)
       settle(hid, 'committed', used, now)
     end
   end
-  for _, s in ipairs(dec(f[2])) do
+  for _, s in ipairs(run[R_SLOTS]) do
     local n = redis.call('HGET', K_SLOTS, s)
     if n then
       n = N(n) - 1
@@ -641,18 +690,20 @@ local function end_run(id, now, endstate)
   end
   redis.call('ZREM', K_TIMERS, '1|' .. id)
   redis.call('ZADD', K_TIMERS, S(now + RETENTION), '2|' .. id)
-  redis.call('HSET', rk, 'state', endstate, 'ended_at', S(now))
+  run[R_STATE] = endstate
+  run[R_ENDED] = now
+  run_put(id, run)
   mincr('active', -1)
 end
 
 local function purge_run(id)
-  local rk = kRun(id)
-  local hid = redis.call('HGET', rk, 'hold')
-  if not hid then return end
+  local run = run_get(id)
+  if not run then return end
+  local hid = run[R_HOLD]
   for _, s in ipairs(redis.call('LRANGE', kSteps(id), '0', '-1')) do res_remove(s) end
   if hid ~= '' then res_remove(hid) end
-  cdel(cenc('lifetime', 0, 'run', id))
-  redis.call('DEL', rk, kSteps(id))
+  cdel(RUN_C .. id)
+  run_del(id)
   mincr('nrec', -1)
 end
 
@@ -669,7 +720,8 @@ local function expire_due(now, max)
     pops = pops + 1
     local typ, id = string.sub(t[1], 1, 1), string.sub(t[1], 3)
     if typ == '1' then
-      if redis.call('HGET', kRun(id), 'state') == 'active' then
+      local run = run_get(id)
+      if run and run[R_STATE] == 'active' then
         end_run(id, now, 'expired')
         bump()
         done = done + 1
@@ -816,11 +868,6 @@ function OPS.admit_run(now, swept, A)
     for _, d in ipairs(slots) do redis.call('HINCRBY', K_SLOTS, d, '1') end
     local deadline = now + b.secs * 1000
     local lease = math.min(now + P.ttl, deadline)
-    local flat = {}
-    for _, ip in ipairs(ips) do
-      flat[#flat + 1] = ip[1]
-      flat[#flat + 1] = S(ip[2])
-    end
     local reserved, hid = 0, ''
     if P.mode == 'whole_run' then
       hid = run_id .. '.hold'
@@ -832,12 +879,9 @@ function OPS.admit_run(now, swept, A)
         'retry', '0', 'units', '0', 'amount', S(b.cost), 'counters', enc(encs), 'state', 'held', 'charged', '0',
         'created', S(now), 'resolved', '', 'maxout', '', 'overrun', '0' }, 'hold', b.cost, now)
     end
-    redis.call('HSET', kRun(run_id), 'id', run_id, 'session', session, 'conv', conv, 'ips', enc(flat),
-      'created', S(now), 'deadline', S(deadline), 'lease_until', S(lease), 'rounds', '0', 'tools', '0',
-      'retries', '0', 'state', 'active', 'ended_at', '', 'slots', enc(slots), 'hold', hid, 'mode', P.mode,
-      'b_in', S(b['in']), 'b_ctx', S(b.ctx), 'b_out', S(b.out), 'b_trb', S(b.trb), 'b_rounds', S(b.rounds),
-      'b_tools', S(b.tools), 'b_retries', S(b.retries), 'b_secs', S(b.secs), 'b_cost', S(b.cost),
-      'b_shrink', S(b.shrink), 'b_minout', S(b.minout))
+    run_put(run_id, { run_id, session, conv, ips, now, deadline, lease, 0, 0, 0, 'active', 0, slots, hid, P.mode,
+      b['in'], b.ctx, b.out, b.trb, b.rounds, b.tools, b.retries, b.secs, b.cost, b.shrink, b.minout, 0, 0, 0, 0, 0,
+      0 })
     redis.call('ZADD', K_TIMERS, S(lease), '1|' .. run_id)
     mincr('nrec', 1)
     mincr('active', 1)
@@ -967,12 +1011,15 @@ function OPS.reserve_step(now, swept, A)
         'charged', '0', 'created', S(now), 'resolved', '', 'maxout', '', 'overrun', '0' }
     end
     res_create(step_id, fields, kind, plan.amount, now, true)
-    local field = 'tools'
+    local field = R_TOOLS
     if kind == 'model' then
-      if retry then field = 'retries' else field = 'rounds' end
+      if retry then field = R_RETRIES else field = R_ROUNDS end
     end
     redis.call('RPUSH', kSteps(run_id), step_id)
-    renew(run_id, now, P.ttl, { run.state, run.deadline, run.lease_until }, { field, S(run[field] + 1) })
+    local r = run_get(run_id)
+    r[field] = r[field] + 1
+    run_put(run_id, r)
+    renew(run_id, now, P.ttl)
     local mo = ''
     if plan.max_out then mo = S(plan.max_out) end
     outcome = { 'step_ok', step_id, S(plan.amount), mo, B01(plan.shrunk) }
@@ -992,8 +1039,8 @@ function OPS.resolve(now, swept, A)
   local state, kind, amount = f[1], f[2], N(f[3])
   local too_large = false
   if how == 'bytes' then
-    local trb = redis.call('HGET', kRun(f[8]), 'b_trb')
-    too_large = trb and N(A[3]) > N(trb) or false
+    local run = run_get(f[8])
+    too_large = run and N(A[3]) > run[R_B_TRB] or false
   end
   if state ~= 'held' then
     local commit = how == 'tokens' or how == 'units' or how == 'bytes'
@@ -1030,20 +1077,21 @@ end
 
 function OPS.heartbeat(now, swept, A)
   local id = A[1]
-  local f = redis.call('HMGET', kRun(id), 'state', 'lease_until', 'deadline')
-  if not f[1] then return err({ 'notfound', 'run ' .. id }) end
-  if f[1] ~= 'active' then return err({ 'runclosed', f[1] }) end
-  local before = N(f[2])
+  local run = run_get(id)
+  if not run then return err({ 'notfound', 'run ' .. id }) end
+  if run[R_STATE] ~= 'active' then return err({ 'runclosed', run[R_STATE] }) end
+  local before = run[R_LEASE]
   local lease = renew(id, now, P.ttl) or before
   local changed = swept or lease ~= before
   if changed then bump() end
-  return ok(changed, { S(lease), f[3] })
+  return ok(changed, { S(lease), S(run[R_DEADLINE]) })
 end
 
 function OPS.finish(now, swept, A)
   local id = A[1]
-  local state = redis.call('HGET', kRun(id), 'state')
-  if not state then return err({ 'notfound', 'run ' .. id }) end
+  local run = run_get(id)
+  if not run then return err({ 'notfound', 'run ' .. id }) end
+  local state = run[R_STATE]
   local repeated = state ~= 'active'
   if state == 'expired' then return err({ 'runclosed', 'expired' }) end
   if not repeated then
@@ -1156,10 +1204,10 @@ function OPS.sweep(now, swept, A)
   for _, k in ipairs(idle) do redis.call('ZREM', K_RATES, k) end
   local stale = redis.call('ZRANGEBYSCORE', K_CWIN, '-inf', S(now - RETENTION), 'LIMIT', '0', S(SWEEP_BATCH))
   for _, e in ipairs(stale) do
-    local r = redis.call('HGET', kCounter(e), 'reserved')
-    if not r then
+    local f = cread(e)
+    if not f then
       redis.call('ZREM', K_CWIN, e)
-    elseif N(r) == 0 then
+    elseif f[3] == 0 then
       cdel(e)
       n = n + 1
     end
@@ -1265,8 +1313,8 @@ end
 function READS.top(now, A)
   local rows = {}
   for _, e in ipairs(listing(K_TOP, A[1], SCOPE_KINDS, N(A[2]))) do
-    local f = redis.call('HMGET', kCounter(e), 'limit', 'used', 'reserved', 'overrun', 'adjusted')
-    if f[1] then rows[#rows + 1] = { e, f[1], f[2], f[3], f[4], f[5] } end
+    local f = cread(e)
+    if f then rows[#rows + 1] = { e, S(f[1]), S(f[2]), S(f[3]), S(f[4]), S(f[5]) } end
   end
   return { 'OK', S(SEQ), rows }
 end
@@ -1308,7 +1356,7 @@ local function main(KEYS, ARGV)
   if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
   local clock = N(META.clock or '0')
   if now < clock then now = clock end
-  CC = {}
+  CC, RUNS, RDIRTY = {}, {}, {}
 
   P = policy(ARGV[5])
 
@@ -1321,6 +1369,7 @@ local function main(KEYS, ARGV)
   local swept = false
   if op ~= 'sweep' then swept = expire_due(now, EXPIRIES_PER_CALL) > 0 end
   local reply = f(now, swept, A)
+  run_flush()
   if now ~= clock then meta_flush(now) else meta_flush(nil) end
   return reply
 end

@@ -8,3 +8,4 @@ mod decision_api;
 mod proxy;
 mod replicas;
 mod sessions;
+mod streams;

@@ -51,7 +51,6 @@ local function h(s)
   return v
 end
 local function kRun(id) return B .. ':r:' .. h(id) end
-local function kSteps(id) return B .. ':rs:' .. h(id) end
 local function kRes(id) return B .. ':s:' .. h(id) end
 local function kIdem(k) return B .. ':i:' .. h(k) end
 local function kCounter(enc) return B .. ':c:' .. h(enc) end
@@ -73,6 +72,9 @@ local R_B_SHRINK, R_B_MINOUT = 25, 26
 -- The run's lifetime counter: R_C is 1 once it exists, then limit used reserved overrun
 -- adjusted at R_C + 1 .. R_C + 5.
 local R_C = 27
+-- The run's steps: their ids in order, the (saturating) sum of their charges and how many are
+-- held (a step is charged once, when it settles from held).
+local R_STEPS, R_CHARGED, R_NHELD = 33, 34, 35
 -- Run records read in this call (false: none), and those changed since: run_get and run_put
 -- go through the cache, and main writes every changed record once at the end of the call.
 local RUNS, RDIRTY = {}, {}
@@ -92,7 +94,7 @@ end
 local function run_del(id)
   RUNS[id] = false
   RDIRTY[id] = nil
-  redis.call('DEL', kRun(id), kSteps(id))
+  redis.call('DEL', kRun(id))
 end
 local function run_flush()
   for id in pairs(RDIRTY) do
@@ -544,28 +546,42 @@ end
 
 ---------------------------------------------------------------- reservations
 
+-- A reservation is one string key: the msgpack of an array, indexed by these (in the order of
+-- a listing's row); amount, charged, created, resolved ('' until it settles) and overrun are
+-- numbers, counters a list of counter encodings, the rest strings.
+local S_ID, S_RUN, S_KIND, S_NAME, S_P1, S_P2, S_P3, S_RETRY, S_UNITS, S_AMOUNT, S_COUNTERS = 1, 2, 3, 4, 5, 6, 7,
+  8, 9, 10, 11
+local S_STATE, S_CHARGED, S_CREATED, S_RESOLVED, S_MAXOUT, S_OVERRUN = 12, 13, 14, 15, 16, 17
+local function res_get(id)
+  local s = redis.call('GET', kRes(id))
+  if s then return cmsgpack.unpack(s) end
+  return nil
+end
+local function res_put(id, r)
+  redis.call('SET', kRes(id), cmsgpack.pack(r))
+end
+
 local function res_remove(id)
-  local k = kRes(id)
-  local f = redis.call('HMGET', k, 'state', 'kind', 'amount', 'charged', 'overrun')
-  if not f[1] then return end
-  local state, kind = f[1], f[2]
+  local r = res_get(id)
+  if not r then return end
+  local state = r[S_STATE]
   redis.call('ZREM', K_RZ .. ':' .. state, id)
   mincr('st:' .. state, -1)
   mincr('nrec', -1)
-  if kind ~= 'hold' then
-    if state == 'held' then mincr('held_sum', -N(f[3])) end
-    mincr('charged_sum', -N(f[4]))
-    mincr('overruns', -N(f[5]))
+  if r[S_KIND] ~= 'hold' then
+    if state == 'held' then mincr('held_sum', -r[S_AMOUNT]) end
+    mincr('charged_sum', -r[S_CHARGED])
+    mincr('overruns', -r[S_OVERRUN])
   end
-  redis.call('DEL', k)
+  redis.call('DEL', kRes(id))
 end
 
--- fields: flat list of field, value pairs (strings) including 'kind' and 'amount'
--- `fresh`: the caller already checked that no reservation has this id.
-local function res_create(id, fields, kind, amount, created, fresh)
-  local k = kRes(id)
-  if not fresh and redis.call('EXISTS', k) == 1 then res_remove(id) end
-  redis.call('HSET', k, unpack(fields))
+-- r: the new reservation (held). `fresh`: the caller already checked that no reservation has
+-- this id.
+local function res_create(id, r, fresh)
+  local kind, amount, created = r[S_KIND], r[S_AMOUNT], r[S_CREATED]
+  if not fresh and redis.call('EXISTS', kRes(id)) == 1 then res_remove(id) end
+  res_put(id, r)
   redis.call('ZADD', K_RZ .. ':held', S(created), id)
   mincr('st:held', 1)
   mincr('nrec', 1)
@@ -597,27 +613,33 @@ end
 
 -- Ledger::settle: a held reservation reaches a terminal state, charging `charged`. With an
 -- accumulator the counter and summary changes wait for acc_flush.
--- `pre`: the reservation's fields state, kind, amount, charged, overrun, counters, created
--- when the caller already read them.
+-- `pre`: the reservation when the caller already read it. A step's charge is added to its run.
 local function settle(id, state, charged, now, acc, pre)
-  local k = kRes(id)
-  local f = pre or redis.call('HMGET', k, 'state', 'kind', 'amount', 'charged', 'overrun', 'counters', 'created')
-  if not f[1] then return end
+  local f = pre or res_get(id)
+  if not f then return end
   local a = acc or acc_new()
-  local old, kind, amount = f[1], f[2], N(f[3])
+  local old, kind, amount = f[S_STATE], f[S_KIND], f[S_AMOUNT]
+  local old_charged, old_overrun = f[S_CHARGED], f[S_OVERRUN]
   local overrun = 0
   if charged > amount then overrun = 1 end
-  redis.call('HSET', k, 'state', state, 'charged', S(charged), 'resolved', S(now), 'overrun', S(overrun))
+  f[S_STATE], f[S_CHARGED], f[S_RESOLVED], f[S_OVERRUN] = state, charged, now, overrun
+  res_put(id, f)
   redis.call('ZREM', K_RZ .. ':' .. old, id)
-  redis.call('ZADD', K_RZ .. ':' .. state, f[7], id)
+  redis.call('ZADD', K_RZ .. ':' .. state, S(f[S_CREATED]), id)
   acc_meta(a, 'st:' .. old, -1)
   acc_meta(a, 'st:' .. state, 1)
   if kind ~= 'hold' then
     if old == 'held' then acc_meta(a, 'held_sum', -amount) end
-    acc_meta(a, 'charged_sum', charged - N(f[4]))
-    acc_meta(a, 'overruns', overrun - N(f[5]))
+    acc_meta(a, 'charged_sum', charged - old_charged)
+    acc_meta(a, 'overruns', overrun - old_overrun)
+    local run = run_get(f[S_RUN])
+    if run then
+      run[R_CHARGED] = math.min(run[R_CHARGED] + charged, MAX)
+      if old == 'held' then run[R_NHELD] = run[R_NHELD] - 1 end
+      run_put(f[S_RUN], run)
+    end
   end
-  for _, e in ipairs(dec(f[6])) do
+  for _, e in ipairs(f[S_COUNTERS]) do
     local d = a.c[e]
     if not d then
       d = { 0, 0 }
@@ -666,19 +688,23 @@ local function end_run(id, now, endstate)
   local step_end = 'unknown'
   if endstate == 'expired' then step_end = 'expired' end
   local acc = acc_new()
-  for _, s in ipairs(redis.call('LRANGE', kSteps(id), '0', '-1')) do
-    local r = redis.call('HMGET', kRes(s), 'state', 'amount')
-    if r[1] == 'held' then settle(s, step_end, N(r[2]), now, acc) end
+  if run[R_NHELD] > 0 then
+    for _, s in ipairs(run[R_STEPS]) do
+      local r = res_get(s)
+      if r and r[S_STATE] == 'held' then settle(s, step_end, r[S_AMOUNT], now, acc, r) end
+    end
   end
   acc_flush(acc)
   local hid = run[R_HOLD]
   if hid ~= '' then
     local used = cload(RUN_C .. id).used
-    local amount = N(redis.call('HGET', kRes(hid), 'amount') or '0')
+    local r = res_get(hid)
+    local amount = 0
+    if r then amount = r[S_AMOUNT] end
     if endstate == 'expired' then
-      settle(hid, 'expired', math.max(amount, used), now)
+      settle(hid, 'expired', math.max(amount, used), now, nil, r)
     else
-      settle(hid, 'committed', used, now)
+      settle(hid, 'committed', used, now, nil, r)
     end
   end
   for _, s in ipairs(run[R_SLOTS]) do
@@ -700,7 +726,7 @@ local function purge_run(id)
   local run = run_get(id)
   if not run then return end
   local hid = run[R_HOLD]
-  for _, s in ipairs(redis.call('LRANGE', kSteps(id), '0', '-1')) do res_remove(s) end
+  for _, s in ipairs(run[R_STEPS]) do res_remove(s) end
   if hid ~= '' then res_remove(hid) end
   cdel(RUN_C .. id)
   run_del(id)
@@ -875,13 +901,11 @@ function OPS.admit_run(now, swept, A)
       reserved = b.cost
       local encs = {}
       for _, k in ipairs(counters) do encs[#encs + 1] = k.enc end
-      res_create(hid, { 'id', hid, 'run', run_id, 'kind', 'hold', 'name', '', 'p1', '0', 'p2', '0', 'p3', '0',
-        'retry', '0', 'units', '0', 'amount', S(b.cost), 'counters', enc(encs), 'state', 'held', 'charged', '0',
-        'created', S(now), 'resolved', '', 'maxout', '', 'overrun', '0' }, 'hold', b.cost, now)
+      res_create(hid, { hid, run_id, 'hold', '', '0', '0', '0', '0', '0', b.cost, encs, 'held', 0, now, '', '', 0 })
     end
     run_put(run_id, { run_id, session, conv, ips, now, deadline, lease, 0, 0, 0, 'active', 0, slots, hid, P.mode,
       b['in'], b.ctx, b.out, b.trb, b.rounds, b.tools, b.retries, b.secs, b.cost, b.shrink, b.minout, 0, 0, 0, 0, 0,
-      0 })
+      0, {}, 0, 0 })
     redis.call('ZADD', K_TIMERS, S(lease), '1|' .. run_id)
     mincr('nrec', 1)
     mincr('active', 1)
@@ -1000,25 +1024,24 @@ function OPS.reserve_step(now, swept, A)
     hold(counters, plan.amount)
     local encs = {}
     for _, k in ipairs(counters) do encs[#encs + 1] = k.enc end
-    local fields
+    local r
     if kind == 'model' then
-      fields = { 'id', step_id, 'run', run_id, 'kind', 'model', 'name', name, 'p1', A[8], 'p2', A[9], 'p3', A[10],
-        'retry', B01(retry), 'units', '0', 'amount', S(plan.amount), 'counters', enc(encs), 'state', 'held',
-        'charged', '0', 'created', S(now), 'resolved', '', 'maxout', S(plan.max_out), 'overrun', '0' }
+      r = { step_id, run_id, 'model', name, A[8], A[9], A[10], B01(retry), '0', plan.amount, encs, 'held', 0, now, '',
+        S(plan.max_out), 0 }
     else
-      fields = { 'id', step_id, 'run', run_id, 'kind', 'tool', 'name', name, 'p1', A[8], 'p2', A[9], 'p3', '0',
-        'retry', '0', 'units', A[10], 'amount', S(plan.amount), 'counters', enc(encs), 'state', 'held',
-        'charged', '0', 'created', S(now), 'resolved', '', 'maxout', '', 'overrun', '0' }
+      r = { step_id, run_id, 'tool', name, A[8], A[9], '0', '0', A[10], plan.amount, encs, 'held', 0, now, '', '', 0 }
     end
-    res_create(step_id, fields, kind, plan.amount, now, true)
+    res_create(step_id, r, true)
     local field = R_TOOLS
     if kind == 'model' then
       if retry then field = R_RETRIES else field = R_ROUNDS end
     end
-    redis.call('RPUSH', kSteps(run_id), step_id)
-    local r = run_get(run_id)
-    r[field] = r[field] + 1
-    run_put(run_id, r)
+    local rr = run_get(run_id)
+    rr[field] = rr[field] + 1
+    local steps = rr[R_STEPS]
+    steps[#steps + 1] = step_id
+    rr[R_NHELD] = rr[R_NHELD] + 1
+    run_put(run_id, rr)
     renew(run_id, now, P.ttl)
     local mo = ''
     if plan.max_out then mo = S(plan.max_out) end
@@ -1033,21 +1056,20 @@ end
 -- args: step_id how ...; how = tokens uncached cached completion | units n | bytes n | release | unknown
 function OPS.resolve(now, swept, A)
   local id, how = A[1], A[2]
-  local f = redis.call('HMGET', kRes(id), 'state', 'kind', 'amount', 'charged', 'overrun', 'counters',
-    'created', 'run', 'p1', 'p2', 'p3')
-  if not f[1] or f[2] == 'hold' then return err({ 'notfound', 'step ' .. id }) end
-  local state, kind, amount = f[1], f[2], N(f[3])
+  local f = res_get(id)
+  if not f or f[S_KIND] == 'hold' then return err({ 'notfound', 'step ' .. id }) end
+  local state, kind, amount = f[S_STATE], f[S_KIND], f[S_AMOUNT]
   local too_large = false
   if how == 'bytes' then
-    local run = run_get(f[8])
+    local run = run_get(f[S_RUN])
     too_large = run and N(A[3]) > run[R_B_TRB] or false
   end
   if state ~= 'held' then
     local commit = how == 'tokens' or how == 'units' or how == 'bytes'
     local same = (state == 'committed' and commit) or (state == 'released' and how == 'release')
       or (state == 'unknown' and how == 'unknown')
-    if not same then return err({ 'closed', state, f[4] }) end
-    return ok(swept, { state, f[4], f[3], f[5], '1', B01(too_large) })
+    if not same then return err({ 'closed', state, S(f[S_CHARGED]) }) end
+    return ok(swept, { state, S(f[S_CHARGED]), S(amount), S(f[S_OVERRUN]), '1', B01(too_large) })
   end
   local new, charged
   if how == 'release' then
@@ -1058,19 +1080,19 @@ function OPS.resolve(now, swept, A)
     new = 'committed'
     if kind == 'model' then
       if how ~= 'tokens' then return err({ 'invalid', 'a model step commits with "usage"' }) end
-      charged = price_ceil({ { A[3], N(f[9]) }, { A[4], N(f[10]) }, { A[5], N(f[11]) } })
+      charged = price_ceil({ { A[3], N(f[S_P1]) }, { A[4], N(f[S_P2]) }, { A[5], N(f[S_P3]) } })
     else
       if how == 'tokens' then
         return err({ 'invalid', 'a tool step commits with "units" or "result_bytes"' })
       elseif how == 'units' then
-        charged = tool_cost(N(f[9]), N(f[10]), A[3])
+        charged = tool_cost(N(f[S_P1]), N(f[S_P2]), A[3])
       else
         charged = amount
       end
     end
   end
   settle(id, new, charged, now, nil, f)
-  renew(f[8], now, P.ttl)
+  renew(f[S_RUN], now, P.ttl)
   bump()
   return ok(true, { new, S(charged), S(amount), B01(charged > amount), '0', B01(too_large) })
 end
@@ -1099,13 +1121,7 @@ function OPS.finish(now, swept, A)
     bump()
     state = 'finished'
   end
-  local steps = redis.call('LRANGE', kSteps(id), '0', '-1')
-  local charged = 0
-  for _, s in ipairs(steps) do
-    local c = redis.call('HGET', kRes(s), 'charged')
-    if c then charged = math.min(charged + N(c), MAX) end
-  end
-  return ok(swept or not repeated, { state, S(charged), S(#steps), B01(repeated) })
+  return ok(swept or not repeated, { state, S(run[R_CHARGED]), S(#run[R_STEPS]), B01(repeated) })
 end
 
 -- args: n (prefix factor)*
@@ -1291,19 +1307,19 @@ function READS.summary(now, A)
   return out
 end
 
-local RES_FIELDS = { 'id', 'run', 'kind', 'name', 'p1', 'p2', 'p3', 'retry', 'units', 'amount', 'counters', 'state',
-  'charged', 'created', 'resolved', 'maxout', 'overrun' }
 
 -- args: state ('' = all) limit
 function READS.reservations(now, A)
   local ids = listing(K_RZ, A[1], RES_STATES, N(A[2]))
   local rows = {}
   for _, id in ipairs(ids) do
-    local f = redis.call('HMGET', kRes(id), unpack(RES_FIELDS))
-    if f[1] then
-      local row = {}
-      for i = 1, #RES_FIELDS do row[i] = f[i] or '' end
-      rows[#rows + 1] = row
+    local r = res_get(id)
+    if r then
+      local resolved = r[S_RESOLVED]
+      if resolved ~= '' then resolved = S(resolved) end
+      rows[#rows + 1] = { r[S_ID], r[S_RUN], r[S_KIND], r[S_NAME], r[S_P1], r[S_P2], r[S_P3], r[S_RETRY], r[S_UNITS],
+        S(r[S_AMOUNT]), enc(r[S_COUNTERS]), r[S_STATE], S(r[S_CHARGED]), S(r[S_CREATED]), resolved, r[S_MAXOUT],
+        S(r[S_OVERRUN]) }
     end
   end
   return { 'OK', S(SEQ), rows }

@@ -433,8 +433,8 @@ end
 -- Counters loaded in this call, by encoding (main clears it; csave and cdel keep it current).
 -- `score` is the counter's score in the top indexes as stored.
 local CC = {}
--- A run's lifetime counter is part of its run record (R_C); every other counter is a hash of
--- its own.
+-- A run's lifetime counter is part of its run record (R_C); every other counter is a string
+-- key of its own: the msgpack of {limit, used, reserved, overrun, adjusted}.
 local RUN_C = 'lifetime|0|run|'
 local function run_of(e)
   if string.sub(e, 1, #RUN_C) == RUN_C then return string.sub(e, #RUN_C + 1) end
@@ -448,9 +448,9 @@ local function cread(e)
     if r and r[R_C] == 1 then return { r[R_C + 1], r[R_C + 2], r[R_C + 3], r[R_C + 4], r[R_C + 5] } end
     return nil
   end
-  local f = redis.call('HMGET', kCounter(e), 'limit', 'used', 'reserved', 'overrun', 'adjusted')
-  if not f[1] then return nil end
-  return { N(f[1]), N(f[2]), N(f[3]), N(f[4]), N(f[5]) }
+  local s = redis.call('GET', kCounter(e))
+  if not s then return nil end
+  return cmsgpack.unpack(s)
 end
 local function cload(e)
   local c = CC[e]
@@ -474,8 +474,7 @@ local function csave(c)
       c.adjusted
     run_put(rid, r)
   else
-    redis.call('HSET', kCounter(c.enc), 'limit', S(c.limit), 'used', S(c.used), 'reserved', S(c.reserved),
-      'overrun', S(c.overrun), 'adjusted', S(c.adjusted))
+    redis.call('SET', kCounter(c.enc), cmsgpack.pack({ c.limit, c.used, c.reserved, c.overrun, c.adjusted }))
   end
   local w, idx, kind = cparts(c.enc)
   local score = math.min(c.used + c.reserved, MAX)

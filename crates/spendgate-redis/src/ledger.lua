@@ -72,9 +72,10 @@ local R_B_SHRINK, R_B_MINOUT = 25, 26
 -- The run's lifetime counter: R_C is 1 once it exists, then limit used reserved overrun
 -- adjusted at R_C + 1 .. R_C + 5.
 local R_C = 27
--- The run's steps: their ids in order, the (saturating) sum of their charges and how many are
--- held (a step is charged once, when it settles from held).
-local R_STEPS, R_CHARGED, R_NHELD = 33, 34, 35
+-- The run's steps: their ids in order (netstrings, see enc), the (saturating) sum of their
+-- charges, how many are held (a step is charged once, when it settles from held) and how many
+-- there are.
+local R_STEPS, R_CHARGED, R_NHELD, R_NSTEPS = 33, 34, 35, 36
 -- Run records read in this call (false: none), and those changed since: run_get and run_put
 -- go through the cache, and main writes every changed record once at the end of the call.
 local RUNS, RDIRTY = {}, {}
@@ -343,12 +344,16 @@ local META_FIELDS = { 'epoch', 'epoch_kind', 'seq', 'clock', 'nrec', 'cutoff', '
   'st:unknown', 'st:expired', 'held_sum', 'charged_sum', 'overruns' }
 local META_READ = { 'epoch', 'epoch_kind', 'seq', 'clock' }
 local SEQ, SEQ0 = 0, 0
+-- META: the HMGET answer (in the order of META_FIELDS, META_READ being its first four);
+-- META_POS: a field's position in it.
+local META_POS = { epoch = 1, epoch_kind = 2, seq = 3, clock = 4, nrec = 5, cutoff = 6, active = 7, ['st:held'] = 8,
+  ['st:committed'] = 9, ['st:released'] = 10, ['st:unknown'] = 11, ['st:expired'] = 12, held_sum = 13,
+  charged_sum = 14, overruns = 15 }
 local META, MD, MDK = {}, {}, {}
 local function meta_load(fields)
-  local f = redis.call('HMGET', K_META, unpack(fields))
-  META, MD, MDK = {}, {}, {}
-  for i, name in ipairs(fields) do META[name] = f[i] end
-  SEQ = N(META.seq or '0')
+  META = redis.call('HMGET', K_META, unpack(fields))
+  MD, MDK = {}, {}
+  SEQ = N(META[3] or '0')
   SEQ0 = SEQ
 end
 local function bump()
@@ -378,9 +383,9 @@ local function meta_flush(clock)
   for _, f in ipairs(MDK) do
     local d = MD[f]
     if d ~= 0 then
-      local old = META[f]
+      local pos = META_POS[f]
       local v = nil
-      if old ~= nil then v = N(old or '0') end
+      if pos and pos <= #META then v = N(META[pos] or '0') end
       if v and v <= MAX and v >= -MAX and v + d <= MAX and v + d >= -MAX then
         set[#set + 1] = f
         set[#set + 1] = S(v + d)
@@ -393,10 +398,10 @@ local function meta_flush(clock)
   for _, f in ipairs(incr) do redis.call('HINCRBY', K_META, f, S(MD[f])) end
 end
 local function records_held()
-  return N(META.nrec or '0') + (MD.nrec or 0)
+  return N(META[5] or '0') + (MD.nrec or 0)
 end
 local function cutoff()
-  return META.cutoff
+  return META[6]
 end
 
 ---------------------------------------------------------------- scopes
@@ -653,16 +658,6 @@ end
 
 ---------------------------------------------------------------- runs
 
--- The run fields a step needs, by name.
-local function run_load(id)
-  local r = run_get(id)
-  if not r then return nil end
-  return { state = r[R_STATE], session = r[R_SESSION], conv = r[R_CONV], ips = r[R_IPS], mode = r[R_MODE],
-    deadline = r[R_DEADLINE], rounds = r[R_ROUNDS], tools = r[R_TOOLS], retries = r[R_RETRIES],
-    b_ctx = r[R_B_CTX], b_out = r[R_B_OUT], b_rounds = r[R_B_ROUNDS], b_tools = r[R_B_TOOLS],
-    b_retries = r[R_B_RETRIES], b_cost = r[R_B_COST], b_shrink = r[R_B_SHRINK], b_minout = r[R_B_MINOUT] }
-end
-
 local function run_counter(run_id, cost)
   return { enc = cenc('lifetime', 0, 'run', run_id), limit = cost, kind = 'run', window = 'lifetime', index = 0 }
 end
@@ -688,7 +683,7 @@ local function end_run(id, now, endstate)
   if endstate == 'expired' then step_end = 'expired' end
   local acc = acc_new()
   if run[R_NHELD] > 0 then
-    for _, s in ipairs(run[R_STEPS]) do
+    for _, s in ipairs(dec(run[R_STEPS])) do
       local r = res_get(s)
       if r and r[S_STATE] == 'held' then settle(s, step_end, r[S_AMOUNT], now, acc, r) end
     end
@@ -725,7 +720,7 @@ local function purge_run(id)
   local run = run_get(id)
   if not run then return end
   local hid = run[R_HOLD]
-  for _, s in ipairs(run[R_STEPS]) do res_remove(s) end
+  for _, s in ipairs(dec(run[R_STEPS])) do res_remove(s) end
   if hid ~= '' then res_remove(hid) end
   cdel(RUN_C .. id)
   run_del(id)
@@ -904,7 +899,7 @@ function OPS.admit_run(now, swept, A)
     end
     run_put(run_id, { run_id, session, conv, ips, now, deadline, lease, 0, 0, 0, 'active', 0, slots, hid, P.mode,
       b['in'], b.ctx, b.out, b.trb, b.rounds, b.tools, b.retries, b.secs, b.cost, b.shrink, b.minout, 0, 0, 0, 0, 0,
-      0, {}, 0, 0 })
+      0, '', 0, 0, 0 })
     redis.call('ZADD', K_TIMERS, S(lease), '1|' .. run_id)
     mincr('nrec', 1)
     mincr('active', 1)
@@ -935,7 +930,7 @@ function OPS.reserve_step(now, swept, A)
   local bad = check_id('step id', step_id)
   if bad then return err({ 'invalid', bad }) end
   if redis.call('EXISTS', kRes(step_id)) == 1 then return err({ 'invalid', 'step id already exists' }) end
-  local run = run_load(run_id)
+  local run = run_get(run_id)
   if not run then return err({ 'notfound', 'run ' .. run_id }) end
   if records_held() >= RECORDS_MAX then return err({ 'full' }) end
 
@@ -943,11 +938,11 @@ function OPS.reserve_step(now, swept, A)
   local outcome, plan = nil, nil
   local function bound(msg) return text_refusal('run_bound_exceeded', 'run', '', msg) end
   local co = cutoff()
-  if run.state == 'finished' then
+  if run[R_STATE] == 'finished' then
     outcome = bound('run is finished')
-  elseif run.state == 'expired' then
+  elseif run[R_STATE] == 'expired' then
     outcome = bound('run deadline or lease has passed')
-  elseif now >= run.deadline then
+  elseif now >= run[R_DEADLINE] then
     outcome = bound('run deadline has passed')
   elseif co then
     outcome = cutoff_refusal(co)
@@ -958,21 +953,21 @@ function OPS.reserve_step(now, swept, A)
     if kind == 'model' then
       ip, cp, op, prompt_s = N(A[8]), N(A[9]), N(A[10]), A[11]
       retry = A[13] == '1'
-      if retry and run.retries >= run.b_retries then
-        outcome = bound('run already used its ' .. S(run.b_retries) .. ' retries')
-      elseif not retry and run.rounds >= run.b_rounds then
-        outcome = bound('run already used its ' .. S(run.b_rounds) .. ' model rounds')
-      elseif N(prompt_s) > run.b_ctx then
+      if retry and run[R_RETRIES] >= run[R_B_RETRIES] then
+        outcome = bound('run already used its ' .. S(run[R_B_RETRIES]) .. ' retries')
+      elseif not retry and run[R_ROUNDS] >= run[R_B_ROUNDS] then
+        outcome = bound('run already used its ' .. S(run[R_B_ROUNDS]) .. ' model rounds')
+      elseif N(prompt_s) > run[R_B_CTX] then
         outcome = text_refusal('context_too_large', 'run', '',
-          'prompt of ' .. prompt_s .. ' tokens is over the context limit of ' .. S(run.b_ctx) .. ' tokens')
+          'prompt of ' .. prompt_s .. ' tokens is over the context limit of ' .. S(run[R_B_CTX]) .. ' tokens')
       else
-        max_out = run.b_out
+        max_out = run[R_B_OUT]
         if A[12] ~= '' and N(A[12]) < max_out then max_out = N(A[12]) end
         amount = price_ceil({ { prompt_s, ip }, { S(max_out), op } })
       end
     else
-      if run.tools >= run.b_tools then
-        outcome = bound('run already used its ' .. S(run.b_tools) .. ' tool calls')
+      if run[R_TOOLS] >= run[R_B_TOOLS] then
+        outcome = bound('run already used its ' .. S(run[R_B_TOOLS]) .. ' tool calls')
       else
         amount = tool_cost(N(A[8]), N(A[9]), A[10])
       end
@@ -980,17 +975,17 @@ function OPS.reserve_step(now, swept, A)
   end
   local counters
   if not outcome then
-    if run.mode == 'per_step' then
-      counters = budget_counters(run_scopes(run.session, run.ips, run.conv), now)
+    if run[R_MODE] == 'per_step' then
+      counters = budget_counters(run_scopes(run[R_SESSION], run[R_IPS], run[R_CONV]), now)
     else
       counters = {}
     end
-    counters[#counters + 1] = run_counter(run_id, run.b_cost)
+    counters[#counters + 1] = run_counter(run_id, run[R_B_COST])
     local refusal = check_budgets(counters, amount, now)
     if not refusal then
       plan = { amount = amount, max_out = max_out, shrunk = false }
     else
-      if run.b_shrink == 1 and kind == 'model' then
+      if run[R_B_SHRINK] == 1 and kind == 'model' then
         local room = nil
         for _, k in ipairs(counters) do
           local c = cload(k.enc)
@@ -999,7 +994,7 @@ function OPS.reserve_step(now, swept, A)
           if room == nil or r < room then room = r end
         end
         local fit = fit_output(prompt_s, ip, op, room or 0, max_out or 0)
-        if fit and fit >= run.b_minout then
+        if fit and fit >= run[R_B_MINOUT] then
           local a2 = price_ceil({ { prompt_s, ip }, { S(fit), op } })
           local r2 = check_budgets(counters, a2, now)
           if r2 then
@@ -1011,7 +1006,7 @@ function OPS.reserve_step(now, swept, A)
       end
       if not plan and not outcome then
         if refusal[3] == 'run' then
-          outcome = { 'refused', 'run_bound_exceeded', 'run', '', 'runcost', S(run.b_cost) }
+          outcome = { 'refused', 'run_bound_exceeded', 'run', '', 'runcost', S(run[R_B_COST]) }
         else
           outcome = refusal
         end
@@ -1037,8 +1032,8 @@ function OPS.reserve_step(now, swept, A)
     end
     local rr = run_get(run_id)
     rr[field] = rr[field] + 1
-    local steps = rr[R_STEPS]
-    steps[#steps + 1] = step_id
+    rr[R_STEPS] = rr[R_STEPS] .. S(#step_id) .. ':' .. step_id
+    rr[R_NSTEPS] = rr[R_NSTEPS] + 1
     rr[R_NHELD] = rr[R_NHELD] + 1
     run_put(run_id, rr)
     renew(run_id, now, P.ttl)
@@ -1120,7 +1115,7 @@ function OPS.finish(now, swept, A)
     bump()
     state = 'finished'
   end
-  return ok(swept or not repeated, { state, S(run[R_CHARGED]), S(#run[R_STEPS]), B01(repeated) })
+  return ok(swept or not repeated, { state, S(run[R_CHARGED]), S(run[R_NSTEPS]), B01(repeated) })
 end
 
 -- args: n (prefix factor)*
@@ -1179,11 +1174,11 @@ function OPS.set_cutoff(now, swept, A)
   if engaged then
     changed = old ~= reason
     redis.call('HSET', K_META, 'cutoff', reason)
-    META.cutoff = reason
+    META[6] = reason
   else
     changed = old ~= false
     redis.call('HDEL', K_META, 'cutoff')
-    META.cutoff = false
+    META[6] = false
   end
   if changed or swept then bump() end
   return ok(changed or swept, { B01(engaged) })
@@ -1366,10 +1361,10 @@ local function main(KEYS, ARGV)
   -- The epoch lives in the meta hash: one read checks it and loads the ledger's meta.
   local is_read = READS[op] ~= nil
   if is_read then meta_load(META_READ) else meta_load(META_FIELDS) end
-  if not META.epoch then return { 'X', 'epoch_missing' } end
-  if META.epoch ~= ARGV[3] then return { 'X', 'epoch_changed', META.epoch, META.epoch_kind or 'init' } end
+  if not META[1] then return { 'X', 'epoch_missing' } end
+  if META[1] ~= ARGV[3] then return { 'X', 'epoch_changed', META[1], META[2] or 'init' } end
   if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
-  local clock = N(META.clock or '0')
+  local clock = N(META[4] or '0')
   if now < clock then now = clock end
   CC, RUNS, RDIRTY = {}, {}, {}
 

@@ -341,20 +341,30 @@ end
 -- changes are written once at the end (meta_flush): seq, clock and the summary counts, which
 -- change by deltas (MD, in the order MDK).
 local META_FIELDS = { 'epoch', 'epoch_kind', 'seq', 'clock', 'nrec', 'cutoff', 'active', 'st:held', 'st:committed', 'st:released',
-  'st:unknown', 'st:expired', 'held_sum', 'charged_sum', 'overruns' }
+  'st:unknown', 'st:expired', 'held_sum', 'charged_sum', 'overruns', 'tnext' }
 local META_READ = { 'epoch', 'epoch_kind', 'seq', 'clock' }
 local SEQ, SEQ0 = 0, 0
 -- META: the HMGET answer (in the order of META_FIELDS, META_READ being its first four);
 -- META_POS: a field's position in it.
 local META_POS = { epoch = 1, epoch_kind = 2, seq = 3, clock = 4, nrec = 5, cutoff = 6, active = 7, ['st:held'] = 8,
   ['st:committed'] = 9, ['st:released'] = 10, ['st:unknown'] = 11, ['st:expired'] = 12, held_sum = 13,
-  charged_sum = 14, overruns = 15 }
+  charged_sum = 14, overruns = 15, tnext = 16 }
 local META, MD, MDK = {}, {}, {}
+-- TN: no timer is due before it (a lower bound of the timers' first score, kept in meta as
+-- 'tnext'; 0 when unknown), so that a call with now < TN need not look at the timers.
+local TN, TN0 = 0, 0
 local function meta_load(fields)
   META = redis.call('HMGET', K_META, unpack(fields))
   MD, MDK = {}, {}
   SEQ = N(META[3] or '0')
   SEQ0 = SEQ
+  TN = N(META[16] or '0')
+  TN0 = TN
+end
+-- Every timer is added here, which keeps TN a lower bound.
+local function timer_add(at, member)
+  redis.call('ZADD', K_TIMERS, S(at), member)
+  if at < TN then TN = at end
 end
 local function bump()
   SEQ = SEQ + 1
@@ -393,6 +403,10 @@ local function meta_flush(clock)
         incr[#incr + 1] = f
       end
     end
+  end
+  if TN ~= TN0 then
+    set[#set + 1] = 'tnext'
+    set[#set + 1] = S(TN)
   end
   if #set > 0 then redis.call('HSET', K_META, unpack(set)) end
   for _, f in ipairs(incr) do redis.call('HINCRBY', K_META, f, S(MD[f])) end
@@ -669,7 +683,7 @@ local function renew(id, now, ttl)
   local deadline, lease = r[R_DEADLINE], r[R_LEASE]
   local new = math.max(math.min(now + ttl, deadline), math.min(lease, deadline))
   if new ~= lease then
-    redis.call('ZADD', K_TIMERS, S(new), '1|' .. id)
+    timer_add(new, '1|' .. id)
     r[R_LEASE] = new
     run_put(id, r)
   end
@@ -709,7 +723,7 @@ local function end_run(id, now, endstate)
     end
   end
   redis.call('ZREM', K_TIMERS, '1|' .. id)
-  redis.call('ZADD', K_TIMERS, S(now + RETENTION), '2|' .. id)
+  timer_add(now + RETENTION, '2|' .. id)
   run[R_STATE] = endstate
   run[R_ENDED] = now
   run_put(id, run)
@@ -732,10 +746,20 @@ end
 -- Ledger::expire_due: timers are "1|run" (lease), "2|run" (purge), "3|key" (idempotency),
 -- ordered like the core's (time, Timer) set.
 local function expire_due(now, max)
+  if now < TN then return 0 end
   local done, pops = 0, 0
+  -- What TN becomes: the first score left when none is due, 0 (unknown) when stopped by a bound.
+  local next_tn = 0
   while done < max and pops < max * 4 do
     local t = redis.call('ZRANGE', K_TIMERS, '0', '0', 'WITHSCORES')
-    if #t == 0 or N(t[2]) > now then break end
+    if #t == 0 then
+      next_tn = MAX
+      break
+    end
+    if N(t[2]) > now then
+      next_tn = N(t[2])
+      break
+    end
     redis.call('ZREM', K_TIMERS, t[1])
     pops = pops + 1
     local typ, id = string.sub(t[1], 1, 1), string.sub(t[1], 3)
@@ -758,6 +782,7 @@ local function expire_due(now, max)
       end
     end
   end
+  TN = next_tn
   return done
 end
 
@@ -776,7 +801,7 @@ end
 local function remember(key, fp, kind, outcome, now)
   local expires = now + math.max(IDEM_RETENTION, P.ttl)
   redis.call('HSET', kIdem(key), 'key', key, 'fp', fp, 'kind', kind, 'outcome', enc(outcome), 'expires', S(expires))
-  redis.call('ZADD', K_TIMERS, S(expires), '3|' .. key)
+  timer_add(expires, '3|' .. key)
   mincr('nrec', 1)
 end
 
@@ -900,7 +925,7 @@ function OPS.admit_run(now, swept, A)
     run_put(run_id, { run_id, session, conv, ips, now, deadline, lease, 0, 0, 0, 'active', 0, slots, hid, P.mode,
       b['in'], b.ctx, b.out, b.trb, b.rounds, b.tools, b.retries, b.secs, b.cost, b.shrink, b.minout, 0, 0, 0, 0, 0,
       0, '', 0, 0, 0 })
-    redis.call('ZADD', K_TIMERS, S(lease), '1|' .. run_id)
+    timer_add(lease, '1|' .. run_id)
     mincr('nrec', 1)
     mincr('active', 1)
     outcome = { 'run_ok', run_id, S(deadline), S(reserved), S(b['in']), S(b.ctx), S(b.out), S(b.trb),
@@ -1234,7 +1259,7 @@ function OPS.consume_once(now, swept, A)
   if records_held() >= RECORDS_MAX then return err({ 'full' }) end
   local expires = now + N(A[2])
   redis.call('HSET', kIdem(key), 'key', key, 'fp', '', 'kind', 'used', 'outcome', '', 'expires', S(expires))
-  redis.call('ZADD', K_TIMERS, S(expires), '3|' .. key)
+  timer_add(expires, '3|' .. key)
   mincr('nrec', 1)
   bump()
   return ok(true, { '1' })

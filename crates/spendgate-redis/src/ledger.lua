@@ -61,21 +61,23 @@ local function B01(b) if b then return '1' end return '0' end
 
 -- A run is one string key: the msgpack of an array without holes (numbers are exact below
 -- 2^53 in msgpack as in Lua), indexed by these:
-local R_ID, R_SESSION, R_CONV, R_IPS, R_CREATED, R_DEADLINE, R_LEASE, R_ROUNDS, R_TOOLS, R_RETRIES = 1, 2, 3,
-  4, 5, 6, 7, 8, 9, 10
-local R_STATE, R_ENDED, R_SLOTS, R_HOLD, R_MODE = 11, 12, 13, 14, 15
--- R_IPS: list of {prefix, factor}; R_SLOTS: list of slot names; R_HOLD: hold id or ''.
--- The run bounds: in ctx out trb rounds tools retries secs cost shrink minout.
-local R_B_IN, R_B_CTX, R_B_OUT, R_B_TRB, R_B_ROUNDS, R_B_TOOLS, R_B_RETRIES, R_B_SECS, R_B_COST = 16, 17, 18, 19,
-  20, 21, 22, 23, 24
-local R_B_SHRINK, R_B_MINOUT = 25, 26
+local R_STATE, R_DEADLINE, R_LEASE, R_ROUNDS, R_TOOLS, R_RETRIES, R_ENDED = 1, 2, 3, 4, 5, 6, 7
 -- The run's lifetime counter: R_C is 1 once it exists, then limit used reserved overrun
 -- adjusted at R_C + 1 .. R_C + 5.
-local R_C = 27
+local R_C = 8
 -- The run's steps: their ids in order (netstrings, see enc), the (saturating) sum of their
 -- charges, how many are held (a step is charged once, when it settles from held) and how many
 -- there are.
-local R_STEPS, R_CHARGED, R_NHELD, R_NSTEPS = 33, 34, 35, 36
+local R_STEPS, R_CHARGED, R_NHELD, R_NSTEPS = 14, 15, 16, 17
+-- R_IMM: what never changes, packed once at admission (msgpack of an array again, so that
+-- the calls that do not need it neither parse nor re-pack it; see run_imm), indexed by these:
+local R_IMM = 18
+local R_ID, R_SESSION, R_CONV, R_IPS, R_CREATED, R_SLOTS, R_HOLD, R_MODE = 1, 2, 3, 4, 5, 6, 7, 8
+-- R_IPS: list of {prefix, factor}; R_SLOTS: list of slot names; R_HOLD: hold id or ''.
+-- The run bounds: in ctx out trb rounds tools retries secs cost shrink minout.
+local R_B_IN, R_B_CTX, R_B_OUT, R_B_TRB, R_B_ROUNDS, R_B_TOOLS, R_B_RETRIES, R_B_SECS, R_B_COST = 9, 10, 11, 12,
+  13, 14, 15, 16, 17
+local R_B_SHRINK, R_B_MINOUT = 18, 19
 -- Run records read in this call (false: none), and those changed since: run_get and run_put
 -- go through the cache, and main writes every changed record once at the end of the call.
 local RUNS, RDIRTY = {}, {}
@@ -87,6 +89,10 @@ local function run_get(id)
     RUNS[id] = r
   end
   return r or nil
+end
+-- The immutable part of a run record.
+local function run_imm(r)
+  return cmsgpack.unpack(r[R_IMM])
 end
 local function run_put(id, r)
   RUNS[id] = r
@@ -703,7 +709,8 @@ local function end_run(id, now, endstate)
     end
   end
   acc_flush(acc)
-  local hid = run[R_HOLD]
+  local imm = run_imm(run)
+  local hid = imm[R_HOLD]
   if hid ~= '' then
     local used = cload(RUN_C .. id).used
     local r = res_get(hid)
@@ -715,7 +722,7 @@ local function end_run(id, now, endstate)
       settle(hid, 'committed', used, now, nil, r)
     end
   end
-  for _, s in ipairs(run[R_SLOTS]) do
+  for _, s in ipairs(imm[R_SLOTS]) do
     local n = redis.call('HGET', K_SLOTS, s)
     if n then
       n = N(n) - 1
@@ -733,7 +740,7 @@ end
 local function purge_run(id)
   local run = run_get(id)
   if not run then return end
-  local hid = run[R_HOLD]
+  local hid = run_imm(run)[R_HOLD]
   for _, s in ipairs(dec(run[R_STEPS])) do res_remove(s) end
   if hid ~= '' then res_remove(hid) end
   cdel(RUN_C .. id)
@@ -922,9 +929,9 @@ function OPS.admit_run(now, swept, A)
       for _, k in ipairs(counters) do encs[#encs + 1] = k.enc end
       res_create(hid, { hid, run_id, 'hold', '', '0', '0', '0', '0', '0', b.cost, encs, 'held', 0, now, '', '', 0 })
     end
-    run_put(run_id, { run_id, session, conv, ips, now, deadline, lease, 0, 0, 0, 'active', 0, slots, hid, P.mode,
-      b['in'], b.ctx, b.out, b.trb, b.rounds, b.tools, b.retries, b.secs, b.cost, b.shrink, b.minout, 0, 0, 0, 0, 0,
-      0, '', 0, 0, 0 })
+    local imm = cmsgpack.pack({ run_id, session, conv, ips, now, slots, hid, P.mode, b['in'], b.ctx, b.out, b.trb,
+      b.rounds, b.tools, b.retries, b.secs, b.cost, b.shrink, b.minout })
+    run_put(run_id, { 'active', deadline, lease, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, '', 0, 0, 0, imm })
     timer_add(lease, '1|' .. run_id)
     mincr('nrec', 1)
     mincr('active', 1)
@@ -957,6 +964,7 @@ function OPS.reserve_step(now, swept, A)
   if redis.call('EXISTS', kRes(step_id)) == 1 then return err({ 'invalid', 'step id already exists' }) end
   local run = run_get(run_id)
   if not run then return err({ 'notfound', 'run ' .. run_id }) end
+  local imm = run_imm(run)
   if records_held() >= RECORDS_MAX then return err({ 'full' }) end
 
   -- decide_step
@@ -978,21 +986,21 @@ function OPS.reserve_step(now, swept, A)
     if kind == 'model' then
       ip, cp, op, prompt_s = N(A[8]), N(A[9]), N(A[10]), A[11]
       retry = A[13] == '1'
-      if retry and run[R_RETRIES] >= run[R_B_RETRIES] then
-        outcome = bound('run already used its ' .. S(run[R_B_RETRIES]) .. ' retries')
-      elseif not retry and run[R_ROUNDS] >= run[R_B_ROUNDS] then
-        outcome = bound('run already used its ' .. S(run[R_B_ROUNDS]) .. ' model rounds')
-      elseif N(prompt_s) > run[R_B_CTX] then
+      if retry and run[R_RETRIES] >= imm[R_B_RETRIES] then
+        outcome = bound('run already used its ' .. S(imm[R_B_RETRIES]) .. ' retries')
+      elseif not retry and run[R_ROUNDS] >= imm[R_B_ROUNDS] then
+        outcome = bound('run already used its ' .. S(imm[R_B_ROUNDS]) .. ' model rounds')
+      elseif N(prompt_s) > imm[R_B_CTX] then
         outcome = text_refusal('context_too_large', 'run', '',
-          'prompt of ' .. prompt_s .. ' tokens is over the context limit of ' .. S(run[R_B_CTX]) .. ' tokens')
+          'prompt of ' .. prompt_s .. ' tokens is over the context limit of ' .. S(imm[R_B_CTX]) .. ' tokens')
       else
-        max_out = run[R_B_OUT]
+        max_out = imm[R_B_OUT]
         if A[12] ~= '' and N(A[12]) < max_out then max_out = N(A[12]) end
         amount = price_ceil({ { prompt_s, ip }, { S(max_out), op } })
       end
     else
-      if run[R_TOOLS] >= run[R_B_TOOLS] then
-        outcome = bound('run already used its ' .. S(run[R_B_TOOLS]) .. ' tool calls')
+      if run[R_TOOLS] >= imm[R_B_TOOLS] then
+        outcome = bound('run already used its ' .. S(imm[R_B_TOOLS]) .. ' tool calls')
       else
         amount = tool_cost(N(A[8]), N(A[9]), A[10])
       end
@@ -1000,17 +1008,17 @@ function OPS.reserve_step(now, swept, A)
   end
   local counters
   if not outcome then
-    if run[R_MODE] == 'per_step' then
-      counters = budget_counters(run_scopes(run[R_SESSION], run[R_IPS], run[R_CONV]), now)
+    if imm[R_MODE] == 'per_step' then
+      counters = budget_counters(run_scopes(imm[R_SESSION], imm[R_IPS], imm[R_CONV]), now)
     else
       counters = {}
     end
-    counters[#counters + 1] = run_counter(run_id, run[R_B_COST])
+    counters[#counters + 1] = run_counter(run_id, imm[R_B_COST])
     local refusal = check_budgets(counters, amount, now)
     if not refusal then
       plan = { amount = amount, max_out = max_out, shrunk = false }
     else
-      if run[R_B_SHRINK] == 1 and kind == 'model' then
+      if imm[R_B_SHRINK] == 1 and kind == 'model' then
         local room = nil
         for _, k in ipairs(counters) do
           local c = cload(k.enc)
@@ -1019,7 +1027,7 @@ function OPS.reserve_step(now, swept, A)
           if room == nil or r < room then room = r end
         end
         local fit = fit_output(prompt_s, ip, op, room or 0, max_out or 0)
-        if fit and fit >= run[R_B_MINOUT] then
+        if fit and fit >= imm[R_B_MINOUT] then
           local a2 = price_ceil({ { prompt_s, ip }, { S(fit), op } })
           local r2 = check_budgets(counters, a2, now)
           if r2 then
@@ -1031,7 +1039,7 @@ function OPS.reserve_step(now, swept, A)
       end
       if not plan and not outcome then
         if refusal[3] == 'run' then
-          outcome = { 'refused', 'run_bound_exceeded', 'run', '', 'runcost', S(run[R_B_COST]) }
+          outcome = { 'refused', 'run_bound_exceeded', 'run', '', 'runcost', S(imm[R_B_COST]) }
         else
           outcome = refusal
         end
@@ -1081,7 +1089,7 @@ function OPS.resolve(now, swept, A)
   local too_large = false
   if how == 'bytes' then
     local run = run_get(f[S_RUN])
-    too_large = run and N(A[3]) > run[R_B_TRB] or false
+    too_large = run and N(A[3]) > run_imm(run)[R_B_TRB] or false
   end
   if state ~= 'held' then
     local commit = how == 'tokens' or how == 'units' or how == 'bytes'

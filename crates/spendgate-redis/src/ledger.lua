@@ -10,7 +10,8 @@
 --
 -- Rules kept throughout:
 -- * Every number is an integer below 2^53 (exact in a Lua double). Numbers are turned into
---   strings only through S() (Lua's own tostring/.. would print 14 significant digits).
+--   strings only through S() (Lua's own tostring/.. would print 14 significant digits) or kept
+--   as numbers in msgpack records (cmsgpack stores integral doubles as integers: exact).
 -- * Decisions are made before the first write of an operation; the only writes that precede a
 --   refusal or an error are due expiries, which are complete changes of their own (exactly as
 --   the core's `advance` applies them before the operation).
@@ -122,7 +123,7 @@ local function ceil_div(a, b)
   return q
 end
 
--- netstring lists ("3:abc0:2:xy"), for lists stored inside one hash field
+-- netstring lists ("3:abc0:2:xy"), for lists stored as one string
 local function enc(list)
   local out = {}
   for i = 1, #list do
@@ -343,7 +344,7 @@ end
 
 ---------------------------------------------------------------- meta
 
--- The meta hash is read once at the start of a call (META: field -> string or false) and its
+-- The meta hash is read once at the start of a call (META: the answer, see META_POS) and its
 -- changes are written once at the end (meta_flush): seq, clock and the summary counts, which
 -- change by deltas (MD, in the order MDK).
 local META_FIELDS = { 'epoch', 'epoch_kind', 'seq', 'clock', 'nrec', 'cutoff', 'active', 'st:held', 'st:committed', 'st:released',
@@ -527,19 +528,30 @@ local function remaining(c)
 end
 
 -- The budget counters (and limits) of these scopes at `now` (Ledger::budget_counters).
-local function budget_counters(scopes, now)
-  local v = {}
-  for _, s in ipairs(scopes) do
-    local kp = P.kinds[s[1]]
-    if kp then
-      for _, b in ipairs(kp.budgets) do
-        local amt = b[2]
-        if s[3] ~= 1 then amt = math.min(amt * s[3], MAX) end
-        local idx = window_index(b[1], now)
-        v[#v + 1] = { enc = cenc(b[1], idx, s[1], s[2]), limit = amt, kind = s[1], window = b[1], index = idx }
-      end
+-- Appends the budget counters of scope (kind, id, factor) to v.
+local function scope_counters(v, kind, id, factor, now)
+  local kp = P.kinds[kind]
+  if kp then
+    for _, b in ipairs(kp.budgets) do
+      local amt = b[2]
+      if factor ~= 1 then amt = math.min(amt * factor, MAX) end
+      local idx = window_index(b[1], now)
+      v[#v + 1] = { enc = cenc(b[1], idx, kind, id), limit = amt, kind = kind, window = b[1], index = idx }
     end
   end
+end
+local function budget_counters(scopes, now)
+  local v = {}
+  for _, s in ipairs(scopes) do scope_counters(v, s[1], s[2], s[3], now) end
+  return v
+end
+-- budget_counters(run_scopes(session, ips, conv), now) without building the scopes.
+local function run_budget_counters(session, ips, conv, now)
+  local v = {}
+  scope_counters(v, 'global', '', 1, now)
+  for _, ip in ipairs(ips) do scope_counters(v, 'ip', ip[1], math.max(ip[2], 1), now) end
+  scope_counters(v, 'session', session, 1, now)
+  scope_counters(v, 'conversation', conv, 1, now)
   return v
 end
 
@@ -635,13 +647,19 @@ local function acc_flush(acc)
   for _, f in ipairs(acc.mk) do mincr(f, acc.m[f]) end
 end
 
+-- A summary change: into the accumulator when there is one, else straight to meta.
+local function macc(acc, f, n)
+  if acc then acc_meta(acc, f, n) else mincr(f, n) end
+end
+
 -- Ledger::settle: a held reservation reaches a terminal state, charging `charged`. With an
--- accumulator the counter and summary changes wait for acc_flush.
+-- accumulator the counter and summary changes wait for acc_flush (without, they are applied
+-- at once: the same result).
 -- `pre`: the reservation when the caller already read it. A step's charge is added to its run.
 local function settle(id, state, charged, now, acc, pre)
   local f = pre or res_get(id)
   if not f then return end
-  local a = acc or acc_new()
+  local a = acc
   local old, kind, amount = f[S_STATE], f[S_KIND], f[S_AMOUNT]
   local old_charged, old_overrun = f[S_CHARGED], f[S_OVERRUN]
   local overrun = 0
@@ -650,12 +668,12 @@ local function settle(id, state, charged, now, acc, pre)
   res_put(id, f)
   redis.call('ZREM', K_RZ .. ':' .. old, id)
   redis.call('ZADD', K_RZ .. ':' .. state, S(f[S_CREATED]), id)
-  acc_meta(a, 'st:' .. old, -1)
-  acc_meta(a, 'st:' .. state, 1)
+  macc(a, 'st:' .. old, -1)
+  macc(a, 'st:' .. state, 1)
   if kind ~= 'hold' then
-    if old == 'held' then acc_meta(a, 'held_sum', -amount) end
-    acc_meta(a, 'charged_sum', charged - old_charged)
-    acc_meta(a, 'overruns', overrun - old_overrun)
+    if old == 'held' then macc(a, 'held_sum', -amount) end
+    macc(a, 'charged_sum', charged - old_charged)
+    macc(a, 'overruns', overrun - old_overrun)
     local run = run_get(f[S_RUN])
     if run then
       run[R_CHARGED] = math.min(run[R_CHARGED] + charged, MAX)
@@ -664,16 +682,23 @@ local function settle(id, state, charged, now, acc, pre)
     end
   end
   for _, e in ipairs(f[S_COUNTERS]) do
-    local d = a.c[e]
-    if not d then
-      d = { 0, 0 }
-      a.c[e] = d
-      a.ck[#a.ck + 1] = e
+    if a then
+      local d = a.c[e]
+      if not d then
+        d = { 0, 0 }
+        a.c[e] = d
+        a.ck[#a.ck + 1] = e
+      end
+      d[1] = d[1] + amount
+      d[2] = math.min(d[2] + charged, MAX)
+    else
+      local c = cload(e)
+      c.reserved = math.max(c.reserved - amount, 0)
+      c.used = math.min(c.used + charged, MAX)
+      if c.used > c.limit then c.overrun = 1 end
+      csave(c)
     end
-    d[1] = d[1] + amount
-    d[2] = math.min(d[2] + charged, MAX)
   end
-  if not acc then acc_flush(a) end
 end
 
 ---------------------------------------------------------------- runs
@@ -1009,7 +1034,7 @@ function OPS.reserve_step(now, swept, A)
   local counters
   if not outcome then
     if imm[R_MODE] == 'per_step' then
-      counters = budget_counters(run_scopes(imm[R_SESSION], imm[R_IPS], imm[R_CONV]), now)
+      counters = run_budget_counters(imm[R_SESSION], imm[R_IPS], imm[R_CONV], now)
     else
       counters = {}
     end

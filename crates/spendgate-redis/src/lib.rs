@@ -15,6 +15,17 @@
 //!   Read-only operations call the same code registered `no-writes`. Per call, the meta hash
 //!   is read once and written once, counters are read once and the top indexes only
 //!   rewritten when a counter's score moves.
+//! * **Storage, shaped by what a call costs.** Script time goes mostly to the number of
+//!   `redis.call`s, the number of fields they move (each one a string made and parsed) and
+//!   the Lua tables built, so records are msgpack strings (`cmsgpack`, exact for integers
+//!   below 2^53): a run is one record holding its counters of steps, its lifetime counter,
+//!   its step ids with their charged sum and held count (finish reads no step) and, packed
+//!   apart, its immutable part (parsed only by a step); a reservation is one record; a budget
+//!   counter is one record. Run records are cached per call and written once at its end.
+//!   Indexes: top counters per scope kind and reservations per state (listings of all kinds
+//!   or states merge them, the decoder sorts and truncates); timers in one sorted set, with a
+//!   lower bound of its first score kept in meta so that most calls do not read it. The
+//!   epoch is part of the meta hash.
 //! * **One clock.** With [`ClockSource::Server`] the script reads the Redis server's `TIME`,
 //!   so replicas with skewed clocks agree on windows, GCRA and leases. Window ids (including
 //!   UTC calendar months) are computed inside the script with the same civil-date arithmetic

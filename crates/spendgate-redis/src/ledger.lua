@@ -31,6 +31,8 @@ local RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = 0, 0, 
 local K_META, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ
 local HC = {}
 local function set_base(b)
+  HC = {}
+  if b == B then return end
   B = b
   K_META = b .. ':meta'
   K_TIMERS = b .. ':timers'
@@ -39,7 +41,6 @@ local function set_base(b)
   K_TOP = b .. ':top'
   K_CWIN = b .. ':cwin'
   K_RZ = b .. ':rz'
-  HC = {}
 end
 
 -- SHA-1 hex of identifiers, memoised for the call (set_base clears HC)
@@ -1392,8 +1393,7 @@ end
 local function main(KEYS, ARGV)
   set_base(KEYS[1])
   local op = ARGV[1]
-  local A = {}
-  for i = 6, #ARGV do A[#A + 1] = ARGV[i] end
+  local A = { unpack(ARGV, 6) }
 
   local now
   if ARGV[2] == '' then

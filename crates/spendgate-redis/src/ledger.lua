@@ -346,27 +346,29 @@ end
 ---------------------------------------------------------------- meta
 
 -- The meta hash is read once at the start of a call (META: the answer, see META_POS) and its
--- changes are written once at the end (meta_flush): seq, clock and the summary counts, which
--- change by deltas (MD, in the order MDK).
-local META_FIELDS = { 'epoch', 'epoch_kind', 'seq', 'clock', 'nrec', 'cutoff', 'active', 'st:held', 'st:committed', 'st:released',
-  'st:unknown', 'st:expired', 'held_sum', 'charged_sum', 'overruns', 'tnext' }
-local META_READ = { 'epoch', 'epoch_kind', 'seq', 'clock' }
+-- changes are written once at the end (meta_flush): seq, the clock and the summary, which
+-- changes by deltas (MD, in the order MDK). The clock, the counts (far below 2^53) and TN are
+-- one field 'm', a msgpack array (MV) in the order of META_M_IDX; the sums of amounts are
+-- fields of their own (kept exact beyond 2^53 by HINCRBY).
+local META_FIELDS = { 'epoch', 'epoch_kind', 'seq', 'm', 'cutoff', 'held_sum', 'charged_sum' }
+local META_READ = { 'epoch', 'epoch_kind', 'seq', 'm' }
 local SEQ, SEQ0 = 0, 0
 -- META: the HMGET answer (in the order of META_FIELDS, META_READ being its first four);
 -- META_POS: a field's position in it.
-local META_POS = { epoch = 1, epoch_kind = 2, seq = 3, clock = 4, nrec = 5, cutoff = 6, active = 7, ['st:held'] = 8,
-  ['st:committed'] = 9, ['st:released'] = 10, ['st:unknown'] = 11, ['st:expired'] = 12, held_sum = 13,
-  charged_sum = 14, overruns = 15, tnext = 16 }
-local META, MD, MDK = {}, {}, {}
+local META_POS = { epoch = 1, epoch_kind = 2, seq = 3, m = 4, cutoff = 5, held_sum = 6, charged_sum = 7 }
+local META_M_IDX = { clock = 1, nrec = 2, active = 3, ['st:held'] = 4, ['st:committed'] = 5, ['st:released'] = 6,
+  ['st:unknown'] = 7, ['st:expired'] = 8, overruns = 9, tnext = 10 }
+local META, MD, MDK, MV = {}, {}, {}, {}
 -- TN: no timer is due before it (a lower bound of the timers' first score, kept in meta as
 -- 'tnext'; 0 when unknown), so that a call with now < TN need not look at the timers.
 local TN, TN0 = 0, 0
 local function meta_load(fields)
   META = redis.call('HMGET', K_META, unpack(fields))
   MD, MDK = {}, {}
+  if META[4] then MV = cmsgpack.unpack(META[4]) else MV = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 } end
   SEQ = N(META[3] or '0')
   SEQ0 = SEQ
-  TN = N(META[16] or '0')
+  TN = MV[10]
   TN0 = TN
 end
 -- Every timer is added here, which keeps TN a lower bound.
@@ -394,13 +396,24 @@ local function meta_flush(clock)
     set[#set + 1] = 'seq'
     set[#set + 1] = S(SEQ)
   end
+  local mchanged = false
   if clock then
-    set[#set + 1] = 'clock'
-    set[#set + 1] = S(clock)
+    MV[1] = clock
+    mchanged = true
+  end
+  if TN ~= TN0 then
+    MV[10] = TN
+    mchanged = true
   end
   for _, f in ipairs(MDK) do
     local d = MD[f]
-    if d ~= 0 then
+    local mi = META_M_IDX[f]
+    if mi then
+      if d ~= 0 then
+        MV[mi] = MV[mi] + d
+        mchanged = true
+      end
+    elseif d ~= 0 then
       local pos = META_POS[f]
       local v = nil
       if pos and pos <= #META then v = N(META[pos] or '0') end
@@ -412,18 +425,18 @@ local function meta_flush(clock)
       end
     end
   end
-  if TN ~= TN0 then
-    set[#set + 1] = 'tnext'
-    set[#set + 1] = S(TN)
+  if mchanged then
+    set[#set + 1] = 'm'
+    set[#set + 1] = cmsgpack.pack(MV)
   end
   if #set > 0 then redis.call('HSET', K_META, unpack(set)) end
   for _, f in ipairs(incr) do redis.call('HINCRBY', K_META, f, S(MD[f])) end
 end
 local function records_held()
-  return N(META[5] or '0') + (MD.nrec or 0)
+  return MV[2] + (MD.nrec or 0)
 end
 local function cutoff()
-  return META[6]
+  return META[5]
 end
 
 ---------------------------------------------------------------- scopes
@@ -1233,11 +1246,11 @@ function OPS.set_cutoff(now, swept, A)
   if engaged then
     changed = old ~= reason
     redis.call('HSET', K_META, 'cutoff', reason)
-    META[6] = reason
+    META[5] = reason
   else
     changed = old ~= false
     redis.call('HDEL', K_META, 'cutoff')
-    META[6] = false
+    META[5] = false
   end
   if changed or swept then bump() end
   return ok(changed or swept, { B01(engaged) })
@@ -1346,8 +1359,7 @@ function READS.usage(now, A)
 end
 
 function READS.summary(now, A)
-  local f = redis.call('HMGET', K_META, 'cutoff', 'active', 'st:held', 'st:committed', 'st:released',
-    'st:unknown', 'st:expired', 'held_sum', 'charged_sum', 'overruns')
+  local f = redis.call('HMGET', K_META, 'cutoff', 'held_sum', 'charged_sum')
   local out = { 'OK', S(SEQ) }
   if f[1] then
     out[3] = '1'
@@ -1356,7 +1368,10 @@ function READS.summary(now, A)
     out[3] = '0'
     out[4] = ''
   end
-  for i = 2, 10 do out[#out + 1] = f[i] or '0' end
+  for i = 3, 8 do out[#out + 1] = S(MV[i]) end
+  out[#out + 1] = f[2] or '0'
+  out[#out + 1] = f[3] or '0'
+  out[#out + 1] = S(MV[9])
   return out
 end
 
@@ -1422,7 +1437,7 @@ local function main(KEYS, ARGV)
   if not META[1] then return { 'X', 'epoch_missing' } end
   if META[1] ~= ARGV[3] then return { 'X', 'epoch_changed', META[1], META[2] or 'init' } end
   if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
-  local clock = N(META[4] or '0')
+  local clock = MV[1]
   if now < clock then now = clock end
   CC, RUNS, RDIRTY = {}, {}, {}
 

@@ -6,7 +6,7 @@
 //! operations as server-side scripts and is held to the same answers by the conformance suite.
 
 use crate::admission::BudgetView;
-use crate::money::{Micros, ModelPrice, TokenUsage, ToolPrice};
+use crate::money::{Micros, ModelPrice, TokenUsage, ToolPrice, MICROS_MAX};
 use crate::scope::{IpScope, Policy, ReservationMode, RunBounds, ScopeKey, ScopeKind, ScopePolicy};
 use crate::window::{UnixMs, Window, WindowId};
 use serde::{Deserialize, Serialize};
@@ -476,6 +476,57 @@ impl Record {
     }
 }
 
+/// Running totals behind [`Ledger::summary`], kept as records change so a summary (read by
+/// `/metrics`, the dashboard and the alert checker) never scans the ledger.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Stats {
+    by_state: [u64; 5],
+    held: u64,
+    charged: u64,
+    overruns: u64,
+    runs_active: u64,
+}
+
+fn state_index(s: ReservationState) -> usize {
+    match s {
+        ReservationState::Held => 0,
+        ReservationState::Committed => 1,
+        ReservationState::Released => 2,
+        ReservationState::Unknown => 3,
+        ReservationState::Expired => 4,
+    }
+}
+
+const STATES: [ReservationState; 5] = [
+    ReservationState::Held,
+    ReservationState::Committed,
+    ReservationState::Released,
+    ReservationState::Unknown,
+    ReservationState::Expired,
+];
+
+impl Stats {
+    /// Adds (`add`) or removes a reservation's share of the totals.
+    fn count(&mut self, r: &Reservation, add: bool) {
+        let step = |v: &mut u64, by: u64| {
+            *v = if add {
+                v.saturating_add(by)
+            } else {
+                v.saturating_sub(by)
+            };
+        };
+        step(&mut self.by_state[state_index(r.state)], 1);
+        if r.kind == ReservationKind::RunHold {
+            return;
+        }
+        if r.state == ReservationState::Held {
+            step(&mut self.held, r.amount.0);
+        }
+        step(&mut self.charged, r.charged.0);
+        step(&mut self.overruns, u64::from(r.overrun));
+    }
+}
+
 /// The whole ledger state of a deployment.
 #[derive(Debug, Default)]
 pub struct Ledger {
@@ -493,6 +544,8 @@ pub struct Ledger {
     dirty: HashSet<Entity>,
     /// When idle rate state and stale counters were last dropped (not persisted).
     compacted: Option<UnixMs>,
+    /// Derived totals (not persisted; recomputed on restore).
+    stats: Stats,
 }
 
 fn check_id(what: &str, id: &str) -> Result<(), LedgerError> {
@@ -589,6 +642,16 @@ impl Ledger {
                 }
             }
         }
+        let mut stats = Stats::default();
+        for r in l.reservations.values() {
+            stats.count(r, true);
+        }
+        stats.runs_active = l
+            .runs
+            .values()
+            .filter(|r| r.state == RunState::Active)
+            .count() as u64;
+        l.stats = stats;
         for run in l.runs.values() {
             match run.state {
                 RunState::Active => {
@@ -758,13 +821,23 @@ impl Ledger {
         }
     }
 
+    fn insert_reservation(&mut self, r: Reservation) {
+        self.stats.count(&r, true);
+        if let Some(old) = self.reservations.insert(r.id.clone(), r) {
+            debug_assert!(false, "reservation ids are unique");
+            self.stats.count(&old, false);
+        }
+    }
+
     fn purge_run(&mut self, run_id: &RunId) {
         let Some(run) = self.runs.remove(run_id) else {
             return;
         };
         debug_assert!(run.state != RunState::Active, "only ended runs are purged");
         for s in run.steps.iter().chain(run.hold.iter()) {
-            self.reservations.remove(s);
+            if let Some(r) = self.reservations.remove(s) {
+                self.stats.count(&r, false);
+            }
             self.touch(Entity::Reservation(s.clone()));
         }
         let ck = run.counter_key();
@@ -860,10 +933,12 @@ impl Ledger {
             "I2: settle only a held reservation"
         );
         debug_assert!(state != ReservationState::Held);
+        self.stats.count(res, false);
         res.state = state;
         res.charged = charged;
         res.resolved_at = Some(now);
         res.overrun = charged > res.amount;
+        self.stats.count(res, true);
         let (amount, keys) = (res.amount, res.counters.clone());
         self.touch(Entity::Reservation(id.clone()));
         for key in keys {
@@ -957,7 +1032,9 @@ impl Ledger {
             Timer::Purge(run_id.clone()),
         ));
         if let Some(run) = self.runs.get_mut(run_id) {
+            debug_assert_eq!(run.state, RunState::Active);
             run.state = end;
+            self.stats.runs_active = self.stats.runs_active.saturating_sub(1);
             run.ended_at = Some(now);
         }
         self.touch(Entity::Run(run_id.clone()));
@@ -1189,28 +1266,26 @@ impl Ledger {
             let id = ReservationId(format!("{}.hold", req.run_id.0));
             self.hold(&plan.counters, bounds.max_cost);
             reserved = bounds.max_cost;
-            self.reservations.insert(
-                id.clone(),
-                Reservation {
-                    id: id.clone(),
-                    run_id: req.run_id.clone(),
-                    kind: ReservationKind::RunHold,
-                    amount: bounds.max_cost,
-                    counters: plan.counters.into_iter().map(|(k, _)| k).collect(),
-                    state: ReservationState::Held,
-                    charged: Micros::ZERO,
-                    created: now,
-                    resolved_at: None,
-                    max_output_tokens: None,
-                    overrun: false,
-                },
-            );
+            self.insert_reservation(Reservation {
+                id: id.clone(),
+                run_id: req.run_id.clone(),
+                kind: ReservationKind::RunHold,
+                amount: bounds.max_cost,
+                counters: plan.counters.into_iter().map(|(k, _)| k).collect(),
+                state: ReservationState::Held,
+                charged: Micros::ZERO,
+                created: now,
+                resolved_at: None,
+                max_output_tokens: None,
+                overrun: false,
+            });
             self.touch(Entity::Reservation(id.clone()));
             run.hold = Some(id);
         }
         self.timers
             .insert((lease_until, Timer::Lease(req.run_id.clone())));
         self.runs.insert(req.run_id.clone(), run);
+        self.stats.runs_active += 1;
         self.touch(Entity::Run(req.run_id.clone()));
         RunAdmitted {
             run_id: req.run_id.clone(),
@@ -1423,22 +1498,19 @@ impl Ledger {
                 units: *units,
             },
         };
-        self.reservations.insert(
-            req.step_id.clone(),
-            Reservation {
-                id: req.step_id.clone(),
-                run_id: req.run_id.clone(),
-                kind,
-                amount: plan.amount,
-                counters: plan.counters.into_iter().map(|(k, _)| k).collect(),
-                state: ReservationState::Held,
-                charged: Micros::ZERO,
-                created: now,
-                resolved_at: None,
-                max_output_tokens: plan.max_out,
-                overrun: false,
-            },
-        );
+        self.insert_reservation(Reservation {
+            id: req.step_id.clone(),
+            run_id: req.run_id.clone(),
+            kind,
+            amount: plan.amount,
+            counters: plan.counters.into_iter().map(|(k, _)| k).collect(),
+            state: ReservationState::Held,
+            charged: Micros::ZERO,
+            created: now,
+            resolved_at: None,
+            max_output_tokens: plan.max_out,
+            overrun: false,
+        });
         self.touch(Entity::Reservation(req.step_id.clone()));
         if let Some(run) = self.runs.get_mut(&req.run_id) {
             match plan.counter_kind {
@@ -1789,32 +1861,48 @@ impl Ledger {
         Ok(self.answer(self.usage(policy, now, &[(scope.clone(), 1)]), true))
     }
 
+    /// Totals of the ledger, from running counts (O(1)).
     pub fn summary(&self, now: UnixMs) -> Summary {
         let _ = now;
-        let mut s = Summary {
+        let st = &self.stats;
+        let mut reservations = HashMap::new();
+        for state in STATES {
+            let n = st.by_state[state_index(state)];
+            if n > 0 {
+                reservations.insert(state.name().to_string(), n);
+            }
+        }
+        debug_assert!(
+            self.summary_matches_scan(st),
+            "running totals drifted from the records"
+        );
+        Summary {
             seq: self.seq,
             cutoff: self.cutoff.clone(),
-            ..Summary::default()
-        };
-        s.runs_active = self
+            runs_active: st.runs_active,
+            reservations,
+            held_micros: Micros(st.held.min(MICROS_MAX.0)),
+            charged_micros: Micros(st.charged.min(MICROS_MAX.0)),
+            overruns: st.overruns,
+        }
+    }
+
+    /// Recomputes the totals by scanning (debug builds check the running ones against it on
+    /// ledgers small enough to scan).
+    fn summary_matches_scan(&self, st: &Stats) -> bool {
+        if self.reservations.len() > 10_000 {
+            return true;
+        }
+        let mut scan = Stats::default();
+        for r in self.reservations.values() {
+            scan.count(r, true);
+        }
+        scan.runs_active = self
             .runs
             .values()
             .filter(|r| r.state == RunState::Active)
             .count() as u64;
-        for r in self.reservations.values() {
-            *s.reservations
-                .entry(r.state.name().to_string())
-                .or_insert(0) += 1;
-            if r.kind == ReservationKind::RunHold {
-                continue;
-            }
-            if r.state == ReservationState::Held {
-                s.held_micros = s.held_micros.add_capped(r.amount);
-            }
-            s.charged_micros = s.charged_micros.add_capped(r.charged);
-            s.overruns += u64::from(r.overrun);
-        }
-        s
+        scan == *st
     }
 
     pub fn reservations(&self, state: Option<ReservationState>, limit: usize) -> Vec<Reservation> {

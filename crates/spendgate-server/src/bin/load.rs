@@ -281,6 +281,30 @@ async fn main() -> anyhow::Result<()> {
     // Open loop.
     let total = args.rate * args.seconds;
     let interval = Duration::from_nanos(1_000_000_000 / args.rate.max(1));
+    // Baseline: `/healthz` at the same rate, from the scheduled instant.
+    let healthz_h = Arc::new(std::sync::Mutex::new(hist()));
+    {
+        let start = tokio::time::Instant::now();
+        let mut tasks = Vec::with_capacity(total as usize);
+        for i in 0..total {
+            let scheduled = start + interval * i as u32;
+            tokio::time::sleep_until(scheduled).await;
+            let (ctx, hh) = (ctx.clone(), healthz_h.clone());
+            tasks.push(tokio::spawn(async move {
+                let sent = Instant::now();
+                let _ = scheduled;
+                if healthz(&ctx).await {
+                    let took = sent.elapsed();
+                    if let Ok(mut h) = hh.lock() {
+                        let _ = h.record(took.as_micros().max(1) as u64);
+                    }
+                }
+            }));
+        }
+        for t in tasks {
+            let _ = t.await;
+        }
+    }
     let reserve_h = Arc::new(std::sync::Mutex::new(hist()));
     let pair_h = Arc::new(std::sync::Mutex::new(hist()));
     let in_flight = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT_MAX));
@@ -318,6 +342,10 @@ async fn main() -> anyhow::Result<()> {
         .map(|h| h.clone())
         .unwrap_or_else(|_| hist());
     let ph = pair_h.lock().map(|h| h.clone()).unwrap_or_else(|_| hist());
+    let hh = healthz_h
+        .lock()
+        .map(|h| h.clone())
+        .unwrap_or_else(|_| hist());
     let ms = |us: u64| us as f64 / 1000.0;
     println!("| measure | value |");
     println!("|---|---|");
@@ -339,6 +367,12 @@ async fn main() -> anyhow::Result<()> {
         ph.len(),
         dropped.load(Ordering::Relaxed),
         ctx.errors.load(Ordering::Relaxed)
+    );
+    println!(
+        "| open loop: `/healthz` latency at the same rate (baseline) p50 / p99 / max | {:.3} / {:.3} / {:.3} ms |",
+        ms(hh.value_at_quantile(0.5)),
+        ms(hh.value_at_quantile(0.99)),
+        ms(hh.max())
     );
     println!(
         "| open loop: reserve latency p50 / p99 / max | {:.3} / {:.3} / {:.3} ms |",

@@ -11,42 +11,11 @@ RATE=${1:-1000}
 SECONDS_EACH=${2:-5}
 cargo build --release -q -p spendgate-server --bins
 dir=$(mktemp -d)
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
-token=bench-service-token-0123456789
-cat > "$dir/bench.toml" <<TOML
-[server]
-listen = "127.0.0.1:$port"
-service_tokens = ["$token"]
-[sessions]
-keys = ["bench-session-key-0123456789abcdef"]
-secure_cookie = false
-create_rate_per_ip = "100000/second"
-create_rate_global = "100000/second"
-[store]
-kind = "sqlite"
-path = "$dir/bench.db"
-[limits.global]
-rate = "1000000/second"
-burst = 1000000
-concurrency = 100000
-budgets = [{ amount = "1000000", window = "day" }]
-[limits.ip]
-rate = "1000000/second"
-burst = 1000000
-budgets = []
-[limits.session]
-rate = "1000000/second"
-burst = 1000000
-budgets = []
-[limits.conversation]
-budgets = []
-[run]
-max_tool_calls = 64
-max_seconds = 3600
-max_cost = "1000000"
-[tools.bench_tool]
-per_call = "0.000001"
-TOML
+. scripts/bench-lib.sh
+port=$(free_port)
+token=$BENCH_TOKEN
+bench_config "$port" "kind = \"sqlite\"
+path = \"$dir/bench.db\"" > "$dir/bench.toml"
 ./target/release/spendgate serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
 sleep 0.2; if ! kill -0 $! 2>/dev/null; then cat "$dir/server.log"; exit 1; fi
 pid=$!

@@ -13,54 +13,21 @@ RATE=${1:-200}
 SECONDS_EACH=${2:-10}
 cargo build --release -q -p spendgate-server --bins
 dir=$(mktemp -d)
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. scripts/bench-lib.sh
 port=$(free_port)
 mport=$(free_port)
-token=bench-service-token-0123456789
-cat > "$dir/bench.toml" <<TOML
-[server]
-listen = "127.0.0.1:$port"
-service_tokens = ["$token"]
-[sessions]
-keys = ["bench-session-key-0123456789abcdef"]
-secure_cookie = false
-create_rate_per_ip = "100000/second"
-create_rate_global = "100000/second"
-[store]
-kind = "sqlite"
-path = "$dir/bench.db"
-[limits.global]
-rate = "1000000/second"
-burst = 1000000
-concurrency = 100000
-budgets = [{ amount = "1000000", window = "day" }]
-[limits.ip]
-rate = "1000000/second"
-burst = 1000000
-concurrency = 100000
-budgets = []
-[limits.session]
-rate = "1000000/second"
-burst = 1000000
-concurrency = 100000
-budgets = [{ amount = "100000", window = "day" }]
-[limits.conversation]
-concurrency = 100000
-budgets = [{ amount = "100000", window = "day" }]
-[run]
-max_seconds = 3600
-max_cost = "1000000"
-[models."mock-model"]
-upstream = "bench"
-input_per_million = "0.15"
-cached_input_per_million = "0.075"
-output_per_million = "0.60"
-tokenizer = "o200k_base"
+token=$BENCH_TOKEN
+bench_config "$port" "kind = \"sqlite\"
+path = \"$dir/bench.db\"" "[models.\"mock-model\"]
+upstream = \"bench\"
+input_per_million = \"0.15\"
+cached_input_per_million = \"0.075\"
+output_per_million = \"0.60\"
+tokenizer = \"o200k_base\"
 [upstreams.bench]
-base_url = "http://127.0.0.1:$mport/v1"
-api_key = "bench-upstream-key"
-timeout_s = 30
-TOML
+base_url = \"http://127.0.0.1:$mport/v1\"
+api_key = \"bench-upstream-key\"
+timeout_s = 30" > "$dir/bench.toml"
 ./target/release/spendgate mock-upstream --listen "127.0.0.1:$mport" > "$dir/mock.log" 2>&1 &
 mpid=$!
 RUST_LOG=warn ./target/release/spendgate serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &

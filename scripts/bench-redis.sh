@@ -10,7 +10,7 @@ RATE=${1:-1000}
 SECONDS_EACH=${2:-5}
 cargo build --release -q -p spendgate-server --bins
 dir=$(mktemp -d)
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. scripts/bench-lib.sh
 rport=$(free_port)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$dir"; }
@@ -18,46 +18,14 @@ trap cleanup EXIT
 redis-server --port "$rport" --bind 127.0.0.1 --save "" --appendonly no --dir "$dir" --daemonize no > "$dir/redis.log" 2>&1 &
 pids+=($!)
 for _ in $(seq 50); do redis-cli -p "$rport" ping >/dev/null 2>&1 && break; sleep 0.1; done
-token=bench-service-token-0123456789
+token=$BENCH_TOKEN
 bases=()
 for i in 1 2 3; do
   port=$(free_port)
-  cat > "$dir/r$i.toml" <<TOML
-[server]
-listen = "127.0.0.1:$port"
-service_tokens = ["$token"]
-[sessions]
-keys = ["bench-session-key-0123456789abcdef"]
-secure_cookie = false
-create_rate_per_ip = "100000/second"
-create_rate_global = "100000/second"
-[store]
-kind = "redis"
-url = "redis://127.0.0.1:$rport/0"
-prefix = "bench"
-timeout_ms = 1000
-[limits.global]
-rate = "1000000/second"
-burst = 1000000
-concurrency = 100000
-budgets = [{ amount = "1000000", window = "day" }]
-[limits.ip]
-rate = "1000000/second"
-burst = 1000000
-budgets = []
-[limits.session]
-rate = "1000000/second"
-burst = 1000000
-budgets = []
-[limits.conversation]
-budgets = []
-[run]
-max_tool_calls = 64
-max_seconds = 3600
-max_cost = "1000000"
-[tools.bench_tool]
-per_call = "0.000001"
-TOML
+  bench_config "$port" "kind = \"redis\"
+url = \"redis://127.0.0.1:$rport/0\"
+prefix = \"bench\"
+timeout_ms = 1000" > "$dir/r$i.toml"
   ./target/release/spendgate serve --config "$dir/r$i.toml" > "$dir/r$i.log" 2>&1 &
   pids+=($!)
   bases+=("http://127.0.0.1:$port")

@@ -197,6 +197,15 @@ pub fn new_id(prefix: &str) -> String {
     format!("{prefix}_{}", hex::encode(id))
 }
 
+/// A 200 answer that changed (or read) the ledger at `seq`: the body carries `ledger_seq`, and
+/// so does a header.
+fn ledger_answer(mut body: Value, seq: u64) -> Response {
+    body["ledger_seq"] = json!(seq);
+    let mut resp = (StatusCode::OK, Json(body)).into_response();
+    seq_header(&mut resp, seq);
+    resp
+}
+
 fn seq_header(resp: &mut Response, seq: u64) {
     if let Ok(v) = HeaderValue::from_str(&seq.to_string()) {
         resp.headers_mut().insert("spendgate-ledger-seq", v);
@@ -534,15 +543,12 @@ fn resolved_response(state: &AppState, step: &str, applied: Applied<Resolved>) -
         "reserved_micros": r.reserved.0,
         "overrun": r.overrun,
         "repeated": r.repeated,
-        "ledger_seq": applied.seq,
     });
     if r.result_too_large {
         body["result_too_large"] = json!(true);
         body["message"] = json!("tool result is over max_tool_result_bytes: charged, but it must not be fed back to the model");
     }
-    let mut resp = (StatusCode::OK, Json(body)).into_response();
-    seq_header(&mut resp, applied.seq);
-    resp
+    ledger_answer(body, applied.seq)
 }
 
 pub async fn commit_step(
@@ -582,25 +588,32 @@ async fn resolve(state: &AppState, step_id: String, how: Resolution) -> ApiResul
 }
 
 pub async fn release_step(
-    State(state): State<Shared>,
-    Path(step_id): Path<String>,
+    state: State<Shared>,
+    step: Path<String>,
     headers: HeaderMap,
     _b: Body<Empty>,
 ) -> ApiResult<Response> {
-    require_service(&state, &headers)?;
-    check_id_path("step", &step_id)?;
-    resolve(&state, step_id, Resolution::Release).await
+    resolve_route(state, step, headers, Resolution::Release).await
 }
 
 pub async fn unknown_step(
-    State(state): State<Shared>,
-    Path(step_id): Path<String>,
+    state: State<Shared>,
+    step: Path<String>,
     headers: HeaderMap,
     _b: Body<Empty>,
 ) -> ApiResult<Response> {
+    resolve_route(state, step, headers, Resolution::Unknown).await
+}
+
+async fn resolve_route(
+    State(state): State<Shared>,
+    Path(step_id): Path<String>,
+    headers: HeaderMap,
+    how: Resolution,
+) -> ApiResult<Response> {
     require_service(&state, &headers)?;
     check_id_path("step", &step_id)?;
-    resolve(&state, step_id, Resolution::Unknown).await
+    resolve(&state, step_id, how).await
 }
 
 #[derive(Deserialize, Default)]
@@ -617,14 +630,8 @@ pub async fn heartbeat(
     check_id_path("run", &run_id)?;
     let applied = state.store.heartbeat(RunId(run_id)).await?;
     let h = applied.value;
-    let mut resp = Json(json!({
-        "lease_until": rfc3339(h.lease_until),
-        "deadline": rfc3339(h.deadline),
-        "ledger_seq": applied.seq,
-    }))
-    .into_response();
-    seq_header(&mut resp, applied.seq);
-    Ok(resp)
+    let body = json!({"lease_until": rfc3339(h.lease_until), "deadline": rfc3339(h.deadline)});
+    Ok(ledger_answer(body, applied.seq))
 }
 
 pub async fn finish(
@@ -637,16 +644,13 @@ pub async fn finish(
     check_id_path("run", &run_id)?;
     let applied = state.store.finish(RunId(run_id)).await?;
     let f = applied.value;
-    let mut resp = Json(json!({
+    let body = json!({
         "state": format!("{:?}", f.state).to_lowercase(),
         "charged_micros": f.charged.0,
         "steps": f.steps,
         "repeated": f.repeated,
-        "ledger_seq": applied.seq,
-    }))
-    .into_response();
-    seq_header(&mut resp, applied.seq);
-    Ok(resp)
+    });
+    Ok(ledger_answer(body, applied.seq))
 }
 
 // ---------------------------------------------------------------------------------------

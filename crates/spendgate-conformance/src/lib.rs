@@ -4,7 +4,7 @@
 //! clock, and for durable backends reopen the same data after a simulated crash) and expands
 //! [`conformance_tests!`] once in its own test crate:
 //!
-//! ```ignore
+//! ```text
 //! struct MyBackend { /* ... */ }
 //! #[async_trait::async_trait]
 //! impl spendgate_conformance::Backend for MyBackend { /* ... */ }

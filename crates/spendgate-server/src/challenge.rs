@@ -64,6 +64,87 @@ pub fn solve(nonce: &str, bits: u8) -> String {
         .unwrap_or_default()
 }
 
+/// Longest token accepted for the external verifier.
+pub const VERIFIER_TOKEN_BYTES_MAX: usize = 4096;
+/// Time the external verifier may take.
+pub const VERIFIER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+fn external_required(message: &str) -> ApiError {
+    let mut e = ApiError::new(
+        StatusCode::FORBIDDEN,
+        "challenge_required",
+        message.to_string(),
+    );
+    e.challenge =
+        Some(json!({"kind": "external", "solution": "the verifier's token for this visitor"}));
+    e
+}
+
+/// The external (siteverify-style) check: the visitor's token is POSTed, form-encoded, with the
+/// configured secret and the client address; `{"success": true}` admits, anything else, an
+/// error or a timeout refuses (fail closed). A token opens one session, across replicas.
+async fn check_external(
+    state: &AppState,
+    url: &str,
+    ips: &[IpScope],
+    body: &CreateSessionBody,
+) -> Result<(), ApiError> {
+    let Some(token) = body
+        .solution
+        .as_deref()
+        .filter(|t| !t.is_empty() && t.len() <= VERIFIER_TOKEN_BYTES_MAX)
+    else {
+        return Err(external_required(
+            "pass the verifier's token as \"solution\"",
+        ));
+    };
+    let secret = state
+        .config
+        .sessions
+        .verifier_secret
+        .as_ref()
+        .map(|s| s.expose().to_string())
+        .unwrap_or_default();
+    let remoteip = ips
+        .first()
+        .map(|i| i.prefix.split('/').next().unwrap_or("").to_string())
+        .unwrap_or_default();
+    let form = [
+        ("secret", secret.as_str()),
+        ("response", token),
+        ("remoteip", remoteip.as_str()),
+    ];
+    let answer = state
+        .http
+        .post(url)
+        .timeout(VERIFIER_TIMEOUT)
+        .form(&form)
+        .send()
+        .await;
+    let ok = match answer {
+        Ok(r) if r.status().is_success() => match r.json::<Value>().await {
+            Ok(v) => v.get("success").and_then(Value::as_bool) == Some(true),
+            Err(_) => false,
+        },
+        Ok(r) => {
+            tracing::warn!(status = %r.status(), "challenge verifier answered an error; refusing");
+            false
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "challenge verifier unreachable; refusing");
+            false
+        }
+    };
+    if !ok {
+        return Err(external_required("the challenge was not verified"));
+    }
+    let key = hex::encode(&Sha256::digest(token.as_bytes())[..16]);
+    if !state.consume_nonce(&format!("ext:{key}")).await? {
+        return Err(external_required("this token was already used"));
+    }
+    Ok(())
+}
+
 fn required(code_msg: &str, state: &AppState) -> ApiError {
     let mut e = ApiError::new(
         StatusCode::FORBIDDEN,
@@ -86,9 +167,11 @@ pub async fn check(
         ChallengeMode::Always => true,
         ChallengeMode::Adaptive => state.pressure.load(std::sync::atomic::Ordering::Relaxed),
     };
-    let _ = ips;
     if !needed {
         return Ok(());
+    }
+    if let Some(url) = &state.config.sessions.verifier_url {
+        return check_external(state, url, ips, body).await;
     }
     let (Some(ch), Some(solution)) = (&body.challenge, &body.solution) else {
         return Err(required(

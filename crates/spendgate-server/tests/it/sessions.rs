@@ -101,3 +101,89 @@ async fn challenge_is_signed_expiring_and_single_use() {
         "a solution opens one session only: {v}"
     );
 }
+
+/// An external siteverify-style verifier: a token it accepts opens one session; a token it
+/// refuses, a repeat, or a verifier that is down refuse (fail closed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn external_verifier_checks_tokens_once_and_fails_closed() {
+    use axum::routing::post;
+    use axum::{Form, Json, Router};
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let sink = seen.clone();
+    let app = Router::new().route(
+        "/siteverify",
+        post(move |Form(f): Form<HashMap<String, String>>| {
+            let sink = sink.clone();
+            async move {
+                sink.lock().expect("lock").push(f.clone());
+                let ok = f.get("secret").map(String::as_str) == Some("verifier-secret")
+                    && f.get("response").is_some_and(|r| r.starts_with("good"));
+                Json(json!({"success": ok}))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let server = Server::start_with_sessions(
+        &format!(
+            "challenge = \"always\"\nverifier_url = \"http://{addr}/siteverify\"\nverifier_secret = \"verifier-secret\""
+        ),
+        "",
+    );
+    let (status, _, v) = create(&server, "198.51.100.7", None).await;
+    assert_eq!((status, code(&v)), (403, "challenge_required"), "{v}");
+    assert_eq!(v["challenge"]["kind"], "external");
+    let (status, _, v) = create(
+        &server,
+        "198.51.100.7",
+        Some(json!({"solution": "bad-token"})),
+    )
+    .await;
+    assert_eq!((status, code(&v)), (403, "challenge_required"), "{v}");
+    let (status, _, v) = create(
+        &server,
+        "198.51.100.7",
+        Some(json!({"solution": "good-token-1"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{v}");
+    let (status, _, v) = create(
+        &server,
+        "198.51.100.7",
+        Some(json!({"solution": "good-token-1"})),
+    )
+    .await;
+    assert_eq!(
+        (status, code(&v)),
+        (403, "challenge_required"),
+        "a token opens one session: {v}"
+    );
+    {
+        let seen = seen.lock().expect("lock");
+        let last = seen.last().expect("the verifier was called");
+        assert_eq!(
+            last.get("remoteip").map(String::as_str),
+            Some("198.51.100.7")
+        );
+    }
+    task.abort();
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let (status, _, v) = create(
+        &server,
+        "198.51.100.7",
+        Some(json!({"solution": "good-token-2"})),
+    )
+    .await;
+    assert_eq!(
+        (status, code(&v)),
+        (403, "challenge_required"),
+        "verifier down: refused: {v}"
+    );
+}

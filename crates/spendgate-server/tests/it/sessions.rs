@@ -187,3 +187,41 @@ async fn external_verifier_checks_tokens_once_and_fails_closed() {
         "verifier down: refused: {v}"
     );
 }
+
+/// `challenge = "adaptive"`: no challenge while session creation is quiet; once creation
+/// uses more than half its global allowance, a challenge is required.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_challenge_starts_under_pressure() {
+    let server = Server::start_with_sessions(
+        "create_rate_per_ip = \"1000/second\"\ncreate_rate_global = \"10/hour\"\nchallenge = \"adaptive\"\nchallenge_bits = 8",
+        "",
+    );
+    let mut free = 0;
+    let mut challenged = None;
+    for i in 0..10 {
+        let (status, _, v) = create(&server, &format!("203.0.113.{i}"), None).await;
+        match status {
+            201 => free += 1,
+            403 => {
+                assert_eq!(code(&v), "challenge_required", "{v}");
+                challenged = Some(v);
+                break;
+            }
+            other => panic!("unexpected {other}: {v}"),
+        }
+    }
+    assert!(
+        (3..=7).contains(&free),
+        "quiet creation needs no challenge at first: {free}"
+    );
+    let v = challenged.expect("pressure turns the challenge on");
+    let nonce = v["challenge"]["nonce"].as_str().expect("nonce");
+    let solution = spendgate_server::challenge::solve(nonce, 8);
+    let (status, _, v) = create(
+        &server,
+        "203.0.113.99",
+        Some(json!({"challenge": v["challenge"], "solution": solution})),
+    )
+    .await;
+    assert_eq!(status, 201, "{v}");
+}

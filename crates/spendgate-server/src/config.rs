@@ -1242,6 +1242,14 @@ impl Validator<'_, '_> {
                 ));
             }
         }
+        if raw.dry_run {
+            // Refused rather than ignored: an operator who asked for dry-run must not believe
+            // decisions are unenforced while they are enforced (or the other way round).
+            return Err(self.err(
+                &p.key("dry_run"),
+                "dry-run mode is not available yet; every decision is enforced",
+            ));
+        }
         Ok(ServerConfig {
             listen,
             trusted_proxies,

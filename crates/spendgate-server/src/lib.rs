@@ -94,10 +94,8 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
         .filter(|k| !k.is_empty())
         .collect();
     if keys.is_empty() {
-        tracing::warn!(
-            "no sessions.keys configured (SPENDGATE_SESSION_KEY unset): using an ephemeral key; \
-             sessions end at restart and replicas will not accept each other's sessions"
-        );
+        // `Config::warnings` tells the operator (sessions end at restart, replicas do not
+        // share them).
         keys.push(rand::random::<[u8; 32]>().to_vec());
     }
     let keys = identity::SessionKeys::new(keys).ok_or_else(|| {

@@ -374,15 +374,20 @@ async fn sixteen_tasks_on_four_replicas_grant_exactly_the_budget() {
         let s: Arc<dyn Store> = Arc::new(open(opts.clone(), policy()).await);
         replicas.push(s);
     }
+    // Every run is admitted first: once the budget is fully held, a run admitted later is
+    // (rightly) refused, which is not what this test is about.
+    for t in 0..16 {
+        replicas[t % 4]
+            .admit_run(run_req(&format!("run{t}")), None)
+            .await
+            .expect("admit")
+            .value
+            .expect("admitted");
+    }
     let tasks = (0..16).map(|t| {
         let s = replicas[t % 4].clone();
         tokio::spawn(async move {
             let run = format!("run{t}");
-            s.admit_run(run_req(&run), None)
-                .await
-                .expect("admit")
-                .value
-                .expect("admitted");
             let mut granted = 0u64;
             for i in 0.. {
                 match s

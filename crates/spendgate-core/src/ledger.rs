@@ -1084,6 +1084,39 @@ impl Ledger {
         }
     }
 
+    /// Ends an admission: remembers the outcome under its idempotency key, and moves the
+    /// sequence number when anything changed (a grant, a remembered refusal, or expiries).
+    fn conclude<T>(
+        &mut self,
+        outcome: Result<T, Refusal>,
+        remembered: Option<IdempotentOutcome>,
+        idem: Option<&IdempotencyKey>,
+        now: UnixMs,
+        ttl_ms: u64,
+        swept: bool,
+    ) -> Applied<Result<T, Refusal>> {
+        if let Some(o) = remembered {
+            self.remember(idem, o, now, ttl_ms);
+        }
+        let changed = swept || outcome.is_ok() || idem.is_some();
+        if changed {
+            self.bump();
+        }
+        self.answer(outcome, changed)
+    }
+
+    /// The refusal every admission gets while the spending cutoff is engaged.
+    fn cutoff_refusal(&self) -> Option<Refusal> {
+        self.cutoff.as_ref().map(|reason| {
+            Refusal::new(
+                RefusalCode::CutoffEngaged,
+                Some(ScopeKind::Global),
+                format!("spending cutoff engaged: {reason}"),
+            )
+            .retry_after(60)
+        })
+    }
+
     /// Admits a run: checks rate, concurrency and budgets of every scope, and applies all of
     /// them or none. In `whole_run` mode the run's cost bound is reserved here.
     pub fn admit_run(
@@ -1094,10 +1127,10 @@ impl Ledger {
         idem: Option<&IdempotencyKey>,
     ) -> Result<Applied<Result<RunAdmitted, Refusal>>, LedgerError> {
         let (now, swept) = self.advance(now);
-        if let Some(IdempotentOutcome::Run(o)) = self.recall(idem)? {
-            return Ok(self.answer(o, swept));
-        } else if self.recall(idem)?.is_some() {
-            return Err(LedgerError::IdempotencyConflict);
+        match self.recall(idem)? {
+            Some(IdempotentOutcome::Run(o)) => return Ok(self.answer(o, swept)),
+            Some(_) => return Err(LedgerError::IdempotencyConflict),
+            None => {}
         }
         check_id("run id", &req.run_id.0)?;
         check_id("session", &req.session)?;
@@ -1120,22 +1153,12 @@ impl Ledger {
         if self.records_held() >= LEDGER_RECORDS_MAX {
             return Err(LedgerError::Full(LEDGER_RECORDS_MAX));
         }
-        let decision = self.decide_run(policy, now, req);
-        let outcome = match decision {
+        let outcome = match self.decide_run(policy, now, req) {
             Err(refusal) => Err(refusal),
             Ok(plan) => Ok(self.apply_run(policy, now, req, plan)),
         };
-        self.remember(
-            idem,
-            IdempotentOutcome::Run(outcome.clone()),
-            now,
-            policy.lease_ttl_ms,
-        );
-        let changed = swept || outcome.is_ok() || idem.is_some();
-        if changed {
-            self.bump();
-        }
-        Ok(self.answer(outcome, changed))
+        let remembered = idem.map(|_| IdempotentOutcome::Run(outcome.clone()));
+        Ok(self.conclude(outcome, remembered, idem, now, policy.lease_ttl_ms, swept))
     }
 
     fn decide_run(
@@ -1144,13 +1167,8 @@ impl Ledger {
         now: UnixMs,
         req: &RunRequest,
     ) -> Result<RunPlan, Refusal> {
-        if let Some(reason) = &self.cutoff {
-            return Err(Refusal::new(
-                RefusalCode::CutoffEngaged,
-                Some(ScopeKind::Global),
-                format!("spending cutoff engaged: {reason}"),
-            )
-            .retry_after(60));
+        if let Some(refusal) = self.cutoff_refusal() {
+            return Err(refusal);
         }
         let bounds = policy.run;
         if req.input_bytes > bounds.max_input_bytes {
@@ -1321,22 +1339,12 @@ impl Ledger {
         if self.records_held() >= LEDGER_RECORDS_MAX {
             return Err(LedgerError::Full(LEDGER_RECORDS_MAX));
         }
-        let decision = self.decide_step(policy, now, run, req);
-        let outcome = match decision {
+        let outcome = match self.decide_step(policy, now, run, req) {
             Err(refusal) => Err(refusal),
             Ok(plan) => Ok(self.apply_step(policy, now, req, plan)),
         };
-        self.remember(
-            idem,
-            IdempotentOutcome::Step(outcome.clone()),
-            now,
-            policy.lease_ttl_ms,
-        );
-        let changed = swept || outcome.is_ok() || idem.is_some();
-        if changed {
-            self.bump();
-        }
-        Ok(self.answer(outcome, changed))
+        let remembered = idem.map(|_| IdempotentOutcome::Step(outcome.clone()));
+        Ok(self.conclude(outcome, remembered, idem, now, policy.lease_ttl_ms, swept))
     }
 
     fn decide_step(
@@ -1356,13 +1364,8 @@ impl Ledger {
         if now >= run.deadline {
             return Err(bound("run deadline has passed".into()));
         }
-        if let Some(reason) = &self.cutoff {
-            return Err(Refusal::new(
-                RefusalCode::CutoffEngaged,
-                Some(ScopeKind::Global),
-                format!("spending cutoff engaged: {reason}"),
-            )
-            .retry_after(60));
+        if let Some(refusal) = self.cutoff_refusal() {
+            return Err(refusal);
         }
         let b = run.bounds;
         let (amount, max_out, counter_kind) = match &req.kind {

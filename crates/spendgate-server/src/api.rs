@@ -63,11 +63,11 @@ pub fn now_unix() -> u64 {
         .unwrap_or(0)
 }
 
-/// A JSON body parsed strictly; its rejections are `ApiError`s. Keeps a digest of the raw
-/// bytes for `Idempotency-Key` checks.
+/// A JSON body parsed strictly; its rejections are `ApiError`s. Keeps the raw bytes, whose
+/// digest fingerprints the request when it carries an `Idempotency-Key`.
 pub struct Body<T> {
     pub value: T,
-    pub digest: String,
+    pub raw: Bytes,
 }
 
 impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
@@ -86,10 +86,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
             serde_json::from_slice(&bytes)
         }
         .map_err(|e| ApiError::invalid(format!("invalid JSON body: {e}")))?;
-        Ok(Body {
-            value,
-            digest: hex::encode(Sha256::digest(&bytes)),
-        })
+        Ok(Body { value, raw: bytes })
     }
 }
 
@@ -171,7 +168,7 @@ pub fn check_conversation(c: &str) -> ApiResult<()> {
 pub fn idempotency(
     headers: &HeaderMap,
     namespace: &str,
-    digest: &str,
+    body: &Bytes,
 ) -> ApiResult<Option<IdempotencyKey>> {
     let Some(v) = headers.get("idempotency-key") else {
         return Ok(None);
@@ -188,7 +185,8 @@ pub fn idempotency(
     let h = hex::encode(&Sha256::digest(format!("{namespace}\n{k}"))[..16]);
     Ok(Some(IdempotencyKey {
         key: format!("{namespace}:{h}"),
-        fingerprint: digest.to_string(),
+        // Digested only when a key is given: most requests carry none.
+        fingerprint: hex::encode(Sha256::digest(body)),
     }))
 }
 
@@ -347,7 +345,7 @@ pub async fn create_run(
         conversation: b.conversation.clone(),
         input_bytes,
     };
-    let idem = idempotency(&headers, "run", &body.digest)?;
+    let idem = idempotency(&headers, "run", &body.raw)?;
     let started = Instant::now();
     let applied = state.store.admit_run(req, idem).await;
     state.metrics.store_call(started.elapsed());
@@ -481,7 +479,7 @@ pub async fn create_step(
         step_id: ReservationId(new_id("stp")),
         kind,
     };
-    let idem = idempotency(&headers, &format!("step:{run_id}"), &body.digest)?;
+    let idem = idempotency(&headers, &format!("step:{run_id}"), &body.raw)?;
     let started = Instant::now();
     let applied = state.store.reserve_step(req, idem).await;
     state.metrics.store_call(started.elapsed());

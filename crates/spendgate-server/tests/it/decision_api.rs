@@ -4,25 +4,17 @@ use crate::harness::*;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-const TOOL_BUDGET: &str = r#"
+const TOOL_BUDGET: &str = concat!(
+    r#"
 [limits.global]
 rate = "100000/second"
 burst = 100000
 concurrency = 1000
 budgets = [{ amount = "1.00", window = "day" }]
 
-[limits.ip]
-rate = "100000/second"
-burst = 100000
-concurrency = 1000
-budgets = []
-
-[limits.session]
-rate = "100000/second"
-burst = 100000
-concurrency = 1000
-budgets = []
-
+"#,
+    open_guest_limits!(),
+    r#"
 [limits.conversation]
 concurrency = 1
 budgets = []
@@ -33,7 +25,8 @@ max_cost = "100"
 
 [tools.web_search]
 per_call = "0.01"
-"#;
+"#
+);
 
 /// Acceptance: global budget 1.00, tool at 0.01; 20 sessions × 1 run; steps from 20 tasks
 /// until refused: exactly 100 granted, later ones 429 budget_exhausted (scope global); after a
@@ -400,31 +393,24 @@ async fn bad_input_is_refused_cleanly() {
     assert_eq!(r.status().as_u16(), 200);
 }
 
-const LAST_CENT: &str = r#"
+const LAST_CENT: &str = concat!(
+    r#"
 [limits.global]
 rate = "100000/second"
 burst = 100000
 concurrency = 1000
 budgets = [{ amount = "0.05", window = "day" }]
 
-[limits.ip]
-rate = "100000/second"
-burst = 100000
-concurrency = 1000
-budgets = []
-
-[limits.session]
-rate = "100000/second"
-burst = 100000
-concurrency = 1000
-budgets = []
-
+"#,
+    open_guest_limits!(),
+    r#"
 [run]
 max_tool_calls = 1000
 
 [tools.web_search]
 per_call = "0.01"
-"#;
+"#
+);
 
 /// Acceptance: 100 concurrent requests for the last 0.01: exactly one granted. Idempotent
 /// step retries hold once; a double commit charges once.

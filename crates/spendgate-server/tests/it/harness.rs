@@ -6,6 +6,26 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
+/// `[limits.ip]` and `[limits.session]` that never bind, for tests about other limits. A macro
+/// so that test configs can `concat!` it into their constants.
+macro_rules! open_guest_limits {
+    () => {
+        r#"
+[limits.ip]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = []
+
+[limits.session]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = []
+"#
+    };
+}
+
 pub const SERVICE: &str = "test-service-token-0123456789";
 pub const ADMIN: &str = "test-admin-token-0123456789";
 pub const SESSION_KEY: &str = "test-session-key-0123456789abcdef";

@@ -1,5 +1,6 @@
 //! Integration tests of the `spendgate` binary: real processes, real HTTP, real SQLite files.
 
+#[macro_use]
 mod harness;
 
 mod alerts;

@@ -6,7 +6,8 @@ use serde_json::{json, Value};
 use spendgate_testkit::{RedisOptions, RedisServer};
 use std::time::{Duration, Instant};
 
-const TOOL_BUDGET: &str = r#"
+const TOOL_BUDGET: &str = concat!(
+    r#"
 lease_ttl_s = 2
 timeout_ms = 100
 
@@ -16,18 +17,9 @@ burst = 100000
 concurrency = 1000
 budgets = [{ amount = "1.00", window = "day" }]
 
-[limits.ip]
-rate = "100000/second"
-burst = 100000
-concurrency = 1000
-budgets = []
-
-[limits.session]
-rate = "100000/second"
-burst = 100000
-concurrency = 1000
-budgets = []
-
+"#,
+    open_guest_limits!(),
+    r#"
 [limits.conversation]
 concurrency = 1
 budgets = []
@@ -38,7 +30,8 @@ max_cost = "100"
 
 [tools.web_search]
 per_call = "0.01"
-"#;
+"#
+);
 
 fn replicas(redis: &RedisServer, prefix: &str, n: usize) -> Vec<Server> {
     (0..n)

@@ -6,25 +6,45 @@ use crate::TestkitError;
 /// The shared developer Redis port; never handed out.
 const SHARED_REDIS_PORT: u16 = 6379;
 
-/// A free TCP port on 127.0.0.1 (bind `:0`, read the port, drop the listener).
+/// Ports handed out by [`free_port`] come from this range, below the usual
+/// Linux ephemeral range (32768–60999): outgoing connections take their source
+/// ports from the ephemeral range, so a port picked there can be taken by some
+/// client socket between `free_port` and the server's bind (a real CI failure).
+const PORT_RANGE: std::ops::Range<u16> = 20_000..32_000;
+
+/// Next candidate in [`PORT_RANGE`]; starts at an offset derived from the pid so
+/// concurrent test processes walk different parts of the range, and advances
+/// atomically so two threads of one process never get the same port.
+static NEXT_PORT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(u32::MAX);
+
+/// A free TCP port on 127.0.0.1, outside the ephemeral range (see [`PORT_RANGE`]).
 ///
-/// There is an inherent race: another process may grab the port before the
-/// caller binds it. Callers that spawn servers should retry on "address in use".
+/// Each call probes candidates by binding them; a port is handed out at most
+/// once per process. Another process may still grab it before the caller binds
+/// it, so callers that spawn servers should retry on "address in use".
 ///
 /// # Panics
-/// If binding a loopback socket fails (the machine has no usable loopback).
+/// If no port in the range can be bound (the machine has no usable loopback).
 pub fn free_port() -> u16 {
-    loop {
-        let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-            .unwrap_or_else(|e| panic!("cannot bind 127.0.0.1:0 to find a free port: {e}"));
-        let port = listener
-            .local_addr()
-            .unwrap_or_else(|e| panic!("cannot read local address of 127.0.0.1:0 listener: {e}"))
-            .port();
-        if port != SHARED_REDIS_PORT {
+    use std::sync::atomic::Ordering;
+    let span = u32::from(PORT_RANGE.end - PORT_RANGE.start);
+    let _ = NEXT_PORT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(7919) % span,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..span {
+        let offset = NEXT_PORT.fetch_add(1, Ordering::SeqCst) % span;
+        let port = PORT_RANGE.start + u16::try_from(offset).unwrap_or(0);
+        if port == SHARED_REDIS_PORT {
+            continue;
+        }
+        if TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
             return port;
         }
     }
+    panic!("no free port on 127.0.0.1 in {PORT_RANGE:?}");
 }
 
 pub(crate) fn loopback(port: u16) -> SocketAddr {

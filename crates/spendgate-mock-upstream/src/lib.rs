@@ -135,6 +135,12 @@ pub const CACHED_TOKENS_HEADER: &str = "x-mock-cached-tokens";
 pub const LATENCY_HEADER: &str = "x-mock-latency-ms";
 /// Header overriding the token rate (0 = as fast as possible).
 pub const TOKENS_PER_SECOND_HEADER: &str = "x-mock-tokens-per-second";
+/// Header `x-mock-stamp: 1`: every streamed content chunk carries `x_mock_sent_unix_ns`, the
+/// wall-clock time it was built, so a client on the same machine can measure each chunk's
+/// transit (how much a proxy in between delays each chunk).
+pub const STAMP_HEADER: &str = "x-mock-stamp";
+/// The field a stamped chunk carries (see [`STAMP_HEADER`]).
+pub const STAMP_FIELD: &str = "x_mock_sent_unix_ns";
 
 /// How the mock behaves when a request does not say otherwise.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -379,6 +385,8 @@ pub(crate) struct Plan {
     pub(crate) chunk_tokens: u64,
     pub(crate) tokens_per_second: u64,
     pub(crate) latency: Duration,
+    /// Stamp each streamed content chunk with its send time ([`STAMP_HEADER`]).
+    pub(crate) stamp: bool,
 }
 
 impl Plan {
@@ -495,6 +503,7 @@ fn plan_request(
     let latency_ms = header_u64(headers, LATENCY_HEADER)?.unwrap_or(config.latency_ms);
     let tokens_per_second =
         header_u64(headers, TOKENS_PER_SECOND_HEADER)?.unwrap_or(config.tokens_per_second);
+    let stamp = header_u64(headers, STAMP_HEADER)?.unwrap_or(0) != 0;
 
     let prompt_tokens = prompt_tokens_of(body);
     let clamped = max_tokens.map_or(length, |m| length.min(m));
@@ -524,6 +533,7 @@ fn plan_request(
         chunk_tokens: config.chunk_tokens.max(1),
         tokens_per_second,
         latency: Duration::from_millis(latency_ms).min(MAX_WAIT),
+        stamp,
     })
 }
 

@@ -173,10 +173,16 @@ impl Generator {
                 "finish_reason": finish_reason,
             }],
         });
-        // OpenAI sends `"usage": null` on every chunk but the last when usage was asked for.
-        if plan.include_usage && plan.fault != Fault::NoUsage {
-            if let Some(obj) = chunk.as_object_mut() {
+        if let Some(obj) = chunk.as_object_mut() {
+            // OpenAI sends `"usage": null` on every chunk but the last when usage was asked for.
+            if plan.include_usage && plan.fault != Fault::NoUsage {
                 obj.insert("usage".to_owned(), Value::Null);
+            }
+            if plan.stamp {
+                let sent = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+                obj.insert(crate::STAMP_FIELD.to_owned(), json!(sent));
             }
         }
         sse(&chunk)

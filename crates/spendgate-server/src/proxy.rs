@@ -703,6 +703,7 @@ const FORWARDED_HEADERS: &[&str] = &[
     "x-mock-latency-ms",
     "x-mock-cached-tokens",
     "x-mock-tokens-per-second",
+    "x-mock-stamp",
 ];
 
 /// Only spendgate's own step headers of an answer's headers.

@@ -7,6 +7,18 @@
 //! to the first body chunk (time to first token) when streaming. The proxy's added latency is
 //! the difference of the two paths' percentiles.
 //!
+//! Requests are started by a pacing thread (`std::thread::sleep` to each scheduled instant,
+//! tens of microseconds late at most) rather than by tokio's timer, whose 1 ms granularity
+//! biased one path against the other when their slots fell at different offsets of a tick.
+//!
+//! A third phase streams paced answers (`x-mock-tokens-per-second`) with every chunk stamped
+//! by the mock with its send time (`x-mock-stamp`): each chunk's transit from the mock to the
+//! driver, through spendgate or not, gives what the proxy adds between chunks.
+//!
+//! With `--sequential` the two paths run one after the other (direct, then proxy) at the full
+//! rate each, instead of interleaved at the rate each: the machine then carries one path's
+//! load at a time, which is how a high rate is measured on a small machine.
+//!
 //! Every loop is bounded in count and time; only loopback targets are accepted.
 
 use clap::Parser;
@@ -15,13 +27,15 @@ use hdrhistogram::Histogram;
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
 
 /// Requests in flight at most; past it a request counts as dropped.
 const IN_FLIGHT_MAX: usize = 10_000;
 /// Longest a measured phase may be asked to run.
 const SECONDS_MAX: u64 = 600;
+/// Chunks recorded per stream at most (the paced phase).
+const CHUNKS_PER_STREAM_MAX: usize = 4096;
 
 #[derive(Parser, Clone)]
 struct Args {
@@ -47,6 +61,36 @@ struct Args {
     /// Conversations to spread proxied calls over.
     #[arg(long, default_value_t = 64)]
     conversations: u64,
+    /// Run the paths one after the other instead of interleaved.
+    #[arg(long)]
+    sequential: bool,
+    /// Token rate of the paced streaming phase (0 skips the phase).
+    #[arg(long, default_value_t = 2000)]
+    paced_tokens_per_second: u64,
+    /// Completion tokens of each paced stream.
+    #[arg(long, default_value_t = 64)]
+    paced_tokens: u64,
+}
+
+/// What a phase measures.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Measure {
+    /// Non-streaming: scheduled instant to the whole answer.
+    Whole,
+    /// Streaming: scheduled instant to the first body chunk.
+    FirstToken,
+    /// Paced, stamped streaming: each later chunk's transit from the mock to the driver.
+    ChunkTransit,
+}
+
+impl Measure {
+    fn name(self) -> &'static str {
+        match self {
+            Measure::Whole => "non-streaming, whole answer",
+            Measure::FirstToken => "streaming, time to first token",
+            Measure::ChunkTransit => "streaming, each chunk's transit after the first",
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -75,7 +119,8 @@ fn loopback(url: &str) -> bool {
 }
 
 impl Ctx {
-    fn body(&self, stream: bool) -> Value {
+    fn body(&self, measure: Measure) -> Value {
+        let stream = measure != Measure::Whole;
         let mut b = json!({
             "model": self.args.model,
             "max_tokens": 16,
@@ -99,11 +144,17 @@ impl Ctx {
         }
     }
 
-    /// One call; the latency from `scheduled` to the whole answer (not streaming) or to its
-    /// first body chunk (streaming).
-    async fn call(&self, path: Path, stream: bool, k: u64, scheduled: Instant) -> Option<Duration> {
-        let body = self.body(stream);
-        let req = match path {
+    /// One call; what `measure` says: one latency from `scheduled` (whole answer or first
+    /// chunk), or every later chunk's transit.
+    async fn call(
+        &self,
+        path: Path,
+        measure: Measure,
+        k: u64,
+        scheduled: Instant,
+    ) -> Vec<Duration> {
+        let body = self.body(measure);
+        let mut req = match path {
             Path::Direct => self
                 .http
                 .post(format!("{}/v1/chat/completions", self.args.direct))
@@ -120,42 +171,94 @@ impl Ctx {
                 )
                 .json(&body),
         };
+        if measure == Measure::ChunkTransit {
+            req = req
+                .header("x-mock-stamp", "1")
+                .header(
+                    "x-mock-tokens-per-second",
+                    self.args.paced_tokens_per_second,
+                )
+                .header("x-mock-completion-tokens", self.args.paced_tokens);
+        }
         let resp = match req.send().await {
             Ok(r) => r,
             Err(e) => {
                 self.error(path, format!("send: {e}"));
-                return None;
+                return Vec::new();
             }
         };
         if resp.status().as_u16() != 200 {
             let status = resp.status();
             let text = resp.text().await.unwrap_or_default();
             self.error(path, format!("{status}: {text}"));
-            return None;
+            return Vec::new();
         }
-        if !stream {
+        if measure == Measure::Whole {
             return match resp.bytes().await {
-                Ok(_) => Some(scheduled.elapsed()),
+                Ok(_) => vec![scheduled.elapsed()],
                 Err(e) => {
                     self.error(path, format!("body: {e}"));
-                    None
+                    Vec::new()
                 }
             };
         }
         let mut body = resp.bytes_stream();
-        let mut first = None;
+        let mut out = Vec::new();
+        let mut line = Vec::new();
+        let mut events = 0usize;
         while let Some(chunk) = body.next().await {
-            match chunk {
-                Ok(c) if !c.is_empty() && first.is_none() => first = Some(scheduled.elapsed()),
-                Ok(_) => {}
+            let c = match chunk {
+                Ok(c) => c,
                 Err(e) => {
                     self.error(path, format!("stream: {e}"));
-                    return None;
+                    return Vec::new();
                 }
+            };
+            if c.is_empty() {
+                continue;
+            }
+            if measure == Measure::FirstToken {
+                if out.is_empty() {
+                    out.push(scheduled.elapsed());
+                }
+                continue;
+            }
+            let now = unix_ns();
+            for &b in c.iter() {
+                if b != b'\n' {
+                    if line.len() < 64 * 1024 {
+                        line.push(b);
+                    }
+                    continue;
+                }
+                if let Some(sent) = stamp_of(&line) {
+                    events += 1;
+                    // The first chunk is time to first token, measured by its own phase.
+                    if events > 1 && out.len() < CHUNKS_PER_STREAM_MAX {
+                        out.push(Duration::from_nanos(now.saturating_sub(sent)));
+                    }
+                }
+                line.clear();
             }
         }
-        first
+        if measure == Measure::ChunkTransit && events == 0 {
+            self.error(path, "a paced stream without stamped chunks".into());
+        }
+        out
     }
+}
+
+fn unix_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
+/// The mock's send stamp of one SSE line, if it carries one.
+fn stamp_of(line: &[u8]) -> Option<u64> {
+    let data = line.strip_prefix(b"data: ")?;
+    let v: Value = serde_json::from_slice(data).ok()?;
+    v.get("x_mock_sent_unix_ns")?.as_u64()
 }
 
 struct Phase {
@@ -164,44 +267,62 @@ struct Phase {
     dropped: u64,
 }
 
-/// Open loop at `rate` per path for `seconds`, the two paths interleaved.
-async fn phase(ctx: &Arc<Ctx>, stream: bool, seconds: u64) -> Phase {
+/// Open loop at `rate` per path for `seconds`: the two paths interleaved, or only `only`.
+///
+/// A pacing thread sleeps to each scheduled instant and spawns the call on the runtime.
+async fn phase(ctx: &Arc<Ctx>, measure: Measure, seconds: u64, only: Option<Path>) -> Phase {
     let rate = ctx.args.rate.max(1);
-    let total = rate * seconds.min(SECONDS_MAX) * 2;
-    let interval = Duration::from_nanos(1_000_000_000 / (rate * 2));
+    let per_slot = if only.is_some() { 1 } else { 2 };
+    let total = rate * seconds.min(SECONDS_MAX) * per_slot;
+    let interval = Duration::from_nanos(1_000_000_000 / (rate * per_slot));
     let hists = Arc::new(Mutex::new([hist(), hist()]));
     let in_flight = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT_MAX));
-    let mut dropped = 0;
     for e in &ctx.errors {
         e.store(0, Ordering::Relaxed);
     }
-    let start = Instant::now();
-    let mut tasks = Vec::with_capacity(total as usize);
-    for k in 0..total {
-        let scheduled = start + interval * u32::try_from(k).unwrap_or(u32::MAX);
-        tokio::time::sleep_until(scheduled).await;
-        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
-            dropped += 1;
-            continue;
-        };
-        let path = if k % 2 == 0 {
-            Path::Direct
-        } else {
-            Path::Proxy
-        };
+    let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let handle = tokio::runtime::Handle::current();
+    let pacer = {
         let (ctx, hists) = (ctx.clone(), hists.clone());
-        tasks.push(tokio::spawn(async move {
-            let _permit = permit;
-            if let Some(d) = ctx.call(path, stream, k / 2, scheduled).await {
-                if let Ok(mut h) = hists.lock() {
-                    let _ = h[path as usize].record(d.as_nanos().max(1) as u64);
+        std::thread::spawn(move || {
+            let start = std::time::Instant::now();
+            let mut dropped = 0u64;
+            for k in 0..total {
+                let at = start + interval * u32::try_from(k).unwrap_or(u32::MAX);
+                let wait = at.saturating_duration_since(std::time::Instant::now());
+                if !wait.is_zero() {
+                    std::thread::sleep(wait);
                 }
+                let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                    dropped += 1;
+                    continue;
+                };
+                let path = only.unwrap_or(if k % 2 == 0 {
+                    Path::Direct
+                } else {
+                    Path::Proxy
+                });
+                let scheduled = Instant::from_std(at);
+                let (ctx, hists, done) = (ctx.clone(), hists.clone(), done_tx.clone());
+                handle.spawn(async move {
+                    let _permit = permit;
+                    let ds = ctx.call(path, measure, k / per_slot, scheduled).await;
+                    if let Ok(mut h) = hists.lock() {
+                        for d in ds {
+                            let _ = h[path as usize].record(d.as_nanos().max(1) as u64);
+                        }
+                    }
+                    drop(done);
+                });
             }
-        }));
-    }
-    for t in tasks {
-        let _ = t.await;
-    }
+            dropped
+        })
+    };
+    let dropped = tokio::task::spawn_blocking(move || pacer.join().unwrap_or(u64::MAX))
+        .await
+        .unwrap_or(u64::MAX);
+    // Every call holds a sender; the channel closes when the last one ends.
+    while done_rx.recv().await.is_some() {}
     let errors = [
         ctx.errors[0].load(Ordering::Relaxed),
         ctx.errors[1].load(Ordering::Relaxed),
@@ -215,6 +336,29 @@ async fn phase(ctx: &Arc<Ctx>, stream: bool, seconds: u64) -> Phase {
         errors,
         dropped,
     }
+}
+
+/// One measured phase of each path (interleaved, or one after the other), after a warm-up.
+async fn measured(ctx: &Arc<Ctx>, measure: Measure) -> Phase {
+    let args = &ctx.args;
+    if !args.sequential {
+        let _ = phase(ctx, measure, args.warmup, None).await;
+        return phase(ctx, measure, args.seconds, None).await;
+    }
+    let mut out = Phase {
+        hists: [hist(), hist()],
+        errors: [0, 0],
+        dropped: 0,
+    };
+    for path in [Path::Direct, Path::Proxy] {
+        let _ = phase(ctx, measure, args.warmup, Some(path)).await;
+        let p = phase(ctx, measure, args.seconds, Some(path)).await;
+        let i = path as usize;
+        out.hists[i] = p.hists[i].clone();
+        out.errors[i] = p.errors[i];
+        out.dropped += p.dropped;
+    }
+    out
 }
 
 fn ms(ns: u64) -> f64 {
@@ -255,26 +399,34 @@ async fn main() -> anyhow::Result<()> {
         first_error: Mutex::new(None),
     });
 
+    let mut measures = vec![Measure::Whole, Measure::FirstToken];
+    if args.paced_tokens_per_second > 0 {
+        measures.push(Measure::ChunkTransit);
+    }
     let mut results = Vec::new();
-    for stream in [false, true] {
-        let _ = phase(&ctx, stream, args.warmup).await;
-        results.push((stream, phase(&ctx, stream, args.seconds).await));
+    for measure in measures {
+        results.push((measure, measured(&ctx, measure).await));
     }
 
     println!(
-        "Open loop, {} requests/s on each path (interleaved), {} s per phase after {} s warm-up; \
-         latency from each request's scheduled instant.",
-        args.rate, args.seconds, args.warmup
+        "Open loop, {} requests/s on each path ({}), {} s per phase after {} s warm-up; \
+         latency from each request's scheduled instant; paced streams: {} tokens at {} tokens/s.",
+        args.rate,
+        if args.sequential {
+            "one path after the other"
+        } else {
+            "interleaved"
+        },
+        args.seconds,
+        args.warmup,
+        args.paced_tokens,
+        args.paced_tokens_per_second,
     );
     println!();
-    println!("| path | measure | completed | errors | dropped | p50 ms | p99 ms | max ms |");
+    println!("| path | measure | samples | errors | dropped | p50 ms | p99 ms | max ms |");
     println!("|---|---|---|---|---|---|---|---|");
-    for (stream, p) in &results {
-        let measure = if *stream {
-            "streaming, time to first token"
-        } else {
-            "non-streaming, whole answer"
-        };
+    for (measure, p) in &results {
+        let measure = measure.name();
         for (name, path) in [
             ("mock directly", Path::Direct),
             ("through spendgate", Path::Proxy),
@@ -294,16 +446,12 @@ async fn main() -> anyhow::Result<()> {
     println!();
     println!("| added by spendgate (admission on the sqlite store + forward + commit) | p50 ms | p99 ms |");
     println!("|---|---|---|");
-    for (stream, p) in &results {
+    for (measure, p) in &results {
         let (d, x) = (&p.hists[0], &p.hists[1]);
         let added = |q: f64| ms(x.value_at_quantile(q)) - ms(d.value_at_quantile(q));
         println!(
             "| {} | {:.3} | {:.3} |",
-            if *stream {
-                "streaming, time to first token"
-            } else {
-                "non-streaming"
-            },
+            measure.name(),
             added(0.5),
             added(0.99)
         );

@@ -127,6 +127,27 @@ async fn client(store: Arc<RedisStore>, c: usize, pairs: usize) -> Result<(), St
     Ok(())
 }
 
+/// The server main thread's CPU seconds so far (user + system).
+async fn cpu_secs(conn: &mut redis::aio::MultiplexedConnection) -> Result<f64, String> {
+    let info = redis::cmd("INFO")
+        .arg("cpu")
+        .query_async::<String>(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .ok_or_else(|| format!("INFO cpu has no {name}"))
+    };
+    Ok(field("used_cpu_user_main_thread")? + field("used_cpu_sys_main_thread")?)
+}
+
+fn median(v: &mut [u64]) -> u64 {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
+}
+
 fn text(v: &redis::Value) -> String {
     match v {
         redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
@@ -142,10 +163,26 @@ async fn main() -> Result<(), String> {
     let pairs: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(20_000);
     let clients: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(32);
     let kind = args.get(3).cloned().unwrap_or_else(|| "bench".into());
-    let server = spendgate_testkit::RedisServer::start(Default::default())
-        .map_err(|e| format!("redis-server: {e}"))?;
+    // OPBENCH_URL: an existing (empty) server instead of a private one, e.g. one run under
+    // `valgrind --tool=callgrind` to count instructions per call, which a busy machine does
+    // not blur. OPBENCH_SLOWLOG=0 leaves SLOWLOG off: every command a script runs is logged
+    // too, which adds to the script's time.
+    let external = std::env::var("OPBENCH_URL").ok();
+    let slowlog = std::env::var("OPBENCH_SLOWLOG").map_or(true, |v| v != "0");
+    let server = match &external {
+        Some(_) => None,
+        None => Some(
+            spendgate_testkit::RedisServer::start(Default::default())
+                .map_err(|e| format!("redis-server: {e}"))?,
+        ),
+    };
+    let url = match (&external, &server) {
+        (Some(u), _) => u.clone(),
+        (None, Some(s)) => s.url(),
+        (None, None) => return Err("no server".into()),
+    };
     let opts = RedisOptions {
-        url: server.url(),
+        url: url.clone(),
         prefix: "opbench".into(),
         timeout: Duration::from_secs(5),
         clock: ClockSource::Server,
@@ -155,7 +192,7 @@ async fn main() -> Result<(), String> {
             .await
             .map_err(|e| e.to_string())?,
     );
-    let client_redis = redis::Client::open(server.url()).map_err(|e| e.to_string())?;
+    let client_redis = redis::Client::open(url).map_err(|e| e.to_string())?;
     let mut conn = client_redis
         .get_multiplexed_async_connection_with_config(
             &redis::AsyncConnectionConfig::new()
@@ -170,10 +207,15 @@ async fn main() -> Result<(), String> {
         }
         c
     };
-    cmd(&["CONFIG", "SET", "slowlog-log-slower-than", "0"])
-        .query_async::<redis::Value>(&mut conn)
-        .await
-        .map_err(|e| e.to_string())?;
+    cmd(&[
+        "CONFIG",
+        "SET",
+        "slowlog-log-slower-than",
+        if slowlog { "0" } else { "-1" },
+    ])
+    .query_async::<redis::Value>(&mut conn)
+    .await
+    .map_err(|e| e.to_string())?;
     cmd(&["CONFIG", "SET", "slowlog-max-len", "4000000"])
         .query_async::<redis::Value>(&mut conn)
         .await
@@ -186,6 +228,7 @@ async fn main() -> Result<(), String> {
         .query_async::<redis::Value>(&mut conn)
         .await
         .map_err(|e| e.to_string())?;
+    let cpu0 = cpu_secs(&mut conn).await?;
     let per = pairs / clients.max(1);
     let mut tasks = Vec::new();
     for c in 0..clients {
@@ -194,6 +237,7 @@ async fn main() -> Result<(), String> {
     for t in tasks {
         t.await.map_err(|e| e.to_string())??;
     }
+    let cpu = cpu_secs(&mut conn).await? - cpu0;
     cmd(&["CONFIG", "SET", "slowlog-log-slower-than", "10000000"])
         .query_async::<redis::Value>(&mut conn)
         .await
@@ -202,7 +246,7 @@ async fn main() -> Result<(), String> {
         .query_async::<redis::Value>(&mut conn)
         .await
         .map_err(|e| e.to_string())?;
-    let mut by_op: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+    let mut by_op: BTreeMap<String, Vec<u64>> = BTreeMap::new();
     if let redis::Value::Array(entries) = log {
         for e in entries {
             let redis::Value::Array(f) = e else { continue };
@@ -216,9 +260,7 @@ async fn main() -> Result<(), String> {
                 continue;
             }
             let op = argv.get(4).map(text).unwrap_or_default();
-            let slot = by_op.entry(op).or_default();
-            slot.0 += 1;
-            slot.1 += *us as u64;
+            by_op.entry(op).or_default().push(*us as u64);
         }
     }
     let stats = cmd(&["INFO", "commandstats"])
@@ -226,17 +268,34 @@ async fn main() -> Result<(), String> {
         .await
         .map_err(|e| e.to_string())?;
     println!("{pairs} pairs, {clients} clients, policy {kind}");
-    println!("| operation | calls | µs per call |");
-    println!("|---|---|---|");
+    // The median resists the preemptions of a busy machine (a call preempted by another
+    // process counts its wait in SLOWLOG); the mean is what throughput pays.
+    println!("| operation | calls | µs per call | median µs |");
+    println!("|---|---|---|---|");
     let (mut calls, mut total) = (0, 0);
-    for (op, (n, us)) in &by_op {
+    let mut all = Vec::new();
+    for (op, us) in &mut by_op {
+        let n = us.len() as u64;
+        let sum: u64 = us.iter().sum();
         calls += n;
-        total += us;
-        println!("| {op} | {n} | {:.1} |", *us as f64 / (*n).max(1) as f64);
+        total += sum;
+        all.extend_from_slice(us);
+        println!(
+            "| {op} | {n} | {:.1} | {} |",
+            sum as f64 / n.max(1) as f64,
+            median(us)
+        );
     }
     println!(
-        "| all | {calls} | {:.1} |",
-        total as f64 / calls.max(1) as f64
+        "| all | {calls} | {:.1} | {} |",
+        total as f64 / calls.max(1) as f64,
+        median(&mut all)
+    );
+    // CPU time of the server's main thread (user + system, from getrusage): unlike SLOWLOG it
+    // does not count time the server spent preempted; it includes reading and answering.
+    println!(
+        "server main-thread CPU: {:.1} µs per call (all operations, with network I/O)",
+        cpu * 1e6 / calls.max(1) as f64
     );
     for l in stats.lines().filter(|l| l.starts_with("cmdstat_")) {
         println!("    {l}");

@@ -11,7 +11,8 @@
 -- Rules kept throughout:
 -- * Every number is an integer below 2^53 (exact in a Lua double). Numbers are turned into
 --   strings only through S() (Lua's own tostring/.. would print 14 significant digits) or kept
---   as numbers in msgpack records (cmsgpack stores integral doubles as integers: exact).
+--   as numbers in records (doubles packed by `struct`; or msgpack, which stores integral
+--   doubles as integers: exact).
 -- * Decisions are made before the first write of an operation; the only writes that precede a
 --   refusal or an error are due expiries, which are complete changes of their own (exactly as
 --   the core's `advance` applies them before the operation).
@@ -28,10 +29,8 @@ local TIES_MAX = 10000
 -- The core's constants (spendgate_core::ledger), passed in front of the policy.
 local RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = 0, 0, 0, 0, 0
 
-local K_META, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ
-local HC = {}
+local K_META, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ, K_GLOBALS
 local function set_base(b)
-  HC = {}
   if b == B then return end
   B = b
   K_META = b .. ':meta'
@@ -41,28 +40,23 @@ local function set_base(b)
   K_TOP = b .. ':top'
   K_CWIN = b .. ':cwin'
   K_RZ = b .. ':rz'
+  K_GLOBALS = b .. ':globals'
 end
 
--- SHA-1 hex of identifiers, memoised for the call (set_base clears HC)
-local function h(s)
-  local v = HC[s]
-  if not v then
-    v = redis.sha1hex(s)
-    HC[s] = v
-  end
-  return v
-end
-local function kRun(id) return B .. ':r:' .. h(id) end
-local function kRes(id) return B .. ':s:' .. h(id) end
-local function kIdem(k) return B .. ':i:' .. h(k) end
-local function kCounter(enc) return B .. ':c:' .. h(enc) end
+-- Keys of records carry the identifier itself after a fixed part: the hash tag is the first
+-- {...} of the key, which is the base's, whatever the identifier holds.
+local function kRun(id) return B .. ':r:' .. id end
+local function kRes(id) return B .. ':s:' .. id end
+local function kIdem(k) return B .. ':i:' .. k end
+local function kCounter(enc) return B .. ':c:' .. enc end
 
 local function S(x) return string.format('%d', x) end
 local function N(s) return tonumber(s) end
 local function B01(b) if b then return '1' end return '0' end
 
--- A run is one string key: the msgpack of an array without holes (numbers are exact below
--- 2^53 in msgpack as in Lua), indexed by these:
+-- Records are strings packed with `struct` (numbers as doubles: exact below 2^53; strings
+-- after their length), which costs a fraction of msgpack's tables and strings.
+-- A run is one string key (RUN_FMT), read into an array indexed by these:
 local R_STATE, R_DEADLINE, R_LEASE, R_ROUNDS, R_TOOLS, R_RETRIES, R_ENDED = 1, 2, 3, 4, 5, 6, 7
 -- The run's lifetime counter: R_C is 1 once it exists, then limit used reserved overrun
 -- adjusted at R_C + 1 .. R_C + 5.
@@ -71,8 +65,9 @@ local R_C = 8
 -- charges, how many are held (a step is charged once, when it settles from held) and how many
 -- there are.
 local R_STEPS, R_CHARGED, R_NHELD, R_NSTEPS = 14, 15, 16, 17
--- R_IMM: what never changes, packed once at admission (msgpack of an array again, so that
--- the calls that do not need it neither parse nor re-pack it; see run_imm), indexed by these:
+-- R_IMM: what never changes, packed once at admission (IMM_FMT: the bounds and the mode, then
+-- the msgpack of the rest, parsed only by the calls that need it; see run_imm), indexed by
+-- these:
 local R_IMM = 18
 local R_ID, R_SESSION, R_CONV, R_IPS, R_CREATED, R_SLOTS, R_HOLD, R_MODE = 1, 2, 3, 4, 5, 6, 7, 8
 -- R_IPS: list of {prefix, factor}; R_SLOTS: list of slot names; R_HOLD: hold id or ''.
@@ -80,6 +75,11 @@ local R_ID, R_SESSION, R_CONV, R_IPS, R_CREATED, R_SLOTS, R_HOLD, R_MODE = 1, 2,
 local R_B_IN, R_B_CTX, R_B_OUT, R_B_TRB, R_B_ROUNDS, R_B_TOOLS, R_B_RETRIES, R_B_SECS, R_B_COST = 9, 10, 11, 12,
   13, 14, 15, 16, 17
 local R_B_SHRINK, R_B_MINOUT = 18, 19
+-- state; deadline lease rounds tools retries ended, the counter (6), charged nheld nsteps;
+-- steps; imm.
+local RUN_FMT = '<I1c0dddddddddddddddI4c0I4c0'
+-- the 11 bounds (R_B_IN ..), mode; the rest (msgpack of id session conv ips created slots hold)
+local IMM_FMT = '<dddddddddddI1c0I4c0'
 -- Run records read in this call (false: none), and those changed since: run_get and run_put
 -- go through the cache, and main writes every changed record once at the end of the call.
 local RUNS, RDIRTY = {}, {}
@@ -87,14 +87,36 @@ local function run_get(id)
   local r = RUNS[id]
   if r == nil then
     local s = redis.call('GET', kRun(id))
-    if s then r = cmsgpack.unpack(s) else r = false end
+    if s then
+      local st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ch, nh, ns, steps, imm = struct.unpack(RUN_FMT, s)
+      r = { st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, steps, ch, nh, ns, imm }
+    else
+      r = false
+    end
     RUNS[id] = r
   end
   return r or nil
 end
--- The immutable part of a run record.
-local function run_imm(r)
-  return cmsgpack.unpack(r[R_IMM])
+local function run_pack(r)
+  return struct.pack(RUN_FMT, #r[1], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
+    r[13], r[15], r[16], r[17], #r[14], r[14], #r[18], r[18])
+end
+local function imm_pack(bounds, mode, rest)
+  local packed = cmsgpack.pack(rest)
+  return struct.pack(IMM_FMT, bounds[1], bounds[2], bounds[3], bounds[4], bounds[5], bounds[6], bounds[7],
+    bounds[8], bounds[9], bounds[10], bounds[11], #mode, mode, #packed, packed)
+end
+-- The immutable part of a run record: the bounds and the mode, and with `full` the rest.
+local function run_imm(r, full)
+  local t = {}
+  t[R_B_IN], t[R_B_CTX], t[R_B_OUT], t[R_B_TRB], t[R_B_ROUNDS], t[R_B_TOOLS], t[R_B_RETRIES], t[R_B_SECS],
+    t[R_B_COST], t[R_B_SHRINK], t[R_B_MINOUT], t[R_MODE], t.rest = struct.unpack(IMM_FMT, r[R_IMM])
+  if full then
+    local x = cmsgpack.unpack(t.rest)
+    t[R_ID], t[R_SESSION], t[R_CONV], t[R_IPS], t[R_CREATED], t[R_SLOTS], t[R_HOLD] = x[1], x[2], x[3], x[4], x[5],
+      x[6], x[7]
+  end
+  return t
 end
 local function run_put(id, r)
   RUNS[id] = r
@@ -107,7 +129,7 @@ local function run_del(id)
 end
 local function run_flush()
   for id in pairs(RDIRTY) do
-    redis.call('SET', kRun(id), cmsgpack.pack(RUNS[id]))
+    redis.call('SET', kRun(id), run_pack(RUNS[id]))
   end
   RDIRTY = {}
 end
@@ -294,6 +316,8 @@ local function parse_policy(s)
   if nn() == 1 then p.sc_ip = { nn(), nn(), nn() } end
   if nn() == 1 then p.sc_global = { nn(), nn(), nn() } end
   p.consts = { RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX }
+  -- whether a step has budgets of scopes other than global
+  p.scoped = #p.kinds.ip.budgets + #p.kinds.session.budgets + #p.kinds.conversation.budgets > 0
   return p
 end
 
@@ -348,7 +372,7 @@ end
 -- The meta hash is read once at the start of a call (META: the answer, see META_POS) and its
 -- changes are written once at the end (meta_flush): seq, the clock and the summary, which
 -- changes by deltas (MD, in the order MDK). The clock, the counts (far below 2^53) and TN are
--- one field 'm', a msgpack array (MV) in the order of META_M_IDX; the sums of amounts are
+-- one field 'm', packed (MV, in the order of META_M_IDX); the sums of amounts are
 -- fields of their own (kept exact beyond 2^53 by HINCRBY).
 local META_FIELDS = { 'epoch', 'epoch_kind', 'seq', 'm', 'cutoff', 'held_sum', 'charged_sum' }
 local META_READ = { 'epoch', 'epoch_kind', 'seq', 'm' }
@@ -358,6 +382,7 @@ local SEQ, SEQ0 = 0, 0
 local META_POS = { epoch = 1, epoch_kind = 2, seq = 3, m = 4, cutoff = 5, held_sum = 6, charged_sum = 7 }
 local META_M_IDX = { clock = 1, nrec = 2, active = 3, ['st:held'] = 4, ['st:committed'] = 5, ['st:released'] = 6,
   ['st:unknown'] = 7, ['st:expired'] = 8, overruns = 9, tnext = 10 }
+local META_M_FMT = '<dddddddddd'
 local META, MD, MDK, MV = {}, {}, {}, {}
 -- TN: no timer is due before it (a lower bound of the timers' first score, kept in meta as
 -- 'tnext'; 0 when unknown), so that a call with now < TN need not look at the timers.
@@ -365,7 +390,11 @@ local TN, TN0 = 0, 0
 local function meta_load(fields)
   META = redis.call('HMGET', K_META, unpack(fields))
   MD, MDK = {}, {}
-  if META[4] then MV = cmsgpack.unpack(META[4]) else MV = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 } end
+  if META[4] then
+    MV = { struct.unpack(META_M_FMT, META[4]) }
+  else
+    MV = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+  end
   SEQ = N(META[3] or '0')
   SEQ0 = SEQ
   TN = MV[10]
@@ -427,7 +456,7 @@ local function meta_flush(clock)
   end
   if mchanged then
     set[#set + 1] = 'm'
-    set[#set + 1] = cmsgpack.pack(MV)
+    set[#set + 1] = struct.pack(META_M_FMT, MV[1], MV[2], MV[3], MV[4], MV[5], MV[6], MV[7], MV[8], MV[9], MV[10])
   end
   if #set > 0 then redis.call('HSET', K_META, unpack(set)) end
   for _, f in ipairs(incr) do redis.call('HINCRBY', K_META, f, S(MD[f])) end
@@ -474,7 +503,8 @@ end
 -- `score` is the counter's score in the top indexes as stored.
 local CC = {}
 -- A run's lifetime counter is part of its run record (R_C); every other counter is a string
--- key of its own: the msgpack of {limit, used, reserved, overrun, adjusted}.
+-- key of its own: limit, used, reserved, overrun, adjusted (COUNTER_FMT).
+local COUNTER_FMT = '<ddddd'
 local RUN_C = 'lifetime|0|run|'
 local function run_of(e)
   if string.sub(e, 1, #RUN_C) == RUN_C then return string.sub(e, #RUN_C + 1) end
@@ -490,7 +520,8 @@ local function cread(e)
   end
   local s = redis.call('GET', kCounter(e))
   if not s then return nil end
-  return cmsgpack.unpack(s)
+  local l, u, r, o, a = struct.unpack(COUNTER_FMT, s)
+  return { l, u, r, o, a }
 end
 local function cload(e)
   local c = CC[e]
@@ -514,9 +545,17 @@ local function csave(c)
       c.adjusted
     run_put(rid, r)
   else
-    redis.call('SET', kCounter(c.enc), cmsgpack.pack({ c.limit, c.used, c.reserved, c.overrun, c.adjusted }))
+    redis.call('SET', kCounter(c.enc), struct.pack(COUNTER_FMT, c.limit, c.used, c.reserved, c.overrun, c.adjusted))
   end
   local w, idx, kind = cparts(c.enc)
+  if kind == 'global' then
+    -- Global counters are few (one per budget window): not ranked, listed from a set.
+    if c.new then
+      redis.call('SADD', K_GLOBALS, c.enc)
+      c.new = false
+    end
+    return
+  end
   local score = math.min(c.used + c.reserved, MAX)
   if score ~= c.score then
     redis.call('ZADD', K_TOP .. ':' .. kind, S(score), c.enc)
@@ -524,7 +563,7 @@ local function csave(c)
   end
   if c.new then
     local r = resets_at(w, idx)
-    if kind ~= 'global' and r then redis.call('ZADD', K_CWIN, S(r), c.enc) end
+    if r then redis.call('ZADD', K_CWIN, S(r), c.enc) end
     c.new = false
   end
 end
@@ -533,6 +572,10 @@ local function cdel(e)
   CC[e] = nil
   -- (a run's counter goes with its run record)
   if not run_of(e) then redis.call('DEL', kCounter(e)) end
+  if kind == 'global' then
+    redis.call('SREM', K_GLOBALS, e)
+    return
+  end
   redis.call('ZREM', K_TOP .. ':' .. kind, e)
   redis.call('ZREM', K_CWIN, e)
 end
@@ -596,19 +639,33 @@ end
 
 ---------------------------------------------------------------- reservations
 
--- A reservation is one string key: the msgpack of an array, indexed by these (in the order of
--- a listing's row); amount, charged, created, resolved ('' until it settles) and overrun are
--- numbers, counters a list of counter encodings, the rest strings.
+-- A reservation is one string key (RES_FMT), read into an array indexed by these (in the
+-- order of a listing's row); amount, charged, created, resolved ('' until it settles) and
+-- overrun are numbers, counters a list of counter encodings, the rest strings.
 local S_ID, S_RUN, S_KIND, S_NAME, S_P1, S_P2, S_P3, S_RETRY, S_UNITS, S_AMOUNT, S_COUNTERS = 1, 2, 3, 4, 5, 6, 7,
   8, 9, 10, 11
 local S_STATE, S_CHARGED, S_CREATED, S_RESOLVED, S_MAXOUT, S_OVERRUN = 12, 13, 14, 15, 16, 17
+-- Stored as RES_FMT (resolved -1 while there is none), then each counter encoding.
+-- id run kind name p1 p2 p3 retry units amount state charged created resolved maxout overrun n
+local RES_FMT = '<I2c0I2c0I1c0I4c0I2c0I2c0I2c0I1c0I2c0dI1c0dddI2c0dI1'
 local function res_get(id)
   local s = redis.call('GET', kRes(id))
-  if s then return cmsgpack.unpack(s) end
-  return nil
+  if not s then return nil end
+  local i, run, kind, name, p1, p2, p3, retry, units, amount, state, charged, created, resolved, maxout, overrun, n,
+    pos = struct.unpack(RES_FMT, s)
+  local cs = {}
+  for j = 1, n do cs[j], pos = struct.unpack('<I2c0', s, pos) end
+  if resolved < 0 then resolved = '' end
+  return { i, run, kind, name, p1, p2, p3, retry, units, amount, cs, state, charged, created, resolved, maxout, overrun }
 end
 local function res_put(id, r)
-  redis.call('SET', kRes(id), cmsgpack.pack(r))
+  local resolved = r[S_RESOLVED]
+  if resolved == '' then resolved = -1 end
+  local cs = r[S_COUNTERS]
+  local out = { struct.pack(RES_FMT, #r[1], r[1], #r[2], r[2], #r[3], r[3], #r[4], r[4], #r[5], r[5], #r[6], r[6],
+    #r[7], r[7], #r[8], r[8], #r[9], r[9], r[10], #r[12], r[12], r[13], r[14], resolved, #r[16], r[16], r[17], #cs) }
+  for j = 1, #cs do out[j + 1] = struct.pack('<I2c0', #cs[j], cs[j]) end
+  redis.call('SET', kRes(id), table.concat(out))
 end
 
 local function res_remove(id)
@@ -721,14 +778,15 @@ local function run_counter(run_id, cost)
   return { enc = cenc('lifetime', 0, 'run', run_id), limit = cost, kind = 'run', window = 'lifetime', index = 0 }
 end
 
--- Ledger::renew: extends an active run's lease by one TTL, never past its deadline.
+-- Ledger::renew: extends an active run's lease by one TTL, never past its deadline. The
+-- lease only grows, and its timer is not moved: a lease timer is due at or before the lease
+-- (expire_due puts it at the lease when it finds it early), so a renewal writes no timer.
 local function renew(id, now, ttl)
   local r = run_get(id)
   if not r or r[R_STATE] ~= 'active' then return nil end
   local deadline, lease = r[R_DEADLINE], r[R_LEASE]
   local new = math.max(math.min(now + ttl, deadline), math.min(lease, deadline))
   if new ~= lease then
-    timer_add(new, '1|' .. id)
     r[R_LEASE] = new
     run_put(id, r)
   end
@@ -748,7 +806,7 @@ local function end_run(id, now, endstate)
     end
   end
   acc_flush(acc)
-  local imm = run_imm(run)
+  local imm = run_imm(run, true)
   local hid = imm[R_HOLD]
   if hid ~= '' then
     local used = cload(RUN_C .. id).used
@@ -779,7 +837,7 @@ end
 local function purge_run(id)
   local run = run_get(id)
   if not run then return end
-  local hid = run_imm(run)[R_HOLD]
+  local hid = run_imm(run, true)[R_HOLD]
   for _, s in ipairs(dec(run[R_STEPS])) do res_remove(s) end
   if hid ~= '' then res_remove(hid) end
   cdel(RUN_C .. id)
@@ -802,24 +860,31 @@ local function expire_due(now, max)
       next_tn = MAX
       break
     end
-    if N(t[2]) > now then
-      next_tn = N(t[2])
+    local at = N(t[2])
+    if at > now then
+      next_tn = at
       break
     end
-    redis.call('ZREM', K_TIMERS, t[1])
     pops = pops + 1
     local typ, id = string.sub(t[1], 1, 1), string.sub(t[1], 3)
-    if typ == '1' then
-      local run = run_get(id)
+    local run = typ == '1' and run_get(id)
+    if run and run[R_STATE] == 'active' and run[R_LEASE] ~= at then
+      -- An early lease timer (renewals do not move it): put it at the lease, where it takes
+      -- its place in the order of timers (as the core's), due in this call or not.
+      redis.call('ZADD', K_TIMERS, S(run[R_LEASE]), t[1])
+    elseif typ == '1' then
+      redis.call('ZREM', K_TIMERS, t[1])
       if run and run[R_STATE] == 'active' then
         end_run(id, now, 'expired')
         bump()
         done = done + 1
       end
     elseif typ == '2' then
+      redis.call('ZREM', K_TIMERS, t[1])
       purge_run(id)
       done = done + 1
     else
+      redis.call('ZREM', K_TIMERS, t[1])
       local ex = redis.call('HGET', kIdem(id), 'expires')
       if ex and N(ex) <= now then
         redis.call('DEL', kIdem(id))
@@ -968,8 +1033,8 @@ function OPS.admit_run(now, swept, A)
       for _, k in ipairs(counters) do encs[#encs + 1] = k.enc end
       res_create(hid, { hid, run_id, 'hold', '', '0', '0', '0', '0', '0', b.cost, encs, 'held', 0, now, '', '', 0 })
     end
-    local imm = cmsgpack.pack({ run_id, session, conv, ips, now, slots, hid, P.mode, b['in'], b.ctx, b.out, b.trb,
-      b.rounds, b.tools, b.retries, b.secs, b.cost, b.shrink, b.minout })
+    local imm = imm_pack({ b['in'], b.ctx, b.out, b.trb, b.rounds, b.tools, b.retries, b.secs, b.cost, b.shrink,
+      b.minout }, P.mode, { run_id, session, conv, ips, now, slots, hid })
     run_put(run_id, { 'active', deadline, lease, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, '', 0, 0, 0, imm })
     timer_add(lease, '1|' .. run_id)
     mincr('nrec', 1)
@@ -1003,7 +1068,7 @@ function OPS.reserve_step(now, swept, A)
   if redis.call('EXISTS', kRes(step_id)) == 1 then return err({ 'invalid', 'step id already exists' }) end
   local run = run_get(run_id)
   if not run then return err({ 'notfound', 'run ' .. run_id }) end
-  local imm = run_imm(run)
+  local imm = run_imm(run, false)
   if records_held() >= RECORDS_MAX then return err({ 'full' }) end
 
   -- decide_step
@@ -1047,8 +1112,13 @@ function OPS.reserve_step(now, swept, A)
   end
   local counters
   if not outcome then
-    if imm[R_MODE] == 'per_step' then
+    if imm[R_MODE] == 'per_step' and P.scoped then
+      imm = run_imm(run, true)
       counters = run_budget_counters(imm[R_SESSION], imm[R_IPS], imm[R_CONV], now)
+    elseif imm[R_MODE] == 'per_step' then
+      -- (no budget on an address prefix, session or conversation: the global ones only)
+      counters = {}
+      scope_counters(counters, 'global', '', 1, now)
     else
       counters = {}
     end
@@ -1128,7 +1198,7 @@ function OPS.resolve(now, swept, A)
   local too_large = false
   if how == 'bytes' then
     local run = run_get(f[S_RUN])
-    too_large = run and N(A[3]) > run_imm(run)[R_B_TRB] or false
+    too_large = run and N(A[3]) > run_imm(run, false)[R_B_TRB] or false
   end
   if state ~= 'held' then
     local commit = how == 'tokens' or how == 'units' or how == 'bytes'
@@ -1347,6 +1417,22 @@ local function listing(base, part, parts, n)
   end
   return out
 end
+-- The top counters of a kind ('' = all kinds): global counters are not ranked (see csave),
+-- so all of them are listed (a superset of their top n, which the caller sorts and truncates).
+local function top_listing(part, n)
+  if part == 'global' then
+    if n <= 0 then return {} end
+    return redis.call('SMEMBERS', K_GLOBALS)
+  end
+  if part ~= '' then return top_with_ties(K_TOP .. ':' .. part, n) end
+  local out = top_listing('global', n)
+  for _, p in ipairs(SCOPE_KINDS) do
+    if p ~= 'global' then
+      for _, m in ipairs(top_with_ties(K_TOP .. ':' .. p, n)) do out[#out + 1] = m end
+    end
+  end
+  return out
+end
 
 local READS = {}
 
@@ -1396,7 +1482,7 @@ end
 -- args: kind ('' = all) top
 function READS.top(now, A)
   local rows = {}
-  for _, e in ipairs(listing(K_TOP, A[1], SCOPE_KINDS, N(A[2]))) do
+  for _, e in ipairs(top_listing(A[1], N(A[2]))) do
     local f = cread(e)
     if f then rows[#rows + 1] = { e, S(f[1]), S(f[2]), S(f[3]), S(f[4]), S(f[5]) } end
   end

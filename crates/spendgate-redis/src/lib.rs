@@ -17,15 +17,18 @@
 //!   rewritten when a counter's score moves.
 //! * **Storage, shaped by what a call costs.** Script time goes mostly to the number of
 //!   `redis.call`s, the number of fields they move (each one a string made and parsed) and
-//!   the Lua tables built, so records are msgpack strings (`cmsgpack`, exact for integers
-//!   below 2^53): a run is one record holding its counters of steps, its lifetime counter,
+//!   the Lua tables built, so records are strings packed with `struct` (numbers as doubles,
+//!   exact below 2^53; cheaper to read and write than msgpack): a run is one record holding
+//!   its counters of steps, its lifetime counter,
 //!   its step ids with their charged sum and held count (finish reads no step) and, packed
 //!   apart, its immutable part (parsed only by a step); a reservation is one record; a budget
 //!   counter is one record. Run records are cached per call and written once at its end.
 //!   Indexes: top counters per scope kind and reservations per state (listings of all kinds
 //!   or states merge them, the decoder sorts and truncates); timers in one sorted set, with a
-//!   lower bound of its first score kept in meta so that most calls do not read it. The
-//!   epoch is part of the meta hash.
+//!   lower bound of its first score kept in meta so that most calls do not read it; a lease
+//!   renewal does not move its run's timer (the timer stays at or before the lease, and is
+//!   put at the lease when it comes due early). Global counters are listed from a set rather
+//!   than ranked (they are few). The epoch is part of the meta hash.
 //! * **One clock.** With [`ClockSource::Server`] the script reads the Redis server's `TIME`,
 //!   so replicas with skewed clocks agree on windows, GCRA and leases. Window ids (including
 //!   UTC calendar months) are computed inside the script with the same civil-date arithmetic
@@ -33,8 +36,9 @@
 //!   clock is held at the largest value seen (`meta.clock`) and never goes back.
 //! * **Keys.** Every key is `{prefix}:...`: one hash tag per deployment (Redis Cluster safe;
 //!   the prefix may not contain braces). Outside identifiers (run, step, session,
-//!   conversation, address prefix, idempotency key) only appear in key names as SHA-1 hex of
-//!   the identifier (fixed length; no hash-tag injection). `KEYS[1]` is the `{prefix}` base;
+//!   conversation, address prefix, idempotency key) appear in key names after the base and a
+//!   fixed part: the hash tag is the first `{...}`, the base's, so an identifier cannot move a
+//!   key to another slot. `KEYS[1]` is the `{prefix}` base;
 //!   the script derives the other keys of that same slot.
 //! * **Exact integers.** Every amount, timestamp and TAT is an integer below 2^53 (exact in a
 //!   Lua double); numbers are formatted with `%d`, never with Lua's 14-digit `tostring`.

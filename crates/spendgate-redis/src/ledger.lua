@@ -51,6 +51,8 @@ local function kIdem(k) return B .. ':i:' .. k end
 local function kCounter(enc) return B .. ':c:' .. enc end
 
 local function S(x) return string.format('%d', x) end
+-- (a number in an answer becomes an integer reply: exact, and cheaper than a string; redis.call
+-- takes numbers too, but prints them with %.17g, which costs more than S)
 local function N(s) return tonumber(s) end
 local function B01(b) if b then return '1' end return '0' end
 
@@ -77,9 +79,12 @@ local R_B_IN, R_B_CTX, R_B_OUT, R_B_TRB, R_B_ROUNDS, R_B_TOOLS, R_B_RETRIES, R_B
 local R_B_SHRINK, R_B_MINOUT = 18, 19
 -- state; deadline lease rounds tools retries ended, the counter (6), charged nheld nsteps;
 -- steps; imm.
-local RUN_FMT = '<I1c0dddddddddddddddI4c0I4c0'
--- the 11 bounds (R_B_IN ..), mode; the rest (msgpack of id session conv ips created slots hold)
-local IMM_FMT = '<dddddddddddI1c0I4c0'
+-- (struct.pack copies a string byte by byte: the long ones, steps and imm, follow the packed
+-- head with their lengths in it, joined by concatenation)
+local RUN_FMT = '<I1c0dddddddddddddddI4I4'
+-- the 11 bounds (R_B_IN ..), mode; then the rest (msgpack of id session conv ips created
+-- slots hold)
+local IMM_FMT = '<dddddddddddI1c0'
 -- Run records read in this call (false: none), and those changed since: run_get and run_put
 -- go through the cache, and main writes every changed record once at the end of the call.
 local RUNS, RDIRTY = {}, {}
@@ -88,8 +93,9 @@ local function run_get(id)
   if r == nil then
     local s = redis.call('GET', kRun(id))
     if s then
-      local st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ch, nh, ns, steps, imm = struct.unpack(RUN_FMT, s)
-      r = { st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, steps, ch, nh, ns, imm }
+      local st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ch, nh, ns, nsteps, _, pos = struct.unpack(RUN_FMT, s)
+      r = { st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, string.sub(s, pos, pos + nsteps - 1), ch, nh, ns,
+        string.sub(s, pos + nsteps) }
     else
       r = false
     end
@@ -99,20 +105,22 @@ local function run_get(id)
 end
 local function run_pack(r)
   return struct.pack(RUN_FMT, #r[1], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
-    r[13], r[15], r[16], r[17], #r[14], r[14], #r[18], r[18])
+    r[13], r[15], r[16], r[17], #r[14], #r[18]) .. r[14] .. r[18]
 end
 local function imm_pack(bounds, mode, rest)
   local packed = cmsgpack.pack(rest)
   return struct.pack(IMM_FMT, bounds[1], bounds[2], bounds[3], bounds[4], bounds[5], bounds[6], bounds[7],
-    bounds[8], bounds[9], bounds[10], bounds[11], #mode, mode, #packed, packed)
+    bounds[8], bounds[9], bounds[10], bounds[11], #mode, mode) .. packed
 end
 -- The immutable part of a run record: the bounds and the mode, and with `full` the rest.
 local function run_imm(r, full)
-  local t = {}
+  -- (the constructor sizes the array part at once)
+  local t = { false, false, false, false, false, false, false, false, false, false, false, false, false, false, false,
+    false, false, false, false }
   t[R_B_IN], t[R_B_CTX], t[R_B_OUT], t[R_B_TRB], t[R_B_ROUNDS], t[R_B_TOOLS], t[R_B_RETRIES], t[R_B_SECS],
-    t[R_B_COST], t[R_B_SHRINK], t[R_B_MINOUT], t[R_MODE], t.rest = struct.unpack(IMM_FMT, r[R_IMM])
+    t[R_B_COST], t[R_B_SHRINK], t[R_B_MINOUT], t[R_MODE], t.pos = struct.unpack(IMM_FMT, r[R_IMM])
   if full then
-    local x = cmsgpack.unpack(t.rest)
+    local x = cmsgpack.unpack(string.sub(r[R_IMM], t.pos))
     t[R_ID], t[R_SESSION], t[R_CONV], t[R_IPS], t[R_CREATED], t[R_SLOTS], t[R_HOLD] = x[1], x[2], x[3], x[4], x[5],
       x[6], x[7]
   end
@@ -495,9 +503,20 @@ end
 local function cenc(window, index, kind, id)
   return window .. '|' .. S(index) .. '|' .. kind .. '|' .. id
 end
+-- Parsed encodings (a pure function of the string: kept across calls, bounded).
+local CPARTS, CPARTS_N = {}, 0
 local function cparts(e)
-  local w, idx, kind = string.match(e, '^([^|]*)|([^|]*)|([^|]*)|')
-  return w, N(idx), kind
+  local p = CPARTS[e]
+  if not p then
+    local w, idx, kind = string.match(e, '^([^|]*)|([^|]*)|([^|]*)|')
+    p = { w, N(idx), kind }
+    if CPARTS_N >= 4096 then
+      CPARTS, CPARTS_N = {}, 0
+    end
+    CPARTS[e] = p
+    CPARTS_N = CPARTS_N + 1
+  end
+  return p[1], p[2], p[3]
 end
 -- Counters loaded in this call, by encoding (main clears it; csave and cdel keep it current).
 -- `score` is the counter's score in the top indexes as stored.
@@ -645,27 +664,37 @@ end
 local S_ID, S_RUN, S_KIND, S_NAME, S_P1, S_P2, S_P3, S_RETRY, S_UNITS, S_AMOUNT, S_COUNTERS = 1, 2, 3, 4, 5, 6, 7,
   8, 9, 10, 11
 local S_STATE, S_CHARGED, S_CREATED, S_RESOLVED, S_MAXOUT, S_OVERRUN = 12, 13, 14, 15, 16, 17
--- Stored as RES_FMT (resolved -1 while there is none), then each counter encoding.
--- id run kind name p1 p2 p3 retry units amount state charged created resolved maxout overrun n
-local RES_FMT = '<I2c0I2c0I1c0I4c0I2c0I2c0I2c0I1c0I2c0dI1c0dddI2c0dI1'
+-- Stored as RES_HEAD (what a settlement changes, and amount; resolved -1 while there is
+-- none), then RES_TAIL (packed once, when the reservation is made) and each counter encoding.
+-- The record read keeps its tail (at S_TAIL), which a settlement writes back as it was.
+local RES_HEAD = '<I1c0ddddd' -- state amount charged created resolved overrun
+local RES_TAIL = '<I2c0I2c0I1c0I4c0I2c0I2c0I2c0I1c0I2c0I2c0I1' -- id run kind name p1 p2 p3 retry units maxout n
+local S_TAIL = 18
 local function res_get(id)
   local s = redis.call('GET', kRes(id))
   if not s then return nil end
-  local i, run, kind, name, p1, p2, p3, retry, units, amount, state, charged, created, resolved, maxout, overrun, n,
-    pos = struct.unpack(RES_FMT, s)
+  local state, amount, charged, created, resolved, overrun, tpos = struct.unpack(RES_HEAD, s)
+  local i, run, kind, name, p1, p2, p3, retry, units, maxout, n, pos = struct.unpack(RES_TAIL, s, tpos)
   local cs = {}
   for j = 1, n do cs[j], pos = struct.unpack('<I2c0', s, pos) end
   if resolved < 0 then resolved = '' end
-  return { i, run, kind, name, p1, p2, p3, retry, units, amount, cs, state, charged, created, resolved, maxout, overrun }
+  return { i, run, kind, name, p1, p2, p3, retry, units, amount, cs, state, charged, created, resolved, maxout, overrun,
+    string.sub(s, tpos) }
 end
 local function res_put(id, r)
   local resolved = r[S_RESOLVED]
   if resolved == '' then resolved = -1 end
-  local cs = r[S_COUNTERS]
-  local out = { struct.pack(RES_FMT, #r[1], r[1], #r[2], r[2], #r[3], r[3], #r[4], r[4], #r[5], r[5], #r[6], r[6],
-    #r[7], r[7], #r[8], r[8], #r[9], r[9], r[10], #r[12], r[12], r[13], r[14], resolved, #r[16], r[16], r[17], #cs) }
-  for j = 1, #cs do out[j + 1] = struct.pack('<I2c0', #cs[j], cs[j]) end
-  redis.call('SET', kRes(id), table.concat(out))
+  local tail = r[S_TAIL]
+  if not tail then
+    local cs = r[S_COUNTERS]
+    local out = { struct.pack(RES_TAIL, #r[1], r[1], #r[2], r[2], #r[3], r[3], #r[4], r[4], #r[5], r[5], #r[6], r[6],
+      #r[7], r[7], #r[8], r[8], #r[9], r[9], #r[16], r[16], #cs) }
+    for j = 1, #cs do out[j + 1] = struct.pack('<I2c0', #cs[j], cs[j]) end
+    tail = table.concat(out)
+    r[S_TAIL] = tail
+  end
+  redis.call('SET', kRes(id), struct.pack(RES_HEAD, #r[S_STATE], r[S_STATE], r[S_AMOUNT], r[S_CHARGED], r[S_CREATED],
+    resolved, r[S_OVERRUN]) .. tail)
 end
 
 local function res_remove(id)
@@ -919,12 +948,12 @@ end
 ---------------------------------------------------------------- replies
 
 local function ok(changed, payload)
-  local r = { 'OK', S(SEQ), B01(changed) }
+  local r = { 'OK', SEQ, B01(changed) }
   for _, x in ipairs(payload) do r[#r + 1] = x end
   return r
 end
 local function err(list)
-  local r = { 'E', S(SEQ) }
+  local r = { 'E', SEQ }
   for _, x in ipairs(list) do r[#r + 1] = x end
   return r
 end

@@ -457,8 +457,11 @@ local function meta_flush(clock)
       if v and v <= MAX and v >= -MAX and v + d <= MAX and v + d >= -MAX then
         set[#set + 1] = f
         set[#set + 1] = S(v + d)
+        META[pos] = set[#set]
       else
         incr[#incr + 1] = f
+        -- (not known any more: a later flush of the same call increments it too)
+        if pos and pos <= #META then META[pos] = 'unknown' end
       end
     end
   end
@@ -468,6 +471,8 @@ local function meta_flush(clock)
   end
   if #set > 0 then redis.call('HSET', K_META, unpack(set)) end
   for _, f in ipairs(incr) do redis.call('HINCRBY', K_META, f, S(MD[f])) end
+  -- (the next command of a batch starts from what is written)
+  MD, MDK, SEQ0, TN0 = {}, {}, SEQ, TN
 end
 local function records_held()
   return MV[2] + (MD.nrec or 0)
@@ -1520,6 +1525,20 @@ end
 
 ---------------------------------------------------------------- dispatch
 
+-- One operation, its changes written before it answers.
+local function run_op(op, now, A)
+  if READS[op] then return READS[op](now, A) end
+  local f = OPS[op]
+  -- Ledger::advance: the clock never goes back; due expiries are processed first (a sweep
+  -- processes and counts them itself).
+  local swept = false
+  if op ~= 'sweep' then swept = expire_due(now, EXPIRIES_PER_CALL) > 0 end
+  local reply = f(now, swept, A)
+  run_flush()
+  if now ~= MV[1] then meta_flush(now) else meta_flush(nil) end
+  return reply
+end
+
 local function main(KEYS, ARGV)
   set_base(KEYS[1])
   local op = ARGV[1]
@@ -1558,18 +1577,26 @@ local function main(KEYS, ARGV)
 
   P = policy(ARGV[5])
 
-  if READS[op] then return READS[op](now, A) end
-  local f = OPS[op]
-  if not f then return redis.error_reply('spendgate: unknown operation ' .. op) end
-
-  -- Ledger::advance: the clock never goes back; due expiries are processed first (a sweep
-  -- processes and counts them itself).
-  local swept = false
-  if op ~= 'sweep' then swept = expire_due(now, EXPIRIES_PER_CALL) > 0 end
-  local reply = f(now, swept, A)
-  run_flush()
-  if now ~= clock then meta_flush(now) else meta_flush(nil) end
-  return reply
+  if op ~= 'batch' then
+    if not READS[op] and not OPS[op] then return redis.error_reply('spendgate: unknown operation ' .. op) end
+    return run_op(op, now, A)
+  end
+  -- A batch (Store::execute_many): ARGV[6..] holds, for each command in turn, its operation,
+  -- its number of arguments and those. Each is applied on its own, as if called alone at the
+  -- same instant (its changes are written before the next one starts); the answer lists each
+  -- one's answer.
+  local cmds, i = {}, 6
+  while i <= #ARGV do
+    local sop, n = ARGV[i], N(ARGV[i + 1])
+    if not n or (not READS[sop] and not OPS[sop]) then
+      return redis.error_reply('spendgate: bad batch at argument ' .. S(i))
+    end
+    cmds[#cmds + 1] = { sop, i + 2, i + 1 + n }
+    i = i + 2 + n
+  end
+  local out = {}
+  for j, c in ipairs(cmds) do out[j] = run_op(c[1], now, { unpack(ARGV, c[2], c[3]) }) end
+  return out
 end
 
 redis.register_function { function_name = 'SPENDGATE_FN', callback = main }

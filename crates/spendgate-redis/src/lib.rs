@@ -12,7 +12,9 @@
 //!   again and the call re-run, which is safe because the function did not run. No other
 //!   failure is retried: an answer that was lost leaves the outcome unknown, and a
 //!   reservation made that way stays held until it expires and is charged in full (I3).
-//!   Read-only operations call the same code registered `no-writes`. Per call, the meta hash
+//!   Read-only operations call the same code registered `no-writes`. `execute_many` sends
+//!   its commands in one call (`batch`): one round trip, one epoch check, each command still
+//!   applied on its own and its changes written before the next starts. Per call, the meta hash
 //!   is read once and written once, counters are read once and the top indexes only
 //!   rewritten when a counter's score moves.
 //! * **Storage, shaped by what a call costs.** Script time goes mostly to the number of
@@ -504,16 +506,46 @@ impl RedisStore {
 
     /// Runs one script call; handles store-level refusals (epoch, rollback).
     async fn call(&self, call: &Call) -> Result<Vec<Item>, StoreError> {
+        self.call_argv(call.read, call.op, &call.args).await
+    }
+
+    /// Runs one script call of `op` (or a "batch", whose answer lists each command's answer).
+    async fn call_argv(
+        &self,
+        read: bool,
+        op: &str,
+        args: &[String],
+    ) -> Result<Vec<Item>, StoreError> {
         for _ in 0..EPOCH_ATTEMPTS {
             let (epoch, min_seq) = self.epoch_args().await?;
             let now = self.now_arg();
-            let mut argv: Vec<&str> = vec![call.op, &now, &epoch, &min_seq, &self.policy_arg];
-            argv.extend(call.args.iter().map(String::as_str));
-            let item = self.eval(call.read, &argv).await?;
+            let mut argv: Vec<&str> = vec![op, &now, &epoch, &min_seq, &self.policy_arg];
+            argv.extend(args.iter().map(String::as_str));
+            let item = self.eval(read, &argv).await?;
             let items = match item {
                 Item::List(items) => items,
                 Item::Str(s) => return Err(unavailable(format!("redis store: answer {s:?}"))),
             };
+            if let Some(Item::List(_)) = items.first() {
+                // A batch's answers, each `["OK" | "E", seq, ...]`.
+                let mut highest = 0;
+                for answer in &items {
+                    let mut f = protocol::Fields::new(answer.list()?);
+                    match f.s()?.as_str() {
+                        "OK" | "E" => highest = highest.max(f.u()?),
+                        other => {
+                            return Err(unavailable(format!(
+                                "redis store: answer tag {other:?} in a batch"
+                            )))
+                        }
+                    }
+                }
+                let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+                if st.id.as_deref() == Some(epoch.as_str()) {
+                    st.min_seq = st.min_seq.max(highest);
+                }
+                return Ok(items);
+            }
             let mut f = protocol::Fields::new(&items);
             match f.s()?.as_str() {
                 "OK" | "E" => {
@@ -663,6 +695,46 @@ impl RedisStore {
         self.check_server().await
     }
 
+    /// Several commands in one script call (`batch`): each applied on its own, in order, as
+    /// `execute` would, and answered on its own. When a command needs durability and the
+    /// server check fails, each command goes alone instead (those that need no durability
+    /// still apply, as with separate calls).
+    async fn execute_many_inner(&self, cmds: Vec<Command>) -> Vec<Result<Reply, StoreError>> {
+        let n = cmds.len();
+        if cmds.iter().any(Command::needs_durability) && self.healthy().await.is_err() {
+            let mut out = Vec::with_capacity(n);
+            for cmd in cmds {
+                out.push(self.execute_inner(cmd).await);
+            }
+            return out;
+        }
+        let calls: Vec<Call> = cmds.iter().map(protocol::encode).collect();
+        let read = calls.iter().all(|c| c.read);
+        let mut args = Vec::new();
+        for c in &calls {
+            args.push(c.op.to_string());
+            args.push(c.args.len().to_string());
+            args.extend(c.args.iter().cloned());
+        }
+        let items = match self.call_argv(read, "batch", &args).await {
+            Ok(items) => items,
+            Err(e) => return vec![Err(e); n],
+        };
+        if items.len() != n {
+            return vec![
+                Err(unavailable(format!(
+                    "redis store: {} answers to a batch of {n}",
+                    items.len()
+                )));
+                n
+            ];
+        }
+        cmds.iter()
+            .zip(&items)
+            .map(|(cmd, item)| protocol::decode(cmd, item.list()?))
+            .collect()
+    }
+
     async fn execute_inner(&self, cmd: Command) -> Result<Reply, StoreError> {
         if cmd.needs_durability() {
             self.healthy().await?;
@@ -694,6 +766,21 @@ impl Store for RedisStore {
         tokio::time::timeout(self.opts.timeout, self.execute_inner(cmd))
             .await
             .map_err(|_| StoreError::Timeout(self.opts.timeout))?
+    }
+
+    async fn execute_many(&self, cmds: Vec<Command>) -> Vec<Result<Reply, StoreError>> {
+        let n = cmds.len();
+        if n <= 1 {
+            let mut out = Vec::with_capacity(n);
+            for cmd in cmds {
+                out.push(self.execute(cmd).await);
+            }
+            return out;
+        }
+        match tokio::time::timeout(self.opts.timeout, self.execute_many_inner(cmds)).await {
+            Ok(answers) => answers,
+            Err(_) => vec![Err(StoreError::Timeout(self.opts.timeout)); n],
+        }
     }
 
     async fn ready(&self) -> Result<(), StoreError> {

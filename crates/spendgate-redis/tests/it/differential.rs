@@ -365,7 +365,9 @@ impl Gen {
 
 type Seen = std::collections::BTreeMap<String, usize>;
 
-async fn differential(variant: u8, seed: u64, ops: usize, seen: &mut Seen) {
+/// `batched`: the commands go to redis in batches of 1 to 6 (`execute_many`, one script
+/// call), the clock still between batches, while the core executes them one by one.
+async fn differential(variant: u8, seed: u64, ops: usize, batched: bool, seen: &mut Seen) {
     let server = server(false);
     // 2026-11-30T23:40:00Z: month, day and hour windows turn over during the run.
     let clock = ManualClock::new(UnixMs(1_796_082_000_000));
@@ -388,19 +390,43 @@ async fn differential(variant: u8, seed: u64, ops: usize, seen: &mut Seen) {
         reserved: Vec::new(),
     };
     let mut log = Vec::new();
-    for i in 0..ops {
-        let cmd = g.command();
-        let want = memory.execute(cmd.clone()).await;
-        let got = redis.execute(cmd.clone()).await;
-        log.push(format!("{i}: {cmd:?}"));
-        if want != got {
-            let tail = log[log.len().saturating_sub(12)..].join("\n");
-            panic!(
-                "variant {variant} seed {seed}: answers differ at op {i}\n--- last commands:\n{tail}\n--- memory:\n{want:#?}\n--- redis:\n{got:#?}"
-            );
+    let mut i = 0;
+    while i < ops {
+        let size = if batched {
+            1 + g.r.below(6) as usize
+        } else {
+            1
+        };
+        let (mut cmds, mut wants) = (Vec::new(), Vec::new());
+        for _ in 0..size {
+            let cmd = g.command();
+            let want = memory.execute(cmd.clone()).await;
+            log.push(format!("{}: {cmd:?}", i + cmds.len()));
+            *seen.entry(outcome(&want)).or_default() += 1;
+            g.observe(&want);
+            cmds.push(cmd);
+            wants.push(want);
         }
-        *seen.entry(outcome(&want)).or_default() += 1;
-        g.observe(&want);
+        let gots = if batched {
+            redis.execute_many(cmds.clone()).await
+        } else {
+            let mut v = Vec::new();
+            for cmd in &cmds {
+                v.push(redis.execute(cmd.clone()).await);
+            }
+            v
+        };
+        assert_eq!(gots.len(), wants.len(), "one answer per command");
+        for (j, (want, got)) in wants.iter().zip(&gots).enumerate() {
+            if want != got {
+                let tail = log[log.len().saturating_sub(12)..].join("\n");
+                panic!(
+                    "variant {variant} seed {seed}: answers differ at op {}\n--- last commands:\n{tail}\n--- memory:\n{want:#?}\n--- redis:\n{got:#?}",
+                    i + j
+                );
+            }
+        }
+        i += cmds.len();
         let ms = g.advance();
         if ms > 0 {
             clock.advance_ms(ms);
@@ -454,9 +480,18 @@ fn outcome(r: &Result<Reply, spendgate_store::StoreError>) -> String {
 /// Runs a variant over several seeds and checks that together they reached the interesting
 /// paths (not only errors).
 async fn variant(variant: u8, seeds: std::ops::RangeInclusive<u64>, extra: &[&str]) {
+    variant_run(variant, seeds, false, extra).await;
+}
+
+async fn variant_run(
+    variant: u8,
+    seeds: std::ops::RangeInclusive<u64>,
+    batched: bool,
+    extra: &[&str],
+) {
     let mut seen = Seen::new();
     for seed in seeds {
-        differential(variant, seed, 3000, &mut seen).await;
+        differential(variant, seed, 3000, batched, &mut seen).await;
     }
     println!("variant {variant}: {seen:?}");
     let common = [
@@ -488,6 +523,13 @@ async fn variant(variant: u8, seeds: std::ops::RangeInclusive<u64>, extra: &[&st
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_answers_as_the_core_per_step_with_shrink() {
     variant(0, 1..=3, &["step shrunk", "refused rate_limited"]).await;
+}
+
+/// `execute_many` as one script call answers each command as the core does one by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_answer_as_the_core_one_by_one() {
+    variant_run(0, 31..=32, true, &["step shrunk"]).await;
+    variant_run(1, 41..=41, true, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -19,6 +19,8 @@ pub struct Metrics {
     store_micros: AtomicU64,
     upstream_calls: AtomicU64,
     upstream_micros: AtomicU64,
+    proxy_overheads: AtomicU64,
+    proxy_overhead_micros: AtomicU64,
     unknown_outcomes: AtomicU64,
 }
 
@@ -48,6 +50,13 @@ impl Metrics {
     pub fn store_call(&self, d: Duration) {
         self.store_calls.fetch_add(1, Ordering::Relaxed);
         self.store_micros
+            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+    }
+    /// Time a proxied call spent in spendgate rather than upstream: before forwarding
+    /// (identity, bounds, admission) and, when not streaming, after the answer (commit).
+    pub fn proxy_overhead(&self, d: Duration) {
+        self.proxy_overheads.fetch_add(1, Ordering::Relaxed);
+        self.proxy_overhead_micros
             .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
     }
     pub fn upstream_call(&self, d: Duration) {
@@ -111,6 +120,17 @@ impl Metrics {
             out,
             "spendgate_upstream_call_seconds_sum {}",
             l(&self.upstream_micros) as f64 / 1e6
+        );
+        let _ = writeln!(out, "# TYPE spendgate_proxy_overhead_seconds summary");
+        let _ = writeln!(
+            out,
+            "spendgate_proxy_overhead_seconds_count {}",
+            l(&self.proxy_overheads)
+        );
+        let _ = writeln!(
+            out,
+            "spendgate_proxy_overhead_seconds_sum {}",
+            l(&self.proxy_overhead_micros) as f64 / 1e6
         );
         if let Some(s) = summary {
             let _ = writeln!(out, "# TYPE spendgate_reservations gauge");

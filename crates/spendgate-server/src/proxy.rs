@@ -319,6 +319,7 @@ pub async fn chat_completions(
     headers: HeaderMap,
     body: api::Body<Value>,
 ) -> ApiResult<Response> {
+    let entered = Instant::now();
     let who = caller(&state, peer, &headers)?;
     let mut req = body.value;
     if !req.is_object() {
@@ -421,6 +422,7 @@ pub async fn chat_completions(
             };
             // Admission and reservation in one call: a group-committing store (sqlite) makes
             // both durable in one write.
+            let store_started = Instant::now();
             let mut answers = state
                 .store
                 .execute_many(vec![
@@ -435,6 +437,7 @@ pub async fn chat_completions(
                 ])
                 .await
                 .into_iter();
+            state.metrics.store_call(store_started.elapsed());
             let admitted = match answers.next() {
                 Some(Ok(Reply::Run(a))) => Ok(a),
                 Some(Ok(other)) => Err(StoreError::Unavailable(format!(
@@ -557,6 +560,7 @@ pub async fn chat_completions(
         }
     }
     let started = Instant::now();
+    let before_forwarding = started.duration_since(entered);
     // One deadline for the answer's head (and, when not streaming, its whole body).
     let deadline = tokio::time::Instant::now() + upstream.timeout;
     let resp = match tokio::time::timeout_at(deadline, builder.send()).await {
@@ -647,7 +651,10 @@ pub async fn chat_completions(
             )
             .await);
         };
-        state.metrics.upstream_call(started.elapsed());
+        let upstream_done = Instant::now();
+        state
+            .metrics
+            .upstream_call(upstream_done.duration_since(started));
         let usage = serde_json::from_slice::<Value>(&bytes)
             .ok()
             .as_ref()
@@ -662,11 +669,15 @@ pub async fn chat_completions(
         if let Some(a) = guard.resolve(how).await {
             note_resolution(&a, &mut out_headers);
         }
+        state
+            .metrics
+            .proxy_overhead(before_forwarding + upstream_done.elapsed());
         let mut r = (status, bytes).into_response();
         r.headers_mut().extend(out_headers);
         return Ok(r);
     }
 
+    state.metrics.proxy_overhead(before_forwarding);
     // Streaming: pass every chunk through as it arrives; watch for the usage chunk.
     let body_stream = relay(
         resp.bytes_stream(),

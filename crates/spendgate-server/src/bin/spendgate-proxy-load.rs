@@ -129,6 +129,9 @@ impl Ctx {
                 {"role": "user", "content": "Hello! How are you today?"}
             ],
         });
+        if measure == Measure::ChunkTransit {
+            b["max_tokens"] = json!(self.args.paced_tokens);
+        }
         if stream {
             b["stream"] = json!(true);
             // What the proxy asks the upstream for, so both paths do the same work.

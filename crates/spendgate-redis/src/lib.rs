@@ -345,7 +345,25 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
     Ok(out.0.join(" "))
 }
 
-/// A fresh epoch id: unique per call (time, process, counter), not secret.
+/// The layout of what the ledger script stores (keys, packed records, meta fields). Every
+/// epoch id starts with it, so a deployment whose data was written in another layout is
+/// refused rather than misread. Bump it with any change of the stored layout.
+pub const LEDGER_FORMAT: &str = "f2";
+
+/// Refuses an epoch written by a build with another stored layout ([`LEDGER_FORMAT`]).
+fn check_format(epoch: &str, prefix: &str) -> Result<(), StoreError> {
+    match epoch.split_once('-') {
+        Some((format, _)) if format == LEDGER_FORMAT => Ok(()),
+        _ => Err(unavailable(format!(
+            "the ledger under prefix {prefix:?} was written by a spendgate build with another \
+             data layout (epoch {epoch:?}; this build reads layout {LEDGER_FORMAT}); it cannot be \
+             read safely: use a new store.prefix, or delete that prefix's keys and restart"
+        ))),
+    }
+}
+
+/// A fresh epoch id: [`LEDGER_FORMAT`], then unique per call (time, process, counter), not
+/// secret.
 fn new_epoch_id(prefix: &str) -> String {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let nanos = std::time::SystemTime::now()
@@ -357,7 +375,7 @@ fn new_epoch_id(prefix: &str) -> String {
     h.update(std::process::id().to_le_bytes());
     h.update(COUNTER.fetch_add(1, Ordering::Relaxed).to_le_bytes());
     h.update(prefix.as_bytes());
-    hex::encode(&h.finalize()[..16])
+    format!("{LEDGER_FORMAT}-{}", hex::encode(&h.finalize()[..16]))
 }
 
 fn connection(opts: &RedisOptions) -> Result<ConnectionManager, StoreError> {
@@ -434,6 +452,14 @@ impl RedisStore {
         };
         let lib = library();
         let fut = async {
+            // A reset acknowledges lost or rolled-back data, not data of another layout:
+            // adopting that would misread it.
+            let argv = ["epoch_init", now.as_str(), "", "0", "", id.as_str()];
+            let item = fcall(&mut conn, &lib, false, &base, &argv, opts.timeout).await?;
+            let mut f = protocol::Fields::new(item.list()?);
+            if f.s()? == "OK" {
+                check_format(&f.s()?, &opts.prefix)?;
+            }
             let argv = ["epoch_reset", now.as_str(), "", "0", "", id.as_str()];
             fcall(&mut conn, &lib, false, &base, &argv, opts.timeout).await
         };
@@ -487,6 +513,7 @@ impl RedisStore {
         match f.s()?.as_str() {
             "OK" => {
                 let id = f.s()?;
+                check_format(&id, &self.opts.prefix)?;
                 let _kind = f.s()?;
                 let seq = f.u()?;
                 let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
@@ -571,6 +598,7 @@ impl RedisStore {
                                  reset; refusing until `spendgate store accept-reset`",
                             ));
                             }
+                            check_format(&id, &self.opts.prefix)?;
                             tracing::warn!(epoch = %id, "adopting a ledger reset accepted by an operator");
                             let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
                             st.id = Some(id);

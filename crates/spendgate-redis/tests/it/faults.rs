@@ -279,6 +279,47 @@ async fn a_rolled_back_ledger_is_refused_until_accepted() {
     admit(s, "r3").await;
 }
 
+/// Data written by a build with another stored layout is refused, not misread; a reset does
+/// not paper over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_of_another_data_layout_is_refused() {
+    let server = server(false);
+    let opts = server_opts(&server, Duration::from_secs(2));
+    let meta = format!("{{{}}}:meta", opts.prefix);
+    // As an older build left it: an epoch without this build's layout tag.
+    server
+        .command(&[
+            "HSET",
+            &meta,
+            "epoch",
+            "0123abcd",
+            "epoch_kind",
+            "init",
+            "seq",
+            "7",
+        ])
+        .expect("HSET");
+    let store = open(opts.clone(), policy()).await;
+    let s = store_of(&store);
+    let r = s.admit_run(run_req("r1"), None).await;
+    assert!(
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("data layout")),
+        "{r:?}"
+    );
+    assert!(store.ready().await.is_err());
+    let r = RedisStore::accept_reset(&opts).await;
+    assert!(
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("data layout")),
+        "{r:?}"
+    );
+    assert!(s.admit_run(run_req("r2"), None).await.is_err());
+    // A deployment under a new prefix starts clean.
+    let mut fresh = opts.clone();
+    fresh.prefix = format!("{}-new", opts.prefix);
+    let other = open(fresh, policy()).await;
+    admit(store_of(&other), "r3").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_cache_flush_is_survived() {
     let server = server(false);

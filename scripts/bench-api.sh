@@ -28,3 +28,4 @@ done
 echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
 ./target/release/spendgate-load --base "http://127.0.0.1:$port" --service-token "$token" \
   --rate "$RATE" --seconds "$SECONDS_EACH" --concurrency 32 --runs 64
+fsync_floor "$dir"

@@ -262,7 +262,14 @@ impl MockUpstream {
     }
 
     /// Serve the router on `listener` until the process ends or the listener fails.
+    ///
+    /// Every connection has `TCP_NODELAY`: without it, Nagle's algorithm holds a small
+    /// streamed chunk until the previous one is acknowledged, and with the peer's delayed ACK
+    /// that is up to 40 ms per chunk, which no real upstream does.
     pub async fn serve(self, listener: tokio::net::TcpListener) -> std::io::Result<()> {
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         axum::serve(listener, self.router()).await
     }
 

@@ -294,6 +294,39 @@ pub struct RunAdmitted {
     pub deadline: UnixMs,
     pub reserved: Micros,
     pub bounds: RunBounds,
+    /// The request-rate scope with the least quota left after this admission (`None` when no
+    /// scope of the run has a rate). Computed from the rate state the admission wrote.
+    pub rate_left: Option<RateLeft>,
+}
+
+/// What one request-rate (GCRA) scope has left right after an admission (see [`Rate::left`]).
+///
+/// Among the run's rate scopes (global, each address prefix, session, conversation) the one
+/// with the least `remaining` is reported; on a tie the one with the longer `reset_s`, then
+/// the first in that order.
+///
+/// [`Rate::left`]: crate::rate::Rate::left
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RateLeft {
+    pub scope: ScopeKind,
+    /// How many more runs this scope would admit right now (the burst left).
+    pub remaining: u64,
+    /// Seconds until this scope regains one more unit of quota, rounded up (at least 1).
+    pub reset_s: u64,
+}
+
+impl RateLeft {
+    /// Keeps the tighter of `self` and `other` (less remaining; on a tie the longer reset;
+    /// on a full tie `self`).
+    fn tighter(self, other: RateLeft) -> RateLeft {
+        if (other.remaining, std::cmp::Reverse(other.reset_s))
+            < (self.remaining, std::cmp::Reverse(self.reset_s))
+        {
+            other
+        } else {
+            self
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -1185,6 +1218,7 @@ impl Ledger {
         // Rates: every scope with a rate, computed but not yet applied.
         let now_us = now.0.saturating_mul(1000);
         let mut tats = Vec::new();
+        let mut rate_left: Option<RateLeft> = None;
         for (scope, factor) in &scopes {
             let Some(p) = policy.for_kind(scope.kind) else {
                 continue;
@@ -1195,7 +1229,16 @@ impl Ledger {
             let key = format!("run|{scope}");
             let tat = self.rates.get(&key).copied().unwrap_or(0);
             match rate.check(tat, now_us) {
-                Ok(new_tat) => tats.push((key, new_tat)),
+                Ok(new_tat) => {
+                    let (remaining, reset_s) = rate.left(new_tat, now_us);
+                    let left = RateLeft {
+                        scope: scope.kind,
+                        remaining,
+                        reset_s,
+                    };
+                    rate_left = Some(rate_left.map_or(left, |l| l.tighter(left)));
+                    tats.push((key, new_tat));
+                }
                 Err(wait_us) => {
                     return Err(Refusal::new(
                         RefusalCode::RateLimited,
@@ -1238,6 +1281,7 @@ impl Ledger {
         self.check_budgets(&counters, hold, now)?;
         Ok(RunPlan {
             tats,
+            rate_left,
             slots,
             counters,
         })
@@ -1310,6 +1354,7 @@ impl Ledger {
             deadline,
             reserved,
             bounds,
+            rate_left: plan.rate_left,
         }
     }
 
@@ -2045,6 +2090,7 @@ fn budget_refusal(key: &CounterKey, c: &Counter, now: UnixMs) -> Refusal {
 
 struct RunPlan {
     tats: Vec<(String, u64)>,
+    rate_left: Option<RateLeft>,
     slots: Vec<ScopeKey>,
     counters: Vec<(CounterKey, Micros)>,
 }
@@ -2066,3 +2112,112 @@ struct StepPlan {
 // Unused import guard for ScopePolicy in docs.
 #[allow(dead_code)]
 fn _policy_type_check(_: &ScopePolicy) {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rate::Rate;
+
+    fn policy() -> Policy {
+        let rate = |count, burst| {
+            Some(Rate {
+                count,
+                period_ms: 60_000,
+                burst,
+            })
+        };
+        let mut p = Policy::default();
+        p.global.rate = rate(600, 100);
+        p.ip.rate = rate(60, 10);
+        p.session.rate = rate(6, 3);
+        p.global.concurrency = None;
+        p.ip.concurrency = None;
+        p.session.concurrency = None;
+        p.conversation.concurrency = None;
+        p
+    }
+
+    fn req(run: &str, conversation: &str) -> RunRequest {
+        RunRequest {
+            run_id: RunId(run.into()),
+            session: "s1".into(),
+            ips: vec![IpScope {
+                prefix: "192.0.2.1".into(),
+                factor: 1,
+            }],
+            conversation: conversation.into(),
+            input_bytes: 10,
+        }
+    }
+
+    fn admit(l: &mut Ledger, p: &Policy, now: UnixMs, run: &str) -> Result<RunAdmitted, Refusal> {
+        l.admit_run(p, now, &req(run, run), None)
+            .expect("valid request")
+            .value
+    }
+
+    #[test]
+    fn admission_reports_the_tightest_rate_scope() {
+        let p = policy();
+        let mut l = Ledger::new();
+        let now = UnixMs(1_700_000_000_000);
+        let mut seen = Vec::new();
+        for run in ["r1", "r2", "r3"] {
+            let a = admit(&mut l, &p, now, run).expect("within burst");
+            seen.push(a.rate_left.expect("session has a rate"));
+        }
+        // Session: 6/minute (one unit per 10 s), burst 3.
+        let left = |remaining| RateLeft {
+            scope: ScopeKind::Session,
+            remaining,
+            reset_s: 10,
+        };
+        assert_eq!(seen, [left(2), left(1), left(0)]);
+        let refused = admit(&mut l, &p, now, "r4").expect_err("burst spent");
+        assert_eq!(refused.code, RefusalCode::RateLimited);
+        assert_eq!(refused.retry_after_s, Some(10));
+        // 2.5 s later: 7.5 s until the next unit, rounded up.
+        let later = UnixMs(now.0 + 12_500);
+        let a = admit(&mut l, &p, later, "r5").expect("one unit regained");
+        assert_eq!(
+            a.rate_left,
+            Some(RateLeft {
+                scope: ScopeKind::Session,
+                remaining: 0,
+                reset_s: 8,
+            })
+        );
+    }
+
+    #[test]
+    fn admission_without_rates_reports_none_and_ties_take_the_longer_reset() {
+        let mut p = policy();
+        p.global.rate = None;
+        p.ip.rate = None;
+        p.session.rate = None;
+        let mut l = Ledger::new();
+        let now = UnixMs(1_700_000_000_000);
+        let a = admit(&mut l, &p, now, "r1").expect("admitted");
+        assert_eq!(a.rate_left, None);
+        // Same burst left on ip and session; the ip's unit comes back later.
+        p.ip.rate = Some(Rate {
+            count: 1,
+            period_ms: 60_000,
+            burst: 2,
+        });
+        p.session.rate = Some(Rate {
+            count: 2,
+            period_ms: 60_000,
+            burst: 2,
+        });
+        let a = admit(&mut l, &p, now, "r2").expect("admitted");
+        assert_eq!(
+            a.rate_left,
+            Some(RateLeft {
+                scope: ScopeKind::Ip,
+                remaining: 1,
+                reset_s: 60,
+            })
+        );
+    }
+}

@@ -75,6 +75,25 @@ impl Rate {
             Err(ahead - tolerance)
         }
     }
+
+    /// What a key whose TAT is `tat_us` has left at `now_us`, as `(remaining, reset_s)`; meant
+    /// for the TAT an admission has just written (so `tat_us > now_us`).
+    ///
+    /// - `remaining`: how many more requests [`Rate::check`] would admit right now, one after
+    ///   the other (the burst left): the largest `k` with `tat + k * interval - now` within the
+    ///   tolerance of `burst` intervals.
+    /// - `reset_s`: seconds until one more unit of quota is regained (until `remaining` would
+    ///   grow by one), rounded up; always in `1..=ceil(interval)` for a TAT ahead of `now`.
+    ///   When `remaining` is 0 this is also the wait [`Rate::check`] would report for the next
+    ///   request (in seconds, rounded up).
+    pub fn left(&self, tat_us: u64, now_us: u64) -> (u64, u64) {
+        let interval = self.interval_us();
+        let tolerance = interval.saturating_mul(self.burst.max(1));
+        let slack = tolerance.saturating_sub(tat_us.saturating_sub(now_us));
+        let remaining = slack / interval;
+        let reset_us = interval - slack % interval;
+        (remaining, reset_us.div_ceil(1_000_000))
+    }
 }
 
 #[cfg(test)]
@@ -113,5 +132,53 @@ mod tests {
             t2 = r.check(t2, later).expect("burst again");
         }
         assert!(r.check(t2, later).is_err());
+    }
+
+    #[test]
+    fn left_counts_burst_down_and_rounds_reset_up() {
+        // 10/second: an interval of 100 ms; a burst of 3.
+        let r = Rate {
+            count: 10,
+            period_ms: 1000,
+            burst: 3,
+        };
+        let now = 1_000_000_000;
+        let mut tat = 0;
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            tat = r.check(tat, now).expect("within burst");
+            seen.push(r.left(tat, now));
+        }
+        // 100 ms to regain one unit: rounded up to 1 s.
+        assert_eq!(seen, [(2, 1), (1, 1), (0, 1)]);
+        // `remaining` is exactly how many more are admitted now.
+        assert!(r.check(tat, now).is_err());
+        // 2/minute, burst 2: 30 s to regain one unit.
+        let slow = Rate {
+            count: 2,
+            period_ms: 60_000,
+            burst: 2,
+        };
+        let t1 = slow.check(0, now).expect("first");
+        assert_eq!(slow.left(t1, now), (1, 30));
+        let t2 = slow.check(t1, now).expect("second");
+        assert_eq!(slow.left(t2, now), (0, 30));
+        // 10.5 s later: still none left, 19.5 s to go, rounded up to 20.
+        assert_eq!(slow.left(t2, now + 10_500_000), (0, 20));
+        assert_eq!(
+            slow.check(t2, now + 10_500_000),
+            Err(19_500_000),
+            "the wait of the next request is the reset"
+        );
+        // 30 s later one unit is back; the next one comes 30 s after that.
+        assert_eq!(slow.left(t2, now + 30_000_000), (1, 30));
+        // 1/day, burst 1: a day to the next.
+        let daily = Rate {
+            count: 1,
+            period_ms: 86_400_000,
+            burst: 1,
+        };
+        let t = daily.check(0, now).expect("first");
+        assert_eq!(daily.left(t, now), (0, 86_400));
     }
 }

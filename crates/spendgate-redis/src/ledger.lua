@@ -366,6 +366,14 @@ local function rate_check(r, tat, now_us)
   if ahead <= tol then return true, new end
   return false, ahead - tol
 end
+-- Rate::left: remaining, reset_s of a key whose TAT an admission has just written
+local function rate_left(r, tat, now_us)
+  local iv = rate_interval(r)
+  local tol = iv * math.max(r[3], 1)
+  local slack = math.max(tol - math.max(tat - now_us, 0), 0)
+  local rem = idiv(slack, iv)
+  return rem, ceil_div(iv - (slack - rem * iv), 1000000)
+end
 local function rate_get(key)
   local v = redis.call('ZSCORE', K_RATES, key)
   if v then return N(v) end
@@ -1013,6 +1021,7 @@ function OPS.admit_run(now, swept, A)
   local scopes = run_scopes(session, ips, conv)
   local now_us = now * 1000
   local tats, slots = {}, {}
+  local left = nil -- RateLeft: { scope, remaining, reset_s }, the tightest
   if not outcome then
     for _, s in ipairs(scopes) do
       local kp = P.kinds[s[1]]
@@ -1025,6 +1034,10 @@ function OPS.admit_run(now, swept, A)
           break
         end
         tats[#tats + 1] = { key, v }
+        local rem, reset = rate_left(r, v, now_us)
+        if not left or rem < left[2] or (rem == left[2] and reset > left[3]) then
+          left = { s[1], rem, reset }
+        end
       end
     end
   end
@@ -1075,6 +1088,16 @@ function OPS.admit_run(now, swept, A)
     mincr('active', 1)
     outcome = { 'run_ok', run_id, S(deadline), S(reserved), S(b['in']), S(b.ctx), S(b.out), S(b.trb),
       S(b.rounds), S(b.tools), S(b.retries), S(b.secs), S(b.cost), S(b.shrink), S(b.minout) }
+    -- rate_left: scope ('' = none), remaining, reset_s
+    if left then
+      outcome[#outcome + 1] = left[1]
+      outcome[#outcome + 1] = S(left[2])
+      outcome[#outcome + 1] = S(left[3])
+    else
+      outcome[#outcome + 1] = ''
+      outcome[#outcome + 1] = '0'
+      outcome[#outcome + 1] = '0'
+    end
   end
   if has_idem then remember(ikey, ifp, 'run', outcome, now) end
   local changed = swept or admitted or has_idem

@@ -400,9 +400,25 @@ fn run_outcome(f: &mut Fields<'_>) -> Result<Result<RunAdmitted, Refusal>, Store
                 shrink_to_fit: f.b()?,
                 min_output_tokens: f.u()?,
             },
+            rate_left: rate_left(f)?,
         })),
         other => Err(bad(format!("run outcome {other:?}"))),
     }
+}
+
+/// `scope remaining reset_s`, the scope `""` when no scope of the run has a rate.
+fn rate_left(f: &mut Fields<'_>) -> Result<Option<RateLeft>, StoreError> {
+    let scope = f.s()?;
+    let remaining = f.u()?;
+    let reset_s = f.u()?;
+    if scope.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(RateLeft {
+        scope: kind_of(&scope)?,
+        remaining,
+        reset_s,
+    }))
 }
 
 fn u32_of(v: u64) -> Result<u32, StoreError> {

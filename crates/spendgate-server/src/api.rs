@@ -350,6 +350,7 @@ pub async fn create_run(
     let applied = state.store.admit_run(req, idem).await;
     state.metrics.store_call(started.elapsed());
     let applied = applied?;
+    let rate_left = applied.value.as_ref().ok().and_then(|a| a.rate_left);
     let out = applied.value.map(|a| {
         json!({
             "run_id": a.run_id.0,
@@ -361,8 +362,32 @@ pub async fn create_run(
     let mut resp = grant(&state.metrics, "run", out, StatusCode::CREATED, applied.seq);
     if resp.status() == StatusCode::CREATED {
         rate_limit_policy(&state, &mut resp);
+        if let Some(left) = rate_left {
+            rate_limit(left, &mut resp);
+        }
     }
     Ok(resp)
+}
+
+/// `RateLimit` (draft-ietf-httpapi-ratelimit-headers, 08 and later): one list member, the
+/// rate policy with the least quota left after this admission, e.g.
+/// `RateLimit: "session";r=2;t=20`. The name is one of those in `RateLimit-Policy`.
+///
+/// For GCRA: `r` is how many more runs that policy would admit right now (the burst left);
+/// `t` is the seconds until it regains one more unit of quota, rounded up (at least 1). With
+/// `r=0`, `t` is the `Retry-After` an admission at this moment would be refused with.
+/// The values come from the rate state the admission itself wrote (an idempotent replay
+/// repeats the first answer's values).
+fn rate_limit(left: RateLeft, resp: &mut Response) {
+    let value = format!(
+        "\"{}\";r={};t={}",
+        left.scope.name(),
+        left.remaining,
+        left.reset_s
+    );
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        resp.headers_mut().insert("ratelimit", v);
+    }
 }
 
 /// `RateLimit-Policy` (IETF httpapi draft) naming the request-rate policies that apply.
@@ -373,6 +398,8 @@ fn rate_limit_policy(state: &AppState, resp: &mut Response) {
         ("session", &p.session),
         ("ip", &p.ip),
         ("global", &p.global),
+        // Only when configured (SPEC §4 names no conversation rate); `RateLimit` may name it.
+        ("conversation", &p.conversation),
     ] {
         if let Some(r) = sp.rate {
             parts.push(format!(

@@ -622,3 +622,73 @@ async fn session_cookie_and_graceful_shutdown() {
     let status = server.terminate();
     assert!(status.success(), "SIGTERM drains and exits 0: {status:?}");
 }
+
+const SESSION_RATE: &str = r#"
+[limits.global]
+rate = "100000/second"
+burst = 100000
+
+[limits.ip]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = []
+
+[limits.session]
+rate = "3/minute"
+burst = 3
+concurrency = 1000
+budgets = []
+"#;
+
+/// SPEC §6: admissions carry `RateLimit` naming the tightest rate policy; with a session
+/// burst of 3 its `r` counts 2, 1, 0, then the next run is refused 429 `rate_limited` with
+/// `Retry-After`. One unit comes back every 20 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ratelimit_header_counts_the_session_burst_down() {
+    let server = Server::start(SESSION_RATE);
+    let s = server.session().await;
+    let open = |i: u32| {
+        server
+            .http
+            .post(server.url("/v1/runs"))
+            .bearer_auth(SERVICE)
+            .json(&json!({"session": s, "client_ip": "192.0.2.1", "conversation": format!("c{i}"), "input_text": "hi"}))
+            .send()
+    };
+    for (i, expect_r) in [(0, 2), (1, 1), (2, 0)] {
+        let r = open(i).await.expect("send");
+        assert_eq!(r.status().as_u16(), 201);
+        let policy = r
+            .headers()
+            .get("ratelimit-policy")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+            .expect("RateLimit-Policy");
+        assert!(policy.contains("\"session\";q=3;w=60"), "{policy}");
+        let header = r
+            .headers()
+            .get("ratelimit")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+            .expect("RateLimit");
+        let rest = header
+            .strip_prefix(&format!("\"session\";r={expect_r};t="))
+            .unwrap_or_else(|| panic!("admission {i}: {header}"));
+        let t: u64 = rest.parse().expect("t is delta-seconds");
+        assert!((1..=20).contains(&t), "{header}");
+    }
+    let r = open(3).await.expect("send");
+    assert_eq!(r.status().as_u16(), 429);
+    assert!(r.headers().get("ratelimit").is_none());
+    let retry: u64 = r
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .expect("Retry-After");
+    assert!((1..=20).contains(&retry), "{retry}");
+    let v: Value = r.json().await.expect("json");
+    assert_eq!(code(&v), "rate_limited", "{v}");
+    assert_eq!(v["error"]["scope"], "session");
+}

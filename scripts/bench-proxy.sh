@@ -6,11 +6,15 @@
 # driver `spendgate-proxy-load`, which sends the same requests at RATE per second to each path,
 # interleaved, in one run. Prints Markdown tables.
 #
-#   scripts/bench-proxy.sh [RATE] [SECONDS]
+#   scripts/bench-proxy.sh [RATE] [SECONDS] [DRIVER OPTIONS...]
+#
+# e.g. `scripts/bench-proxy.sh 5000 5 --sequential --paced-tokens-per-second 0`: each path
+# alone at 5,000 requests/s, one after the other (see `spendgate-proxy-load --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${1:-200}
 SECONDS_EACH=${2:-10}
+shift $(( $# < 2 ? $# : 2 ))
 cargo build --release -q -p spendgate-server --bins
 dir=$(mktemp -d)
 . scripts/bench-lib.sh
@@ -40,7 +44,7 @@ for _ in $(seq 100); do
 done
 echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
 ./target/release/spendgate-proxy-load --proxy "http://127.0.0.1:$port" --direct "http://127.0.0.1:$mport" \
-  --service-token "$token" --rate "$RATE" --seconds "$SECONDS_EACH" --warmup 2
+  --service-token "$token" --rate "$RATE" --seconds "$SECONDS_EACH" --warmup 2 "$@"
 echo
 echo "mock upstream counted: $(curl -fs "http://127.0.0.1:$mport/mock/stats" | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["requests"], "requests,", s["completed"], "completed")')"
 echo "spendgate: $(curl -fs "http://127.0.0.1:$port/metrics" | grep -E '^spendgate_(admissions_total\{what="proxy_step"\}|unknown_outcomes_total|reservations\{state="held"\})' | tr '\n' ' ')"

@@ -1,8 +1,9 @@
 //! `sqlite`: the embedded default store. One file, durable across restarts, no server to run.
 //!
 //! Layout:
-//! - One SQLite file in WAL mode with `locking_mode=EXCLUSIVE`: one process owns the file for
-//!   as long as the store is open; a second open fails with [`StoreError::Unavailable`].
+//! - One SQLite file in WAL mode with `synchronous=FULL` and `locking_mode=EXCLUSIVE`: one
+//!   process owns the file for as long as the store is open; a second open fails with
+//!   [`StoreError::Unavailable`].
 //! - One table, `records(key TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID`: every
 //!   ledger entity, its [`Record`] encoded with postcard (compact, about a third of JSON's
 //!   size: fewer pages to write per commit). The schema version is kept in
@@ -19,24 +20,12 @@
 //!   queue is full the call is refused at once (fail closed), never blocking the runtime.
 //! - Group commit: the writer takes the first queued command, then up to [`BATCH_MAX`] more
 //!   without waiting, applies each at the clock's `now`, and writes every changed entity in
-//!   one `BEGIN IMMEDIATE … COMMIT`. A command that needs durability
-//!   ([`Command::needs_durability`]) is answered only once that commit is on disk; other
-//!   commands are answered as soon as they are applied (losing one only errs towards
-//!   charging more).
-//! - The fsync is not the writer's: SQLite runs with `synchronous=NORMAL` (a commit writes
-//!   its WAL frames but does not sync them) and a second thread, the syncer, calls
-//!   `fdatasync` on the WAL file and only then answers the durable commands of every batch
-//!   committed before that call began. The writer goes on applying and writing the next
-//!   batch (and answering commits and releases at once) while the disk syncs: a commit never
-//!   waits behind someone else's fsync. Durability is the same as `synchronous=FULL`: the
-//!   WAL is appended in order with checksummed frames, so once it is synced every commit
-//!   written before is recovered at the next open; checkpoints (SQLite's own) sync the WAL
-//!   before copying it and the database after.
-//! - If a write fails, it is rolled back, the ledger is reloaded from the file (dropping
+//!   one `BEGIN IMMEDIATE … COMMIT` (one fsync). A command that needs durability
+//!   ([`Command::needs_durability`]) is answered only after that commit; other commands are
+//!   answered as soon as they are applied (losing one only errs towards charging more).
+//! - If the write fails, it is rolled back, the ledger is reloaded from the file (dropping
 //!   every change not on disk) and every command of the batch not yet answered is answered
-//!   with [`StoreError::Unavailable`]. If an fsync fails, nothing written since can be
-//!   trusted to be on disk (the kernel may have dropped the pages): every durable command
-//!   waiting, and every command after, is refused until the process restarts (fail closed).
+//!   with [`StoreError::Unavailable`].
 
 use crate::{Clock, Store, StoreError};
 use async_trait::async_trait;
@@ -47,7 +36,6 @@ use spendgate_core::{
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -68,8 +56,6 @@ pub const SCHEMA_VERSION: i64 = 2;
 pub const WAL_AUTOCHECKPOINT_PAGES: u32 = 4000;
 /// SQLite's page cache, in KiB (SQLite's default is 2000).
 pub const PAGE_CACHE_KIB: i64 = 65_536;
-/// Committed batches waiting for the syncer at most; past it the writer waits (back pressure).
-pub const SYNC_QUEUE_MAX: usize = 1024;
 
 const _: () = assert!(BATCH_MAX >= 1 && BATCH_MAX <= QUEUE_MAX);
 
@@ -135,7 +121,6 @@ impl SqliteStore {
         let (ledger, runs) = load(&conn)
             .map_err(|e| StoreError::Unavailable(format!("sqlite {}: {e}", opts.path.display())))?;
         let (queue, rx) = sync_channel(opts.queue_max.max(1));
-        let syncer = Syncer::start(&opts.path)?;
         let writer = Writer {
             conn,
             ledger,
@@ -146,7 +131,6 @@ impl SqliteStore {
             batch_max: opts.batch_max.max(1),
             broken: None,
             buf: Vec::with_capacity(1024),
-            syncer: Some(syncer),
         };
         let handle = std::thread::Builder::new()
             .name("spendgate-sqlite".into())
@@ -276,8 +260,7 @@ fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
             path.display()
         )));
     }
-    // The syncer thread fsyncs the WAL before any durable answer (see the module docs).
-    conn.pragma_update(None, "synchronous", "NORMAL")
+    conn.pragma_update(None, "synchronous", "FULL")
         .map_err(err)?;
     conn.pragma_update(None, "wal_autocheckpoint", WAL_AUTOCHECKPOINT_PAGES)
         .map_err(err)?;
@@ -415,107 +398,17 @@ struct Writer {
     /// Every batch retries the reload first.
     broken: Option<String>,
     buf: Vec<u8>,
-    /// `None` only while the writer ends.
-    syncer: Option<Syncer>,
 }
 
 /// A command applied in this batch whose answer waits for the commit.
 type Pending = (Answer<Reply>, Result<Reply, StoreError>);
-
-/// The thread that makes committed batches durable and answers their durable commands.
-struct Syncer {
-    queue: SyncSender<Vec<Pending>>,
-    /// Set for good once an fsync failed.
-    failed: Arc<AtomicBool>,
-    thread: JoinHandle<()>,
-}
-
-impl Syncer {
-    fn start(db: &Path) -> Result<Syncer, StoreError> {
-        let mut wal = db.as_os_str().to_owned();
-        wal.push("-wal");
-        let wal = PathBuf::from(wal);
-        // The WAL exists from the first write at open and stays for as long as the
-        // connection holds its exclusive lock (checkpoints rewrite it in place).
-        let file = std::fs::File::open(&wal)
-            .map_err(|e| StoreError::Unavailable(format!("sqlite WAL {}: {e}", wal.display())))?;
-        let (queue, rx) = sync_channel::<Vec<Pending>>(SYNC_QUEUE_MAX);
-        let failed = Arc::new(AtomicBool::new(false));
-        let flag = failed.clone();
-        let thread = std::thread::Builder::new()
-            .name("spendgate-sqlite-sync".into())
-            .spawn(move || Syncer::run(&file, &wal, &rx, &flag))
-            .map_err(|e| StoreError::Unavailable(format!("cannot start sqlite syncer: {e}")))?;
-        Ok(Syncer {
-            queue,
-            failed,
-            thread,
-        })
-    }
-
-    /// Takes every batch committed so far, syncs once, answers them all; until the writer
-    /// is gone and the queue is empty.
-    fn run(file: &std::fs::File, wal: &Path, rx: &Receiver<Vec<Pending>>, failed: &AtomicBool) {
-        let mut waiting: Vec<Pending> = Vec::new();
-        while let Ok(first) = rx.recv() {
-            waiting.extend(first);
-            while let Ok(more) = rx.try_recv() {
-                waiting.extend(more);
-            }
-            // Every batch taken was committed (written) before this call began.
-            let synced = if failed.load(Ordering::SeqCst) {
-                Err("an earlier fsync of the sqlite WAL failed; restart spendgate".to_string())
-            } else {
-                same_file(file, wal).and_then(|()| {
-                    file.sync_data()
-                        .map_err(|e| format!("fsync of the sqlite WAL failed: {e}"))
-                })
-            };
-            match synced {
-                Ok(()) => {
-                    for (tx, answer) in waiting.drain(..) {
-                        let _ = tx.send(answer);
-                    }
-                }
-                Err(e) => {
-                    if !failed.swap(true, Ordering::SeqCst) {
-                        tracing::error!(error = %e, "sqlite WAL fsync failed; refusing everything until restart");
-                    }
-                    let err = StoreError::Unavailable(e);
-                    for (tx, _) in waiting.drain(..) {
-                        let _ = tx.send(Err(err.clone()));
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Whether `file` is still the WAL at `path` (SQLite never replaces it while it holds the
-/// exclusive lock; if it ever did, syncing the old file would prove nothing).
-fn same_file(file: &std::fs::File, path: &Path) -> Result<(), String> {
-    use std::os::unix::fs::MetadataExt;
-    let open = file.metadata().map_err(|e| format!("sqlite WAL: {e}"))?;
-    let now = std::fs::metadata(path).map_err(|e| format!("sqlite WAL {}: {e}", path.display()))?;
-    if (open.dev(), open.ino()) == (now.dev(), now.ino()) {
-        Ok(())
-    } else {
-        Err(format!(
-            "sqlite WAL {} was replaced under spendgate",
-            path.display()
-        ))
-    }
-}
 
 impl Writer {
     fn run(mut self) {
         let mut pending: Vec<Pending> = Vec::with_capacity(self.batch_max);
         // Ends when every sender is gone (the store was dropped) and the queue is empty.
         while let Ok(first) = self.rx.recv() {
-            if self.sync_failed() {
-                self.ledger.clear_changes();
-                self.broken = Some("an fsync of the sqlite WAL failed; restart spendgate".into());
-            } else if self.broken.is_some() {
+            if self.broken.is_some() {
                 self.reload();
             }
             let mut failed = self.handle(first, &mut pending);
@@ -534,14 +427,9 @@ impl Writer {
                 self.commit()
             };
             match result {
-                Ok(()) if pending.is_empty() => {}
                 Ok(()) => {
-                    let batch = std::mem::replace(&mut pending, Vec::with_capacity(self.batch_max));
-                    if let Some(syncer) = &self.syncer {
-                        // Blocks while the syncer is SYNC_QUEUE_MAX batches behind; fails
-                        // only if it is gone, and then the answers are dropped (the callers
-                        // see the store as unavailable).
-                        let _ = syncer.queue.send(batch);
+                    for (tx, answer) in pending.drain(..) {
+                        let _ = tx.send(answer);
                     }
                 }
                 Err(e) => {
@@ -554,18 +442,6 @@ impl Writer {
                 }
             }
         }
-        if let Some(syncer) = self.syncer.take() {
-            drop(syncer.queue);
-            if syncer.thread.join().is_err() {
-                tracing::error!("sqlite syncer thread panicked");
-            }
-        }
-    }
-
-    fn sync_failed(&self) -> bool {
-        self.syncer
-            .as_ref()
-            .is_some_and(|s| s.failed.load(Ordering::SeqCst))
     }
 
     /// Handles one message; returns true when the ledger panicked (the batch is abandoned).

@@ -388,42 +388,6 @@ async fn a_second_open_of_the_same_file_fails_while_the_first_is_alive() {
     assert!(msg.contains("in use"), "{msg}");
 }
 
-/// The syncer answers a durable command only after syncing the WAL it was written to; when it
-/// cannot prove that (here: the WAL was replaced under the store, as a stand-in for a failed
-/// fsync), the reservation is refused, and so is everything after it (fail closed).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reservation_that_cannot_be_synced_is_refused_and_the_store_stays_closed() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let path = db_path(&dir);
-    let store = open(&path, Arc::new(ManualClock::new(T0)));
-    admit(&store, "run-1").await;
-    let mut wal = path.clone().into_os_string();
-    wal.push("-wal");
-    let mut moved = wal.clone();
-    moved.push(".moved");
-    std::fs::rename(&wal, &moved).expect("move the WAL away");
-    std::fs::write(&wal, b"").expect("a different file at the WAL's path");
-    let s: &dyn Store = &store;
-    let err = s
-        .reserve_step(tool_step("run-1", "s1"), None)
-        .await
-        .expect_err("not durable, not granted");
-    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
-    assert!(err.to_string().contains("replaced"), "{err}");
-    // From now on nothing is served, not even what needs no sync.
-    assert!(store.ready().await.is_err());
-    let err = s
-        .reserve_step(tool_step("run-1", "s2"), None)
-        .await
-        .expect_err("closed");
-    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
-    let err = s
-        .usage(vec![(ScopeKey::global(), 1)])
-        .await
-        .expect_err("closed");
-    assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn foreign_or_newer_files_are_refused() {
     let dir = tempfile::tempdir().expect("tempdir");

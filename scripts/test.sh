@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh Debian machine with Rust: installs what the tests need
-# (redis-server for the tests that start their own Redis; a Python virtualenv with the
-# official `openai` package for the proxy's real-client tests), then checks formatting and
-# lints and runs every test.
+# (redis-server for the tests that start their own Redis; Chromium and its driver for the
+# page test; a Python virtualenv with the official `openai` package for the proxy's
+# real-client tests and `selenium` for the page test), then checks formatting and lints and
+# runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,13 +16,17 @@ apt_install() {
 
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server
 command -v python3 >/dev/null 2>&1 || apt_install python3 python3-venv
+# A real browser for the test of the demo page and the dashboard.
+{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || apt_install chromium chromium-driver
 
-# The official OpenAI Python client, for tests that drive the proxy with it.
+# The official OpenAI Python client, for tests that drive the proxy with it; Selenium, for the
+# page test (given the browser and driver paths, it downloads nothing).
 VENV=.venv
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV" 2>/dev/null || { apt_install python3-venv; python3 -m venv "$VENV"; }
 fi
-"$VENV/bin/python" -c 'import openai' 2>/dev/null || "$VENV/bin/pip" install -q 'openai>=1.40,<3'
+"$VENV/bin/python" -c 'import openai, selenium' 2>/dev/null \
+  || "$VENV/bin/pip" install -q 'openai>=1.40,<3' 'selenium>=4.20,<5'
 export SPENDGATE_TEST_PYTHON="$PWD/$VENV/bin/python"
 
 rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt clippy || true

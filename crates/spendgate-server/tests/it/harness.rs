@@ -207,3 +207,32 @@ impl Server {
 pub fn code(v: &Value) -> &str {
     v["error"]["code"].as_str().unwrap_or("")
 }
+
+// ---------------------------------------------------------------------------------------
+// Real clients (Python).
+
+pub fn workspace_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The Python that has the official `openai` package (and `selenium`, for the page test):
+/// `SPENDGATE_TEST_PYTHON`, else the workspace's `.venv` (both made by `scripts/test.sh`).
+pub fn test_python() -> PathBuf {
+    if let Some(p) = std::env::var_os("SPENDGATE_TEST_PYTHON") {
+        let p = PathBuf::from(p);
+        assert!(
+            p.exists(),
+            "SPENDGATE_TEST_PYTHON={} does not exist; install the client with: \
+             python3 -m venv .venv && .venv/bin/pip install openai",
+            p.display()
+        );
+        return p;
+    }
+    let venv = workspace_root().join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "no Python with the `openai` package: set SPENDGATE_TEST_PYTHON, or at the workspace \
+         root run: python3 -m venv .venv && .venv/bin/pip install openai"
+    );
+    venv
+}

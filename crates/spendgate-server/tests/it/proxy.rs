@@ -8,7 +8,6 @@ use serde_json::{json, Value};
 use spendgate_mock_upstream::{prompt_tokens_of, MockConfig, MockStats, MockUpstream};
 use spendgate_testkit::{free_port, wait_for_port, ChildGuard};
 use std::collections::BTreeSet;
-use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -1024,32 +1023,6 @@ async fn client_gone_mid_stream_is_charged_in_full() {
 
 // ---------------------------------------------------------------------------------------
 // Real clients.
-
-fn workspace_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The Python that has the official `openai` package: `SPENDGATE_TEST_PYTHON`, else the
-/// workspace's `.venv`.
-fn test_python() -> PathBuf {
-    if let Some(p) = std::env::var_os("SPENDGATE_TEST_PYTHON") {
-        let p = PathBuf::from(p);
-        assert!(
-            p.exists(),
-            "SPENDGATE_TEST_PYTHON={} does not exist; install the client with: \
-             python3 -m venv .venv && .venv/bin/pip install openai",
-            p.display()
-        );
-        return p;
-    }
-    let venv = workspace_root().join(".venv/bin/python");
-    assert!(
-        venv.exists(),
-        "no Python with the `openai` package: set SPENDGATE_TEST_PYTHON, or at the workspace \
-         root run: python3 -m venv .venv && .venv/bin/pip install openai"
-    );
-    venv
-}
 
 /// Conversation budget 1000 micros at 10/10/30 micros per token: a call with `max_tokens` 10
 /// fits (≈ 430), one with the default bound of 100 (≈ 3130) is refused for budget.

@@ -24,6 +24,8 @@ pub const WEBHOOK_TIMEOUT: Duration = Duration::from_secs(5);
 pub const CHECK_EVERY: Duration = Duration::from_secs(1);
 /// Expired reservations are looked for every this many checks.
 pub const SUMMARY_EVERY_CHECKS: u64 = 5;
+/// Threshold alerts one replica remembers having sent itself (cleared when full).
+pub const SENT_HERE_MAX: usize = 1024;
 
 #[derive(Clone)]
 pub struct Alerts {
@@ -123,6 +125,7 @@ pub fn spawn_checker(
         let mut tick = tokio::time::interval(CHECK_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let (mut checks, mut last_expired) = (SUMMARY_EVERY_CHECKS - 1, u64::MAX);
+        let mut sent_here: std::collections::HashSet<String> = std::collections::HashSet::new();
         loop {
             tick.tick().await;
             let lines = match store.usage(vec![(ScopeKey::global(), 1)]).await {
@@ -160,28 +163,41 @@ pub fn spawn_checker(
                         .map(|r| r.0.saturating_sub(now_ms()))
                         .unwrap_or(0)
                         + 86_400_000;
-                    match store.consume_once(key, ttl_ms).await {
-                        Ok(a) if a.value => alerts.emit(
-                            "threshold",
-                            format!(
-                                "global spend for {} crossed {}%: {} of {} micros",
-                                line.window,
-                                f64::from(t) / 10.0,
-                                line.used.0,
-                                line.limit.0
-                            ),
-                            json!({
-                                "scope": "global",
-                                "window": line.window.to_string(),
-                                "threshold": f64::from(t) / 1000.0,
-                                "used_micros": line.used.0,
-                                "limit_micros": line.limit.0,
-                                "resets_at": line.resets_at.map(rfc3339),
-                            }),
-                        ),
-                        Ok(_) => {}
-                        Err(e) => tracing::debug!(error = %e, "alert dedupe failed; will retry"),
+                    // Once across replicas by the store; but a dedupe call whose outcome is
+                    // unknown (a timeout may have consumed the key) must not lose the alert:
+                    // this replica sends it then, once, and remembers it locally.
+                    let send = match store.consume_once(key.clone(), ttl_ms).await {
+                        Ok(a) => a.value && !sent_here.contains(&key),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "alert dedupe failed; sending from this replica");
+                            !sent_here.contains(&key)
+                        }
+                    };
+                    if !send {
+                        continue;
                     }
+                    if sent_here.len() >= SENT_HERE_MAX {
+                        sent_here.clear();
+                    }
+                    sent_here.insert(key);
+                    alerts.emit(
+                        "threshold",
+                        format!(
+                            "global spend for {} crossed {}%: {} of {} micros",
+                            line.window,
+                            f64::from(t) / 10.0,
+                            line.used.0,
+                            line.limit.0
+                        ),
+                        json!({
+                            "scope": "global",
+                            "window": line.window.to_string(),
+                            "threshold": f64::from(t) / 1000.0,
+                            "used_micros": line.used.0,
+                            "limit_micros": line.limit.0,
+                            "resets_at": line.resets_at.map(rfc3339),
+                        }),
+                    );
                 }
             }
         }

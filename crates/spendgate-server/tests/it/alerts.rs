@@ -77,7 +77,7 @@ thresholds = [0.5, 1.0]
             .await;
         assert_eq!(st, 200, "{v}");
     }
-    let until = Instant::now() + Duration::from_secs(5);
+    let until = Instant::now() + Duration::from_secs(15);
     while events(&got, "threshold").is_empty() && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -103,7 +103,7 @@ thresholds = [0.5, 1.0]
         .post(&format!("/v1/steps/{step}/commit"), json!({"units": 3}))
         .await;
     assert_eq!((st, v["overrun"].as_bool()), (200, Some(true)), "{v}");
-    let until = Instant::now() + Duration::from_secs(5);
+    let until = Instant::now() + Duration::from_secs(15);
     while events(&got, "overrun").is_empty() && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -6,7 +6,6 @@ mod harness;
 mod alerts;
 mod cli;
 mod decision_api;
-mod pages;
 mod proxy;
 mod replicas;
 mod sessions;

@@ -1,8 +1,15 @@
 //! The two web pages in a real browser: `spendgate demo`'s chat page (`/demo/`) and the
 //! operator dashboard (`/admin/`), driven by `tests/python/test_pages.py` with Selenium in a
 //! headless Chromium (installed by `scripts/test.sh`).
+//!
+//! A test binary of its own: cargo runs test binaries one after the other, so the browser's
+//! load never overlaps the timing-sensitive tests of `tests/it` (store pauses, alerts).
 
-use crate::harness::*;
+#[allow(dead_code, unused_macros)]
+#[path = "it/harness.rs"]
+mod harness;
+
+use harness::{test_python, workspace_root};
 use spendgate_testkit::{free_port, wait_for_port, ChildGuard};
 use std::path::PathBuf;
 use std::process::Command;

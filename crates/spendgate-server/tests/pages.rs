@@ -9,8 +9,7 @@
 #[path = "it/harness.rs"]
 mod harness;
 
-use harness::{test_python, workspace_root};
-use spendgate_testkit::{free_port, wait_for_port, ChildGuard};
+use harness::{run_to_end, start_demo, test_python, workspace_root};
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -49,18 +48,7 @@ fn demo_page_and_dashboard_work_in_a_browser() {
     let python = test_python();
     let (chromium, driver) = browser();
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = free_port();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spendgate"));
-    cmd.arg("demo")
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--db")
-        .arg(dir.path().join("demo.db"))
-        .env("RUST_LOG", "warn");
-    let demo = ChildGuard::spawn(cmd).expect("spawn spendgate demo");
-    if wait_for_port(port, Duration::from_secs(30)).is_err() {
-        panic!("spendgate demo did not start:\n{}", demo.output());
-    }
+    let (demo, port) = start_demo(dir.path());
     // The banner is printed once the gateway listens.
     let deadline = Instant::now() + Duration::from_secs(10);
     let (admin, mock) = loop {
@@ -88,15 +76,9 @@ fn demo_page_and_dashboard_work_in_a_browser() {
         // The browser's profile and whatever else goes into the test's own temp dir.
         .env("TMPDIR", dir.path())
         .env("HOME", dir.path());
-    let mut child = ChildGuard::spawn(cmd).expect("spawn python");
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while child.is_running() && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let status = child.exit_status();
-    let output = child.output();
+    let (ok, output) = run_to_end(cmd, Duration::from_secs(180));
     assert!(
-        status.is_some_and(|s| s.success()),
+        ok,
         "the page test failed (or ran past 180 s):\n{output}\n--- spendgate demo:\n{}",
         demo.output()
     );

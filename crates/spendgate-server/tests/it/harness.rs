@@ -236,3 +236,33 @@ pub fn test_python() -> PathBuf {
     );
     venv
 }
+
+/// Runs `cmd` to its end, for at most `limit` (then it is killed): whether it exited with
+/// success, and everything it printed.
+pub fn run_to_end(cmd: Command, limit: Duration) -> (bool, String) {
+    let mut child = ChildGuard::spawn(cmd).expect("spawn");
+    let deadline = std::time::Instant::now() + limit;
+    while child.is_running() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let status = child.exit_status();
+    (status.is_some_and(|s| s.success()), child.output())
+}
+
+/// `spendgate demo` on a free port with its ledger in `dir`, started and listening.
+pub fn start_demo(dir: &std::path::Path) -> (ChildGuard, u16) {
+    let port = free_port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spendgate"));
+    cmd.arg("demo")
+        .arg("--listen")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--db")
+        .arg(dir.join("demo.db"))
+        .env("RUST_LOG", "warn")
+        .env_remove("SPENDGATE_CONFIG");
+    let child = ChildGuard::spawn(cmd).expect("spawn spendgate demo");
+    if wait_for_port(port, Duration::from_secs(30)).is_err() {
+        panic!("spendgate demo did not start:\n{}", child.output());
+    }
+    (child, port)
+}

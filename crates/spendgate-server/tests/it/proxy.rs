@@ -6,7 +6,7 @@ use axum::response::IntoResponse;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use spendgate_mock_upstream::{prompt_tokens_of, MockConfig, MockStats, MockUpstream};
-use spendgate_testkit::{free_port, wait_for_port, ChildGuard};
+use spendgate_testkit::free_port;
 use std::collections::BTreeSet;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
@@ -1062,18 +1062,10 @@ async fn official_openai_python_client() {
         .env("TMPDIR", g.server.dir.path())
         .env_remove("OPENAI_API_KEY")
         .env_remove("OPENAI_BASE_URL");
-    let (ok, output) = tokio::task::spawn_blocking(move || {
-        let mut child = ChildGuard::spawn(cmd).expect("spawn python");
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while child.is_running() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let status = child.exit_status();
-        let output = child.output();
-        (status.is_some_and(|s| s.success()), output)
-    })
-    .await
-    .expect("join");
+    let (ok, output) =
+        tokio::task::spawn_blocking(move || run_to_end(cmd, Duration::from_secs(120)))
+            .await
+            .expect("join");
     assert!(ok, "the openai client script failed:\n{output}");
     assert!(output.contains("passed, 0 failed"), "{output}");
     assert!(g.mock.stats().requests >= 3);
@@ -1197,19 +1189,7 @@ async fn rust_openai_client() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn demo_starts_and_a_cookie_call_works() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let port = free_port();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_spendgate"));
-    cmd.arg("demo")
-        .arg("--listen")
-        .arg(format!("127.0.0.1:{port}"))
-        .arg("--db")
-        .arg(dir.path().join("demo.db"))
-        .env("RUST_LOG", "warn")
-        .env_remove("SPENDGATE_CONFIG");
-    let mut child = ChildGuard::spawn(cmd).expect("spawn demo");
-    if wait_for_port(port, Duration::from_secs(20)).is_err() {
-        panic!("spendgate demo did not start:\n{}", child.output());
-    }
+    let (mut child, port) = start_demo(dir.path());
     let base = format!("http://127.0.0.1:{port}");
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(20))

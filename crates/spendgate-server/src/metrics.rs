@@ -15,13 +15,34 @@ pub struct Metrics {
     admissions: Mutex<BTreeMap<&'static str, u64>>,
     refusals: Mutex<BTreeMap<(&'static str, &'static str, &'static str), u64>>,
     overruns: AtomicU64,
-    store_calls: AtomicU64,
-    store_micros: AtomicU64,
-    upstream_calls: AtomicU64,
-    upstream_micros: AtomicU64,
-    proxy_overheads: AtomicU64,
-    proxy_overhead_micros: AtomicU64,
+    store_calls: Timing,
+    upstream_calls: Timing,
+    proxy_overheads: Timing,
     unknown_outcomes: AtomicU64,
+}
+
+/// A Prometheus summary without quantiles: how many, and their total time.
+#[derive(Default)]
+struct Timing {
+    count: AtomicU64,
+    micros: AtomicU64,
+}
+
+impl Timing {
+    fn record(&self, d: Duration) {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.micros.fetch_add(
+            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
+            Ordering::Relaxed,
+        );
+    }
+
+    fn render(&self, out: &mut String, name: &str) {
+        let _ = writeln!(out, "# TYPE {name} summary");
+        let _ = writeln!(out, "{name}_count {}", self.count.load(Ordering::Relaxed));
+        let micros = self.micros.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_sum {}", micros as f64 / 1e6);
+    }
 }
 
 fn bump<K: Ord>(m: &Mutex<BTreeMap<K, u64>>, k: K) {
@@ -48,21 +69,15 @@ impl Metrics {
         self.unknown_outcomes.fetch_add(1, Ordering::Relaxed);
     }
     pub fn store_call(&self, d: Duration) {
-        self.store_calls.fetch_add(1, Ordering::Relaxed);
-        self.store_micros
-            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        self.store_calls.record(d);
     }
     /// Time a proxied call spent in spendgate rather than upstream: before forwarding
     /// (identity, bounds, admission) and, when not streaming, after the answer (commit).
     pub fn proxy_overhead(&self, d: Duration) {
-        self.proxy_overheads.fetch_add(1, Ordering::Relaxed);
-        self.proxy_overhead_micros
-            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        self.proxy_overheads.record(d);
     }
     pub fn upstream_call(&self, d: Duration) {
-        self.upstream_calls.fetch_add(1, Ordering::Relaxed);
-        self.upstream_micros
-            .fetch_add(d.as_micros() as u64, Ordering::Relaxed);
+        self.upstream_calls.record(d);
     }
 
     pub fn render(&self, summary: Option<&Summary>) -> String {
@@ -99,39 +114,12 @@ impl Metrics {
             "# TYPE spendgate_unknown_outcomes_total counter\nspendgate_unknown_outcomes_total {}",
             l(&self.unknown_outcomes)
         );
-        let _ = writeln!(out, "# TYPE spendgate_store_call_seconds summary");
-        let _ = writeln!(
-            out,
-            "spendgate_store_call_seconds_count {}",
-            l(&self.store_calls)
-        );
-        let _ = writeln!(
-            out,
-            "spendgate_store_call_seconds_sum {}",
-            l(&self.store_micros) as f64 / 1e6
-        );
-        let _ = writeln!(out, "# TYPE spendgate_upstream_call_seconds summary");
-        let _ = writeln!(
-            out,
-            "spendgate_upstream_call_seconds_count {}",
-            l(&self.upstream_calls)
-        );
-        let _ = writeln!(
-            out,
-            "spendgate_upstream_call_seconds_sum {}",
-            l(&self.upstream_micros) as f64 / 1e6
-        );
-        let _ = writeln!(out, "# TYPE spendgate_proxy_overhead_seconds summary");
-        let _ = writeln!(
-            out,
-            "spendgate_proxy_overhead_seconds_count {}",
-            l(&self.proxy_overheads)
-        );
-        let _ = writeln!(
-            out,
-            "spendgate_proxy_overhead_seconds_sum {}",
-            l(&self.proxy_overhead_micros) as f64 / 1e6
-        );
+        self.store_calls
+            .render(&mut out, "spendgate_store_call_seconds");
+        self.upstream_calls
+            .render(&mut out, "spendgate_upstream_call_seconds");
+        self.proxy_overheads
+            .render(&mut out, "spendgate_proxy_overhead_seconds");
         if let Some(s) = summary {
             let _ = writeln!(out, "# TYPE spendgate_reservations gauge");
             for (state, n) in &s.reservations {
@@ -164,5 +152,32 @@ impl Metrics {
             );
         }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timings_render_as_summaries_in_seconds() {
+        let m = Metrics::default();
+        m.store_call(Duration::from_micros(1_500));
+        m.store_call(Duration::from_micros(500));
+        m.proxy_overhead(Duration::from_millis(3));
+        let out = m.render(None);
+        for line in [
+            "# TYPE spendgate_store_call_seconds summary",
+            "spendgate_store_call_seconds_count 2",
+            "spendgate_store_call_seconds_sum 0.002",
+            "spendgate_upstream_call_seconds_count 0",
+            "spendgate_proxy_overhead_seconds_count 1",
+            "spendgate_proxy_overhead_seconds_sum 0.003",
+        ] {
+            assert!(
+                out.lines().any(|l| l == line),
+                "{line:?} missing in:\n{out}"
+            );
+        }
     }
 }

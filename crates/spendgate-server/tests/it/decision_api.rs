@@ -623,23 +623,21 @@ async fn session_cookie_and_graceful_shutdown() {
     assert!(status.success(), "SIGTERM drains and exits 0: {status:?}");
 }
 
-const SESSION_RATE: &str = r#"
+const SESSION_RATE: &str = concat!(
+    r#"
 [limits.global]
 rate = "100000/second"
 burst = 100000
-
-[limits.ip]
-rate = "100000/second"
-burst = 100000
-concurrency = 1000
-budgets = []
-
+"#,
+    open_ip_limits!(),
+    r#"
 [limits.session]
 rate = "3/minute"
 burst = 3
 concurrency = 1000
 budgets = []
-"#;
+"#
+);
 
 /// SPEC §6: admissions carry `RateLimit` naming the tightest rate policy; with a session
 /// burst of 3 its `r` counts 2, 1, 0, then the next run is refused 429 `rate_limited` with

@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-/// `[limits.ip]` and `[limits.session]` that never bind, for tests about other limits. A macro
-/// so that test configs can `concat!` it into their constants.
-macro_rules! open_guest_limits {
+/// `[limits.ip]` that never binds, for tests about other limits. A macro so that test
+/// configs can `concat!` it into their constants.
+macro_rules! open_ip_limits {
     () => {
         r#"
 [limits.ip]
@@ -16,13 +16,23 @@ rate = "100000/second"
 burst = 100000
 concurrency = 1000
 budgets = []
+"#
+    };
+}
 
+/// `[limits.ip]` and `[limits.session]` that never bind (see [`open_ip_limits`]).
+macro_rules! open_guest_limits {
+    () => {
+        concat!(
+            open_ip_limits!(),
+            r#"
 [limits.session]
 rate = "100000/second"
 burst = 100000
 concurrency = 1000
 budgets = []
 "#
+        )
     };
 }
 

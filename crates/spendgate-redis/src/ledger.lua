@@ -50,11 +50,72 @@ local function kRes(id) return B .. ':s:' .. id end
 local function kIdem(k) return B .. ':i:' .. k end
 local function kCounter(enc) return B .. ':c:' .. enc end
 
+-- Records (runs, reservations, counters) are string keys read and written through these:
+-- a read is kept for the rest of the command (RC: value, or false for none), a write waits in
+-- WB until kv_flush writes them all in one MSET at the end of the command (reads see it); a
+-- delete is done at once. kv_prefetch reads several keys in one MGET.
+local RC, WB, WBN = {}, {}, 0
+local function kv_get(k)
+  local v = WB[k]
+  if v then return v end
+  v = RC[k]
+  if v == nil then
+    v = redis.call('GET', k)
+    RC[k] = v
+  end
+  return v or nil
+end
+local function kv_prefetch(keys)
+  local n = #keys
+  if n == 0 then return end
+  if n == 1 then
+    kv_get(keys[1])
+    return
+  end
+  local vs = redis.call('MGET', unpack(keys))
+  for i = 1, n do
+    local k = keys[i]
+    if RC[k] == nil then RC[k] = vs[i] end
+  end
+end
+local function kv_set(k, v)
+  if not WB[k] then WBN = WBN + 1 end
+  WB[k] = v
+end
+local function kv_del(k)
+  if WB[k] then
+    WB[k] = nil
+    WBN = WBN - 1
+  end
+  RC[k] = false
+  redis.call('DEL', k)
+end
+local function kv_flush()
+  if WBN > 0 then
+    local args, i = {}, 0
+    for k, v in pairs(WB) do
+      args[i + 1] = k
+      args[i + 2] = v
+      i = i + 2
+      -- (unpack's bound)
+      if i >= 1000 then
+        redis.call('MSET', unpack(args, 1, i))
+        i = 0
+      end
+    end
+    if i > 0 then redis.call('MSET', unpack(args, 1, i)) end
+    WB, WBN = {}, 0
+  end
+  if next(RC) then RC = {} end
+end
+
 local function S(x) return string.format('%d', x) end
 -- (a number in an answer becomes an integer reply: exact, and cheaper than a string; redis.call
 -- takes numbers too, but prints them with %.17g, which costs more than S)
 local function N(s) return tonumber(s) end
 local function B01(b) if b then return '1' end return '0' end
+-- (answers may hold integers: an integer reply, cheaper than a string; see N)
+local function I01(b) if b then return 1 end return 0 end
 
 -- Records are strings packed with `struct` (numbers as doubles: exact below 2^53; strings
 -- after their length), which costs a fraction of msgpack's tables and strings.
@@ -91,7 +152,7 @@ local RUNS, RDIRTY = {}, {}
 local function run_get(id)
   local r = RUNS[id]
   if r == nil then
-    local s = redis.call('GET', kRun(id))
+    local s = kv_get(kRun(id))
     if s then
       local st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ch, nh, ns, nsteps, _, pos = struct.unpack(RUN_FMT, s)
       r = { st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, string.sub(s, pos, pos + nsteps - 1), ch, nh, ns,
@@ -133,11 +194,11 @@ end
 local function run_del(id)
   RUNS[id] = false
   RDIRTY[id] = nil
-  redis.call('DEL', kRun(id))
+  kv_del(kRun(id))
 end
 local function run_flush()
   for id in pairs(RDIRTY) do
-    redis.call('SET', kRun(id), run_pack(RUNS[id]))
+    kv_set(kRun(id), run_pack(RUNS[id]))
   end
   RDIRTY = {}
 end
@@ -159,6 +220,7 @@ local function enc(list)
   local out = {}
   for i = 1, #list do
     local s = list[i]
+    if type(s) == 'number' then s = S(s) end
     out[#out + 1] = S(#s) .. ':' .. s
   end
   return table.concat(out)
@@ -385,36 +447,44 @@ end
 
 ---------------------------------------------------------------- meta
 
--- The meta hash is read once at the start of a call (META: the answer, see META_POS) and its
--- changes are written once at the end (meta_flush): seq, the clock and the summary, which
--- changes by deltas (MD, in the order MDK). The clock, the counts (far below 2^53) and TN are
--- one field 'm', packed (MV, in the order of META_M_IDX); the sums of amounts are
--- fields of their own (kept exact beyond 2^53 by HINCRBY).
-local META_FIELDS = { 'epoch', 'epoch_kind', 'seq', 'm', 'cutoff', 'held_sum', 'charged_sum' }
-local META_READ = { 'epoch', 'epoch_kind', 'seq', 'm' }
+-- The meta hash holds the epoch ('epoch', 'epoch_kind', 'epoch_at') and everything else in
+-- one packed field 'm' (M_FMT): seq, then MV (the clock, the counts, TN, and the sums of
+-- amounts as two limbs each, hi * 2^32 + lo, exact far beyond 2^53), then the cutoff reason
+-- ('' = none). It is read once at the start of a call (with the epoch: one HMGET of two
+-- fields) and written once at its end (meta_flush), when anything changed.
+local M_FMT = '<dddddddddddddddI4c0'
 local SEQ, SEQ0 = 0, 0
--- META: the HMGET answer (in the order of META_FIELDS, META_READ being its first four);
--- META_POS: a field's position in it.
-local META_POS = { epoch = 1, epoch_kind = 2, seq = 3, m = 4, cutoff = 5, held_sum = 6, charged_sum = 7 }
-local META_M_IDX = { clock = 1, nrec = 2, active = 3, ['st:held'] = 4, ['st:committed'] = 5, ['st:released'] = 6,
-  ['st:unknown'] = 7, ['st:expired'] = 8, overruns = 9, tnext = 10 }
-local META_M_FMT = '<dddddddddd'
-local META, MD, MDK, MV = {}, {}, {}, {}
+-- MV: clock nrec active held committed released unknown expired overruns tnext,
+-- held_sum (hi lo) charged_sum (hi lo)
+local MV = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+local CUT = false
+local MDIRTY = false
+local LIMB = 4294967296
+-- mincr's field names: an index of MV (11 and 13: the sums)
+local M_IDX = { clock = 1, nrec = 2, active = 3, ['st:held'] = 4, ['st:committed'] = 5, ['st:released'] = 6,
+  ['st:unknown'] = 7, ['st:expired'] = 8, overruns = 9, tnext = 10, held_sum = 11, charged_sum = 13 }
+-- a reservation state's summary field
+local ST_KEY = { held = 'st:held', committed = 'st:committed', released = 'st:released', unknown = 'st:unknown',
+  expired = 'st:expired' }
 -- TN: no timer is due before it (a lower bound of the timers' first score, kept in meta as
 -- 'tnext'; 0 when unknown), so that a call with now < TN need not look at the timers.
 local TN, TN0 = 0, 0
-local function meta_load(fields)
-  META = redis.call('HMGET', K_META, unpack(fields))
-  MD, MDK = {}, {}
-  if META[4] then
-    MV = { struct.unpack(META_M_FMT, META[4]) }
+-- Loads meta from its packed field (nil: a new ledger).
+local function meta_unpack(m)
+  if m then
+    local cl
+    SEQ, MV[1], MV[2], MV[3], MV[4], MV[5], MV[6], MV[7], MV[8], MV[9], MV[10], MV[11], MV[12], MV[13], MV[14], cl =
+      struct.unpack(M_FMT, m)
+    if cl == '' then CUT = false else CUT = cl end
   else
-    MV = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+    SEQ = 0
+    for i = 1, 14 do MV[i] = 0 end
+    CUT = false
   end
-  SEQ = N(META[3] or '0')
   SEQ0 = SEQ
   TN = MV[10]
   TN0 = TN
+  MDIRTY = false
 end
 -- Every timer is added here, which keeps TN a lower bound.
 local function timer_add(at, member)
@@ -426,67 +496,53 @@ local function bump()
 end
 local function mincr(f, n)
   if n ~= 0 then
-    if MD[f] == nil then
-      MD[f] = 0
-      MDK[#MDK + 1] = f
+    local i = M_IDX[f]
+    if i < 11 then
+      MV[i] = MV[i] + n
+    else
+      -- exact: n = dh * 2^32 + dl with 0 <= dl < 2^32
+      local dh = math.floor(n / LIMB)
+      local l = MV[i + 1] + (n - dh * LIMB)
+      local h = MV[i] + dh
+      if l >= LIMB then
+        l = l - LIMB
+        h = h + 1
+      end
+      MV[i], MV[i + 1] = h, l
     end
-    MD[f] = MD[f] + n
+    MDIRTY = true
   end
 end
--- Writes seq, the clock (when `clock` is given) and the summary changes in one HSET; a field
--- whose value would leave the exact range (or was not read) gets an HINCRBY instead.
+-- A sum as an answer: exact when within +-2^53, else MAX (the caller caps at MAX too).
+local function msum(i)
+  local h = MV[i]
+  if h >= 2097152 then return S(MAX) end
+  if h < -2097152 then return S(-MAX) end
+  return S(math.min(h * LIMB + MV[i + 1], MAX))
+end
+-- Writes meta (with `clock` the new clock) when anything changed.
 local function meta_flush(clock)
-  local set, incr = {}, {}
-  if SEQ ~= SEQ0 then
-    set[#set + 1] = 'seq'
-    set[#set + 1] = S(SEQ)
-  end
-  local mchanged = false
   if clock then
     MV[1] = clock
-    mchanged = true
+    MDIRTY = true
   end
   if TN ~= TN0 then
     MV[10] = TN
-    mchanged = true
+    MDIRTY = true
   end
-  for _, f in ipairs(MDK) do
-    local d = MD[f]
-    local mi = META_M_IDX[f]
-    if mi then
-      if d ~= 0 then
-        MV[mi] = MV[mi] + d
-        mchanged = true
-      end
-    elseif d ~= 0 then
-      local pos = META_POS[f]
-      local v = nil
-      if pos and pos <= #META then v = N(META[pos] or '0') end
-      if v and v <= MAX and v >= -MAX and v + d <= MAX and v + d >= -MAX then
-        set[#set + 1] = f
-        set[#set + 1] = S(v + d)
-        META[pos] = set[#set]
-      else
-        incr[#incr + 1] = f
-        -- (not known any more: a later flush of the same call increments it too)
-        if pos and pos <= #META then META[pos] = 'unknown' end
-      end
-    end
+  if MDIRTY or SEQ ~= SEQ0 then
+    local cl = CUT or ''
+    redis.call('HSET', K_META, 'm', struct.pack(M_FMT, SEQ, MV[1], MV[2], MV[3], MV[4], MV[5], MV[6], MV[7], MV[8],
+      MV[9], MV[10], MV[11], MV[12], MV[13], MV[14], #cl, cl))
   end
-  if mchanged then
-    set[#set + 1] = 'm'
-    set[#set + 1] = struct.pack(META_M_FMT, MV[1], MV[2], MV[3], MV[4], MV[5], MV[6], MV[7], MV[8], MV[9], MV[10])
-  end
-  if #set > 0 then redis.call('HSET', K_META, unpack(set)) end
-  for _, f in ipairs(incr) do redis.call('HINCRBY', K_META, f, S(MD[f])) end
   -- (the next command of a batch starts from what is written)
-  MD, MDK, SEQ0, TN0 = {}, {}, SEQ, TN
+  SEQ0, TN0, MDIRTY = SEQ, TN, false
 end
 local function records_held()
-  return MV[2] + (MD.nrec or 0)
+  return MV[2]
 end
 local function cutoff()
-  return META[5]
+  return CUT
 end
 
 ---------------------------------------------------------------- scopes
@@ -513,9 +569,6 @@ end
 
 ---------------------------------------------------------------- counters
 
-local function cenc(window, index, kind, id)
-  return window .. '|' .. S(index) .. '|' .. kind .. '|' .. id
-end
 -- Parsed encodings (a pure function of the string: kept across calls, bounded).
 local CPARTS, CPARTS_N = {}, 0
 local function cparts(e)
@@ -550,7 +603,7 @@ local function cread(e)
     if r and r[R_C] == 1 then return { r[R_C + 1], r[R_C + 2], r[R_C + 3], r[R_C + 4], r[R_C + 5] } end
     return nil
   end
-  local s = redis.call('GET', kCounter(e))
+  local s = kv_get(kCounter(e))
   if not s then return nil end
   local l, u, r, o, a = struct.unpack(COUNTER_FMT, s)
   return { l, u, r, o, a }
@@ -577,7 +630,7 @@ local function csave(c)
       c.adjusted
     run_put(rid, r)
   else
-    redis.call('SET', kCounter(c.enc), struct.pack(COUNTER_FMT, c.limit, c.used, c.reserved, c.overrun, c.adjusted))
+    kv_set(kCounter(c.enc), struct.pack(COUNTER_FMT, c.limit, c.used, c.reserved, c.overrun, c.adjusted))
   end
   local w, idx, kind = cparts(c.enc)
   if kind == 'global' then
@@ -603,7 +656,7 @@ local function cdel(e)
   local _, _, kind = cparts(e)
   CC[e] = nil
   -- (a run's counter goes with its run record)
-  if not run_of(e) then redis.call('DEL', kCounter(e)) end
+  if not run_of(e) then kv_del(kCounter(e)) end
   if kind == 'global' then
     redis.call('SREM', K_GLOBALS, e)
     return
@@ -618,14 +671,24 @@ end
 
 -- The budget counters (and limits) of these scopes at `now` (Ledger::budget_counters).
 -- Appends the budget counters of scope (kind, id, factor) to v.
+-- window -> { now, index, index as a string } of the last `now` asked (a pure function)
+local WIDX = {}
 local function scope_counters(v, kind, id, factor, now)
   local kp = P.kinds[kind]
   if kp then
-    for _, b in ipairs(kp.budgets) do
-      local amt = b[2]
+    local bs = kp.budgets
+    for i = 1, #bs do
+      local b = bs[i]
+      local w, amt = b[1], b[2]
       if factor ~= 1 then amt = math.min(amt * factor, MAX) end
-      local idx = window_index(b[1], now)
-      v[#v + 1] = { enc = cenc(b[1], idx, kind, id), limit = amt, kind = kind, window = b[1], index = idx }
+      local wi = WIDX[w]
+      if not wi or wi[1] ~= now then
+        local idx = window_index(w, now)
+        wi = { now, idx, S(idx) }
+        WIDX[w] = wi
+      end
+      v[#v + 1] = { enc = w .. '|' .. wi[3] .. '|' .. kind .. '|' .. id, limit = amt, kind = kind, window = w,
+        index = wi[2] }
     end
   end
 end
@@ -684,7 +747,7 @@ local RES_HEAD = '<I1c0ddddd' -- state amount charged created resolved overrun
 local RES_TAIL = '<I2c0I2c0I1c0I4c0I2c0I2c0I2c0I1c0I2c0I2c0I1' -- id run kind name p1 p2 p3 retry units maxout n
 local S_TAIL = 18
 local function res_get(id)
-  local s = redis.call('GET', kRes(id))
+  local s = kv_get(kRes(id))
   if not s then return nil end
   local state, amount, charged, created, resolved, overrun, tpos = struct.unpack(RES_HEAD, s)
   local i, run, kind, name, p1, p2, p3, retry, units, maxout, n, pos = struct.unpack(RES_TAIL, s, tpos)
@@ -706,7 +769,7 @@ local function res_put(id, r)
     tail = table.concat(out)
     r[S_TAIL] = tail
   end
-  redis.call('SET', kRes(id), struct.pack(RES_HEAD, #r[S_STATE], r[S_STATE], r[S_AMOUNT], r[S_CHARGED], r[S_CREATED],
+  kv_set(kRes(id), struct.pack(RES_HEAD, #r[S_STATE], r[S_STATE], r[S_AMOUNT], r[S_CHARGED], r[S_CREATED],
     resolved, r[S_OVERRUN]) .. tail)
 end
 
@@ -715,21 +778,21 @@ local function res_remove(id)
   if not r then return end
   local state = r[S_STATE]
   redis.call('ZREM', K_RZ .. ':' .. state, id)
-  mincr('st:' .. state, -1)
+  mincr(ST_KEY[state], -1)
   mincr('nrec', -1)
   if r[S_KIND] ~= 'hold' then
     if state == 'held' then mincr('held_sum', -r[S_AMOUNT]) end
     mincr('charged_sum', -r[S_CHARGED])
     mincr('overruns', -r[S_OVERRUN])
   end
-  redis.call('DEL', kRes(id))
+  kv_del(kRes(id))
 end
 
 -- r: the new reservation (held). `fresh`: the caller already checked that no reservation has
 -- this id.
 local function res_create(id, r, fresh)
   local kind, amount, created = r[S_KIND], r[S_AMOUNT], r[S_CREATED]
-  if not fresh and redis.call('EXISTS', kRes(id)) == 1 then res_remove(id) end
+  if not fresh and kv_get(kRes(id)) then res_remove(id) end
   res_put(id, r)
   redis.call('ZADD', K_RZ .. ':held', S(created), id)
   mincr('st:held', 1)
@@ -781,8 +844,8 @@ local function settle(id, state, charged, now, acc, pre)
   res_put(id, f)
   redis.call('ZREM', K_RZ .. ':' .. old, id)
   redis.call('ZADD', K_RZ .. ':' .. state, S(f[S_CREATED]), id)
-  macc(a, 'st:' .. old, -1)
-  macc(a, 'st:' .. state, 1)
+  macc(a, ST_KEY[old], -1)
+  macc(a, ST_KEY[state], 1)
   if kind ~= 'hold' then
     if old == 'held' then macc(a, 'held_sum', -amount) end
     macc(a, 'charged_sum', charged - old_charged)
@@ -817,7 +880,7 @@ end
 ---------------------------------------------------------------- runs
 
 local function run_counter(run_id, cost)
-  return { enc = cenc('lifetime', 0, 'run', run_id), limit = cost, kind = 'run', window = 'lifetime', index = 0 }
+  return { enc = 'lifetime|0|run|' .. run_id, limit = cost, kind = 'run', window = 'lifetime', index = 0 }
 end
 
 -- Ledger::renew: extends an active run's lease by one TTL, never past its deadline. The
@@ -961,14 +1024,10 @@ end
 ---------------------------------------------------------------- replies
 
 local function ok(changed, payload)
-  local r = { 'OK', SEQ, B01(changed) }
-  for _, x in ipairs(payload) do r[#r + 1] = x end
-  return r
+  return { 'OK', SEQ, I01(changed), unpack(payload) }
 end
 local function err(list)
-  local r = { 'E', SEQ }
-  for _, x in ipairs(list) do r[#r + 1] = x end
-  return r
+  return { 'E', SEQ, unpack(list) }
 end
 local function text_refusal(code, scope, retry, msg)
   return { 'refused', code, scope, retry, 'text', msg }
@@ -1005,7 +1064,7 @@ function OPS.admit_run(now, swept, A)
       if ips[j][1] == ip[1] then return err({ 'invalid', 'address prefixes must be distinct' }) end
     end
   end
-  if redis.call('EXISTS', kRun(run_id)) == 1 then return err({ 'invalid', 'run id already exists' }) end
+  if kv_get(kRun(run_id)) then return err({ 'invalid', 'run id already exists' }) end
   if records_held() >= RECORDS_MAX then return err({ 'full' }) end
 
   -- decide_run
@@ -1108,6 +1167,7 @@ end
 -- args: run_id step_id has_idem idem_key idem_fp kind name ...
 --   model: ip cp op prompt max_out('' = none) retry
 --   tool: pc pu units
+local function bound(msg) return text_refusal('run_bound_exceeded', 'run', '', msg) end
 function OPS.reserve_step(now, swept, A)
   local run_id, step_id = A[1], A[2]
   local has_idem, ikey, ifp = A[3] == '1', A[4], A[5]
@@ -1122,7 +1182,9 @@ function OPS.reserve_step(now, swept, A)
   end
   local bad = check_id('step id', step_id)
   if bad then return err({ 'invalid', bad }) end
-  if redis.call('EXISTS', kRes(step_id)) == 1 then return err({ 'invalid', 'step id already exists' }) end
+  local ks = kRes(step_id)
+  kv_prefetch({ ks, kRun(run_id) })
+  if kv_get(ks) then return err({ 'invalid', 'step id already exists' }) end
   local run = run_get(run_id)
   if not run then return err({ 'notfound', 'run ' .. run_id }) end
   local imm = run_imm(run, false)
@@ -1130,7 +1192,6 @@ function OPS.reserve_step(now, swept, A)
 
   -- decide_step
   local outcome, plan = nil, nil
-  local function bound(msg) return text_refusal('run_bound_exceeded', 'run', '', msg) end
   local co = cutoff()
   if run[R_STATE] == 'finished' then
     outcome = bound('run is finished')
@@ -1237,8 +1298,8 @@ function OPS.reserve_step(now, swept, A)
     run_put(run_id, rr)
     renew(run_id, now, P.ttl)
     local mo = ''
-    if plan.max_out then mo = S(plan.max_out) end
-    outcome = { 'step_ok', step_id, S(plan.amount), mo, B01(plan.shrunk) }
+    if plan.max_out then mo = plan.max_out end
+    outcome = { 'step_ok', step_id, plan.amount, mo, I01(plan.shrunk) }
   end
   if has_idem then remember(ikey, ifp, 'step', outcome, now) end
   local changed = swept or plan ~= nil or has_idem
@@ -1252,6 +1313,15 @@ function OPS.resolve(now, swept, A)
   local f = res_get(id)
   if not f or f[S_KIND] == 'hold' then return err({ 'notfound', 'step ' .. id }) end
   local state, kind, amount = f[S_STATE], f[S_KIND], f[S_AMOUNT]
+  if state == 'held' then
+    -- its run and counters, in one read
+    local keys = { kRun(f[S_RUN]) }
+    local cs = f[S_COUNTERS]
+    for i = 1, #cs do
+      if not run_of(cs[i]) then keys[#keys + 1] = kCounter(cs[i]) end
+    end
+    kv_prefetch(keys)
+  end
   local too_large = false
   if how == 'bytes' then
     local run = run_get(f[S_RUN])
@@ -1262,7 +1332,7 @@ function OPS.resolve(now, swept, A)
     local same = (state == 'committed' and commit) or (state == 'released' and how == 'release')
       or (state == 'unknown' and how == 'unknown')
     if not same then return err({ 'closed', state, S(f[S_CHARGED]) }) end
-    return ok(swept, { state, S(f[S_CHARGED]), S(amount), S(f[S_OVERRUN]), '1', B01(too_large) })
+    return ok(swept, { state, f[S_CHARGED], amount, f[S_OVERRUN], 1, I01(too_large) })
   end
   local new, charged
   if how == 'release' then
@@ -1287,7 +1357,7 @@ function OPS.resolve(now, swept, A)
   settle(id, new, charged, now, nil, f)
   renew(f[S_RUN], now, P.ttl)
   bump()
-  return ok(true, { new, S(charged), S(amount), B01(charged > amount), '0', B01(too_large) })
+  return ok(true, { new, charged, amount, I01(charged > amount), 0, I01(too_large) })
 end
 
 function OPS.heartbeat(now, swept, A)
@@ -1299,7 +1369,7 @@ function OPS.heartbeat(now, swept, A)
   local lease = renew(id, now, P.ttl) or before
   local changed = swept or lease ~= before
   if changed then bump() end
-  return ok(changed, { S(lease), S(run[R_DEADLINE]) })
+  return ok(changed, { lease, run[R_DEADLINE] })
 end
 
 function OPS.finish(now, swept, A)
@@ -1314,7 +1384,7 @@ function OPS.finish(now, swept, A)
     bump()
     state = 'finished'
   end
-  return ok(swept or not repeated, { state, S(run[R_CHARGED]), S(run[R_NSTEPS]), B01(repeated) })
+  return ok(swept or not repeated, { state, run[R_CHARGED], run[R_NSTEPS], I01(repeated) })
 end
 
 -- args: n (prefix factor)*
@@ -1372,12 +1442,12 @@ function OPS.set_cutoff(now, swept, A)
   local changed
   if engaged then
     changed = old ~= reason
-    redis.call('HSET', K_META, 'cutoff', reason)
-    META[5] = reason
+    CUT = reason
+    MDIRTY = true
   else
     changed = old ~= false
-    redis.call('HDEL', K_META, 'cutoff')
-    META[5] = false
+    CUT = false
+    MDIRTY = true
   end
   if changed or swept then bump() end
   return ok(changed or swept, { B01(engaged) })
@@ -1502,18 +1572,17 @@ function READS.usage(now, A)
 end
 
 function READS.summary(now, A)
-  local f = redis.call('HMGET', K_META, 'cutoff', 'held_sum', 'charged_sum')
   local out = { 'OK', S(SEQ) }
-  if f[1] then
+  if CUT then
     out[3] = '1'
-    out[4] = f[1]
+    out[4] = CUT
   else
     out[3] = '0'
     out[4] = ''
   end
   for i = 3, 8 do out[#out + 1] = S(MV[i]) end
-  out[#out + 1] = f[2] or '0'
-  out[#out + 1] = f[3] or '0'
+  out[#out + 1] = msum(11)
+  out[#out + 1] = msum(13)
   out[#out + 1] = S(MV[9])
   return out
 end
@@ -1550,7 +1619,11 @@ end
 
 -- One operation, its changes written before it answers.
 local function run_op(op, now, A)
-  if READS[op] then return READS[op](now, A) end
+  if READS[op] then
+    local reply = READS[op](now, A)
+    if next(RC) then RC = {} end
+    return reply
+  end
   local f = OPS[op]
   -- Ledger::advance: the clock never goes back; due expiries are processed first (a sweep
   -- processes and counts them itself).
@@ -1558,6 +1631,7 @@ local function run_op(op, now, A)
   if op ~= 'sweep' then swept = expire_due(now, EXPIRIES_PER_CALL) > 0 end
   local reply = f(now, swept, A)
   run_flush()
+  kv_flush()
   if now ~= MV[1] then meta_flush(now) else meta_flush(nil) end
   return reply
 end
@@ -1576,8 +1650,9 @@ local function main(KEYS, ARGV)
   end
 
   if op == 'epoch_init' then
-    local f = redis.call('HMGET', K_META, 'epoch', 'epoch_kind', 'seq')
-    local seq = f[3] or '0'
+    local f = redis.call('HMGET', K_META, 'epoch', 'epoch_kind', 'm')
+    local seq = '0'
+    if f[3] then seq = S(struct.unpack('<d', f[3])) end
     if f[1] then return { 'OK', f[1], f[2] or 'init', seq } end
     if redis.call('EXISTS', K_META) == 1 then return { 'X', 'epoch_missing' } end
     redis.call('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'init', 'epoch_at', S(now))
@@ -1585,18 +1660,27 @@ local function main(KEYS, ARGV)
   end
   if op == 'epoch_reset' then
     redis.call('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'reset', 'epoch_at', S(now))
-    return { 'OK', A[1], 'reset', redis.call('HGET', K_META, 'seq') or '0' }
+    local m = redis.call('HGET', K_META, 'm')
+    local seq = '0'
+    if m then seq = S(struct.unpack('<d', m)) end
+    return { 'OK', A[1], 'reset', seq }
   end
 
   -- The epoch lives in the meta hash: one read checks it and loads the ledger's meta.
-  local is_read = READS[op] ~= nil
-  if is_read then meta_load(META_READ) else meta_load(META_FIELDS) end
-  if not META[1] then return { 'X', 'epoch_missing' } end
-  if META[1] ~= ARGV[3] then return { 'X', 'epoch_changed', META[1], META[2] or 'init' } end
+  local meta = redis.call('HMGET', K_META, 'epoch', 'm')
+  if not meta[1] then return { 'X', 'epoch_missing' } end
+  if meta[1] ~= ARGV[3] then
+    return { 'X', 'epoch_changed', meta[1], redis.call('HGET', K_META, 'epoch_kind') or 'init' }
+  end
+  meta_unpack(meta[2])
   if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
   local clock = MV[1]
   if now < clock then now = clock end
-  CC, RUNS, RDIRTY = {}, {}, {}
+  if next(CC) then CC = {} end
+  if next(RUNS) then RUNS = {} end
+  if next(RDIRTY) then RDIRTY = {} end
+  -- (left over by a call that failed half way)
+  if WBN > 0 or next(RC) then RC, WB, WBN = {}, {}, 0 end
 
   P = policy(ARGV[5])
 

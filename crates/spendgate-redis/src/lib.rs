@@ -15,8 +15,10 @@
 //!   Read-only operations call the same code registered `no-writes`. `execute_many` sends
 //!   its commands in one call (`batch`): one round trip, one epoch check, each command still
 //!   applied on its own and its changes written before the next starts. Per call, the meta hash
-//!   is read once and written once, counters are read once and the top indexes only
-//!   rewritten when a counter's score moves.
+//!   is read once (two fields: the epoch and everything else packed) and written once,
+//!   records (runs, reservations, counters) are read once (several in one `MGET` where the
+//!   keys are known: a step's run and counters) and written together in one `MSET` at the end
+//!   of the command, and the top indexes only rewritten when a counter's score moves.
 //! * **Storage, shaped by what a call costs.** Script time goes mostly to the number of
 //!   `redis.call`s, the number of fields they move (each one a string made and parsed) and
 //!   the Lua tables built, so records are strings packed with `struct` (numbers as doubles,
@@ -348,7 +350,7 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
 /// The layout of what the ledger script stores (keys, packed records, meta fields). Every
 /// epoch id starts with it, so a deployment whose data was written in another layout is
 /// refused rather than misread. Bump it with any change of the stored layout.
-pub const LEDGER_FORMAT: &str = "f3";
+pub const LEDGER_FORMAT: &str = "f4";
 
 /// Refuses an epoch written by a build with another stored layout ([`LEDGER_FORMAT`]).
 fn check_format(epoch: &str, prefix: &str) -> Result<(), StoreError> {

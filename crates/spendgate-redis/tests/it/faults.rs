@@ -259,12 +259,23 @@ async fn a_rolled_back_ledger_is_refused_until_accepted() {
     let opts = server_opts(&server, Duration::from_secs(2));
     let store = open(opts.clone(), policy()).await;
     let s = store_of(&store);
+    let meta = format!("{{{}}}:meta", opts.prefix);
+    let old = format!("{{{}}}:meta-old", opts.prefix);
+    let newer = format!("{{{}}}:meta-newer", opts.prefix);
     admit(s, "r1").await;
+    // (a copy of the ledger's meta, ledger_seq included, as a snapshot would hold it)
+    server
+        .command(&["COPY", &meta, &old, "REPLACE"])
+        .expect("COPY");
     reserve(s, "r1", "x1").await.expect("reserved");
+    reserve(s, "r1", "x2").await.expect("reserved");
+    server
+        .command(&["COPY", &meta, &newer, "REPLACE"])
+        .expect("COPY");
     // As if Redis came back from an older snapshot: the ledger_seq went back.
     server
-        .command(&["HSET", &format!("{{{}}}:meta", opts.prefix), "seq", "1"])
-        .expect("HSET");
+        .command(&["COPY", &old, &meta, "REPLACE"])
+        .expect("COPY");
     let r = s.admit_run(run_req("r2"), None).await;
     assert!(
         matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("rolled back")),
@@ -272,8 +283,8 @@ async fn a_rolled_back_ledger_is_refused_until_accepted() {
     );
     // Latched: even after other writers push the seq up again.
     server
-        .command(&["HSET", &format!("{{{}}}:meta", opts.prefix), "seq", "1000"])
-        .expect("HSET");
+        .command(&["COPY", &newer, &meta, "REPLACE"])
+        .expect("COPY");
     assert!(s.summary().await.is_err());
     RedisStore::accept_reset(&opts).await.expect("accept reset");
     admit(s, "r3").await;

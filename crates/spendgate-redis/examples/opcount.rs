@@ -1,0 +1,303 @@
+//! Server instructions per ledger operation: drives a `redis-server` that runs under
+//! `valgrind --tool=callgrind` one phase per operation, each phase between a
+//! `callgrind_control -z` (zero) and a `callgrind_control -d PHASE` (dump), so that each dump
+//! holds the instructions of one kind of call only (the total of a dump / the calls of its
+//! phase = instructions per call; the idle server adds a few thousand per second).
+//!
+//! `OPCOUNT_URL=redis://127.0.0.1:PORT cargo run --release -p spendgate-redis --example opcount
+//!  -- [RUNS] [POLICY] [PREFIX]`
+//!
+//! Phases: admit_run (RUNS runs), reserve_step (4 tool steps per run), resolve (their
+//! commits), reserve_model and resolve_model (one model step per run), heartbeat, finish, then
+//! the proxy's batches: admit_run + reserve_step, and resolve + finish. POLICY as in opbench
+//! (`bench`: one global day budget; `full`: budgets on every scope). Sequential, one client.
+//! Run it against a fresh server (or another PREFIX) each time.
+
+use spendgate_core::*;
+use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
+use spendgate_store::Store;
+use std::time::Duration;
+
+const TOOL_STEPS: usize = 4;
+
+fn policy(kind: &str) -> Policy {
+    let mut p = Policy::default();
+    let big = Rate {
+        count: 1_000_000,
+        period_ms: 1000,
+        burst: 1_000_000,
+    };
+    for sp in [
+        &mut p.global,
+        &mut p.ip,
+        &mut p.session,
+        &mut p.conversation,
+    ] {
+        if sp.rate.is_some() {
+            sp.rate = Some(big);
+        }
+        if sp.concurrency.is_some() {
+            sp.concurrency = Some(100_000);
+        }
+        for b in &mut sp.budgets {
+            b.amount = Micros(1_000_000_000_000);
+        }
+    }
+    if kind == "bench" {
+        p.global.budgets = vec![Budget {
+            amount: Micros(1_000_000_000_000),
+            window: Window::Day,
+        }];
+        p.ip.budgets.clear();
+        p.ip.concurrency = None;
+        p.session.budgets.clear();
+        p.session.concurrency = None;
+        p.conversation.budgets.clear();
+        p.conversation.rate = None;
+        p.conversation.concurrency = None;
+    }
+    p.run.max_tool_calls = 64;
+    p.run.max_model_rounds = 64;
+    p.run.max_seconds = 3600;
+    p.run.max_cost = Micros(1_000_000_000_000);
+    p.lease_ttl_ms = 600_000;
+    p
+}
+
+fn run_request(tag: &str, n: usize) -> RunRequest {
+    RunRequest {
+        run_id: RunId(format!("{tag}-run-{n}")),
+        session: format!("session-{}", n % 8),
+        ips: vec![IpScope {
+            prefix: format!("10.0.{}.1/32", n % 8),
+            factor: 1,
+        }],
+        conversation: format!("conv-{n}"),
+        input_bytes: 10,
+    }
+}
+
+fn tool_step(run: &RunId, step: String) -> StepRequest {
+    StepRequest {
+        run_id: run.clone(),
+        step_id: ReservationId(step),
+        kind: StepKind::Tool {
+            tool: "bench_tool".into(),
+            price: ToolPrice {
+                per_call: Micros(1),
+                per_unit: Micros::ZERO,
+            },
+            units: 0,
+        },
+    }
+}
+
+fn model_step(run: &RunId, step: String) -> StepRequest {
+    StepRequest {
+        run_id: run.clone(),
+        step_id: ReservationId(step),
+        kind: StepKind::Model {
+            model: "bench-model".into(),
+            price: ModelPrice {
+                input_per_million: Micros(2_500_000),
+                cached_input_per_million: Micros(1_250_000),
+                output_per_million: Micros(10_000_000),
+            },
+            prompt_tokens: 1200,
+            max_output_tokens: Some(256),
+            retry: false,
+        },
+    }
+}
+
+fn usage() -> Settlement {
+    Settlement::Tokens(TokenUsage {
+        prompt_tokens: 1200,
+        cached_tokens: 200,
+        completion_tokens: 100,
+    })
+}
+
+fn callgrind(args: &[&str]) -> Result<(), String> {
+    let st = std::process::Command::new("callgrind_control")
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .map_err(|e| format!("callgrind_control: {e}"))?;
+    if !st.success() {
+        return Err(format!("callgrind_control {args:?} failed"));
+    }
+    Ok(())
+}
+
+struct Phase<'a> {
+    tag: &'a str,
+    pid: Option<String>,
+}
+
+impl Phase<'_> {
+    fn start(&self) -> Result<(), String> {
+        match &self.pid {
+            Some(pid) => callgrind(&["-z", pid]),
+            None => Ok(()),
+        }
+    }
+    fn end(&self, name: &str, calls: usize) -> Result<(), String> {
+        println!("phase {}-{name} {calls}", self.tag);
+        match &self.pid {
+            Some(pid) => callgrind(&["-d", &format!("{}-{name}", self.tag), pid]),
+            None => Ok(()),
+        }
+    }
+}
+
+fn check(r: Result<Reply, spendgate_store::StoreError>, what: &str) -> Result<(), String> {
+    match r {
+        Ok(Reply::Run(a)) if a.value.is_err() => Err(format!("{what}: {:?}", a.value)),
+        Ok(Reply::Step(a)) if a.value.is_err() => Err(format!("{what}: {:?}", a.value)),
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!("{what}: {e}")),
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), String> {
+    let args: Vec<String> = std::env::args().collect();
+    let runs: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(200);
+    let kind = args.get(2).cloned().unwrap_or_else(|| "bench".into());
+    let tag = args.get(3).cloned().unwrap_or_else(|| "opcount".into());
+    let url = std::env::var("OPCOUNT_URL").map_err(|_| "set OPCOUNT_URL")?;
+    // OPCOUNT_PID: the valgrind'ed server's pid (callgrind_control target); unset = no dumps.
+    let ph = Phase {
+        tag: &tag,
+        pid: std::env::var("OPCOUNT_PID").ok(),
+    };
+    let opts = RedisOptions {
+        url,
+        prefix: tag.clone(),
+        timeout: Duration::from_secs(60),
+        clock: ClockSource::Server,
+    };
+    let store = RedisStore::open(opts, policy(&kind))
+        .await
+        .map_err(|e| e.to_string())?;
+    let s: &dyn Store = &store;
+    // Warm up: the library loaded, the policy parsed, the epoch written.
+    s.ready().await.map_err(|e| e.to_string())?;
+    let reqs: Vec<RunRequest> = (0..runs).map(|n| run_request(&tag, n)).collect();
+    let ids: Vec<RunId> = reqs.iter().map(|r| r.run_id.clone()).collect();
+    let one = |cmd: Command| s.execute(cmd);
+
+    ph.start()?;
+    for r in &reqs {
+        check(
+            one(Command::AdmitRun {
+                req: r.clone(),
+                idem: None,
+            })
+            .await,
+            "admit",
+        )?;
+    }
+    ph.end("admit_run", runs)?;
+
+    ph.start()?;
+    for k in 0..TOOL_STEPS {
+        for id in &ids {
+            let req = tool_step(id, format!("{}.{k}", id.0));
+            check(
+                one(Command::ReserveStep { req, idem: None }).await,
+                "reserve",
+            )?;
+        }
+    }
+    ph.end("reserve_step", runs * TOOL_STEPS)?;
+
+    ph.start()?;
+    for k in 0..TOOL_STEPS {
+        for id in &ids {
+            let step = ReservationId(format!("{}.{k}", id.0));
+            let how = Resolution::Commit(Settlement::Units(0));
+            check(one(Command::Resolve { step, how }).await, "resolve")?;
+        }
+    }
+    ph.end("resolve", runs * TOOL_STEPS)?;
+
+    ph.start()?;
+    for id in &ids {
+        let req = model_step(id, format!("{}.m", id.0));
+        check(one(Command::ReserveStep { req, idem: None }).await, "model")?;
+    }
+    ph.end("reserve_model", runs)?;
+
+    ph.start()?;
+    for id in &ids {
+        let step = ReservationId(format!("{}.m", id.0));
+        let how = Resolution::Commit(usage());
+        check(one(Command::Resolve { step, how }).await, "resolve model")?;
+    }
+    ph.end("resolve_model", runs)?;
+
+    ph.start()?;
+    for id in &ids {
+        check(
+            one(Command::Heartbeat { run: id.clone() }).await,
+            "heartbeat",
+        )?;
+    }
+    ph.end("heartbeat", runs)?;
+
+    // finish with one step still held (charged as unknown), like a run cut short
+    for id in &ids {
+        let req = tool_step(id, format!("{}.h", id.0));
+        check(
+            one(Command::ReserveStep { req, idem: None }).await,
+            "reserve",
+        )?;
+    }
+    ph.start()?;
+    for id in &ids {
+        check(one(Command::Finish { run: id.clone() }).await, "finish")?;
+    }
+    ph.end("finish", runs)?;
+
+    // the proxy: admission + model step in one batch, then commit + finish in one batch
+    let reqs2: Vec<RunRequest> = (0..runs)
+        .map(|n| run_request(&format!("{tag}-b"), n))
+        .collect();
+    ph.start()?;
+    for r in &reqs2 {
+        let cmds = vec![
+            Command::AdmitRun {
+                req: r.clone(),
+                idem: None,
+            },
+            Command::ReserveStep {
+                req: model_step(&r.run_id, format!("{}.0", r.run_id.0)),
+                idem: None,
+            },
+        ];
+        for a in s.execute_many(cmds).await {
+            check(a, "batch admit")?;
+        }
+    }
+    ph.end("batch_admit_step", runs)?;
+
+    ph.start()?;
+    for r in &reqs2 {
+        let cmds = vec![
+            Command::Resolve {
+                step: ReservationId(format!("{}.0", r.run_id.0)),
+                how: Resolution::Commit(usage()),
+            },
+            Command::Finish {
+                run: r.run_id.clone(),
+            },
+        ];
+        for a in s.execute_many(cmds).await {
+            check(a, "batch finish")?;
+        }
+    }
+    ph.end("batch_commit_finish", runs)?;
+    Ok(())
+}

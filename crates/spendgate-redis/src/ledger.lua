@@ -591,8 +591,11 @@ local CC = {}
 -- key of its own: limit, used, reserved, overrun, adjusted (COUNTER_FMT).
 local COUNTER_FMT = '<ddddd'
 local RUN_C = 'lifetime|0|run|'
+local RUN_C_LEN = #RUN_C
 local function run_of(e)
-  if string.sub(e, 1, #RUN_C) == RUN_C then return string.sub(e, #RUN_C + 1) end
+  -- (cparts is cached: no string is made for the other counters)
+  local w, idx, kind = cparts(e)
+  if kind == 'run' and idx == 0 and w == 'lifetime' then return string.sub(e, RUN_C_LEN + 1) end
   return nil
 end
 -- A counter as stored, as five numbers (nil: there is none).

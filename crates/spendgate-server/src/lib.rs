@@ -10,6 +10,7 @@ pub mod error;
 pub mod identity;
 pub mod metrics;
 pub mod ops;
+pub mod pace;
 pub mod proxy;
 pub mod tokens;
 

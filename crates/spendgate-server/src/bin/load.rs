@@ -6,15 +6,19 @@
 //! from the scheduled instant, so queueing shows up in p99.
 //!
 //! One invocation measures, against the same server in the same run:
-//! 1. `/healthz` closed-loop throughput (the baseline: what the HTTP stack alone does);
-//! 2. reserve+commit pair closed-loop throughput;
-//! 3. reserve+commit pairs open-loop at `--rate`: p50/p99 of the reserve and of the pair.
+//! 1. `/healthz` open-loop at `--rate` (the latency baseline), then reserve+commit pairs
+//!    open-loop at `--rate`: p50/p99 of the reserve and of the pair. Requests are started by
+//!    a pacing thread (see `spendgate_server::pace`).
+//! 2. `/healthz` closed-loop throughput (the baseline: what the HTTP stack alone does);
+//! 3. reserve+commit pair closed-loop throughput. The closed loops come last: they saturate
+//!    the server and the disk, and the writeback they leave would sit in the open loop's tail.
 //!
 //! Every loop is bounded in count and time.
 
 use clap::Parser;
 use hdrhistogram::Histogram;
 use serde_json::{json, Value};
+use spendgate_server::pace::paced;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -50,6 +54,9 @@ struct Args {
     /// as pairs but are part of the load.
     #[arg(long, default_value_t = 16)]
     steps_per_run: u32,
+    /// Skips the closed-loop phases (for A/B runs of the open loop alone).
+    #[arg(long)]
+    open_only: bool,
 }
 
 /// One open run and how many steps it has had.
@@ -275,68 +282,79 @@ async fn main() -> anyhow::Result<()> {
     for i in 0..ctx.slots.len() {
         let _ = pair(&ctx, i).await;
     }
-    let healthz_rps = closed_loop(ctx.clone(), "healthz").await;
-    let pairs_rps = closed_loop(ctx.clone(), "pairs").await;
 
     // Open loop.
     let total = args.rate * args.seconds;
     let interval = Duration::from_nanos(1_000_000_000 / args.rate.max(1));
-    // Baseline: `/healthz` at the same rate, from the scheduled instant.
+    // Baseline: `/healthz` at the same rate. Both open loops are started by a pacing thread
+    // (see `spendgate_server::pace`), each call on its own task.
+    let handle = tokio::runtime::Handle::current();
     let healthz_h = Arc::new(std::sync::Mutex::new(hist()));
     {
-        let start = tokio::time::Instant::now();
-        let mut tasks = Vec::with_capacity(total as usize);
-        for i in 0..total {
-            let scheduled = start + interval * i as u32;
-            tokio::time::sleep_until(scheduled).await;
-            let (ctx, hh) = (ctx.clone(), healthz_h.clone());
-            tasks.push(tokio::spawn(async move {
+        let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let (ctx, hh, handle) = (ctx.clone(), healthz_h.clone(), handle.clone());
+        let pacer = paced(total, interval, (), move |_, _, _| {
+            let (ctx, hh, done) = (ctx.clone(), hh.clone(), done_tx.clone());
+            handle.spawn(async move {
                 let sent = Instant::now();
-                let _ = scheduled;
                 if healthz(&ctx).await {
                     let took = sent.elapsed();
                     if let Ok(mut h) = hh.lock() {
                         let _ = h.record(took.as_micros().max(1) as u64);
                     }
                 }
-            }));
-        }
-        for t in tasks {
-            let _ = t.await;
-        }
+                drop(done);
+            });
+        });
+        let _ = tokio::task::spawn_blocking(move || pacer.join()).await;
+        // Every call holds a sender; the channel closes when the last one ends.
+        while done_rx.recv().await.is_some() {}
     }
     let reserve_h = Arc::new(std::sync::Mutex::new(hist()));
     let pair_h = Arc::new(std::sync::Mutex::new(hist()));
     let in_flight = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT_MAX));
-    let dropped = Arc::new(AtomicU64::new(0));
-    let start = tokio::time::Instant::now();
-    let mut tasks = Vec::with_capacity(total as usize);
-    for i in 0..total {
-        let scheduled = start + interval * i as u32;
-        tokio::time::sleep_until(scheduled).await;
-        let Ok(permit) = in_flight.clone().try_acquire_owned() else {
-            dropped.fetch_add(1, Ordering::Relaxed);
-            continue;
-        };
+    let start = Instant::now();
+    let dropped = {
+        let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
         let (ctx, rh, ph) = (ctx.clone(), reserve_h.clone(), pair_h.clone());
-        tasks.push(tokio::spawn(async move {
-            let _permit = permit;
-            if let Some(reserve) = pair(&ctx, i as usize).await {
-                // From the instant the request was due, so any queueing counts.
-                let whole = scheduled.elapsed();
-                if let Ok(mut h) = rh.lock() {
-                    let _ = h.record(reserve.as_micros().max(1) as u64);
+        let pacer = paced(total, interval, 0u64, move |dropped, i, scheduled| {
+            let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                *dropped += 1;
+                return;
+            };
+            let (ctx, rh, ph, done) = (ctx.clone(), rh.clone(), ph.clone(), done_tx.clone());
+            handle.spawn(async move {
+                let _permit = permit;
+                if let Some(reserve) = pair(&ctx, i as usize).await {
+                    // From the instant the request was due, so any queueing counts.
+                    let whole = scheduled.elapsed();
+                    if let Ok(mut h) = rh.lock() {
+                        let _ = h.record(reserve.as_micros().max(1) as u64);
+                    }
+                    if let Ok(mut h) = ph.lock() {
+                        let _ = h.record(whole.as_micros().max(1) as u64);
+                    }
                 }
-                if let Ok(mut h) = ph.lock() {
-                    let _ = h.record(whole.as_micros().max(1) as u64);
-                }
-            }
-        }));
-    }
-    for t in tasks {
-        let _ = t.await;
-    }
+                drop(done);
+            });
+        });
+        let dropped = tokio::task::spawn_blocking(move || pacer.join().unwrap_or(u64::MAX))
+            .await
+            .unwrap_or(u64::MAX);
+        while done_rx.recv().await.is_some() {}
+        dropped
+    };
     let elapsed = start.elapsed().as_secs_f64();
+    // The closed loops come last: they saturate the server and the disk, and what they leave
+    // to write back would otherwise sit in the open loop's tail.
+    let (healthz_rps, pairs_rps) = if args.open_only {
+        (0.0, 0.0)
+    } else {
+        (
+            closed_loop(ctx.clone(), "healthz").await,
+            closed_loop(ctx.clone(), "pairs").await,
+        )
+    };
     let rh = reserve_h
         .lock()
         .map(|h| h.clone())
@@ -365,7 +383,7 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "| open loop: completed / dropped / errors | {} / {} / {} |",
         ph.len(),
-        dropped.load(Ordering::Relaxed),
+        dropped,
         ctx.errors.load(Ordering::Relaxed)
     );
     println!(

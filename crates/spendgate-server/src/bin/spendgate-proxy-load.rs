@@ -287,38 +287,28 @@ async fn phase(ctx: &Arc<Ctx>, measure: Measure, seconds: u64, only: Option<Path
     let handle = tokio::runtime::Handle::current();
     let pacer = {
         let (ctx, hists) = (ctx.clone(), hists.clone());
-        std::thread::spawn(move || {
-            let start = std::time::Instant::now();
-            let mut dropped = 0u64;
-            for k in 0..total {
-                let at = start + interval * u32::try_from(k).unwrap_or(u32::MAX);
-                let wait = at.saturating_duration_since(std::time::Instant::now());
-                if !wait.is_zero() {
-                    std::thread::sleep(wait);
-                }
-                let Ok(permit) = in_flight.clone().try_acquire_owned() else {
-                    dropped += 1;
-                    continue;
-                };
-                let path = only.unwrap_or(if k % 2 == 0 {
-                    Path::Direct
-                } else {
-                    Path::Proxy
-                });
-                let scheduled = Instant::from_std(at);
-                let (ctx, hists, done) = (ctx.clone(), hists.clone(), done_tx.clone());
-                handle.spawn(async move {
-                    let _permit = permit;
-                    let ds = ctx.call(path, measure, k / per_slot, scheduled).await;
-                    if let Ok(mut h) = hists.lock() {
-                        for d in ds {
-                            let _ = h[path as usize].record(d.as_nanos().max(1) as u64);
-                        }
+        spendgate_server::pace::paced(total, interval, 0u64, move |dropped, k, at| {
+            let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                *dropped += 1;
+                return;
+            };
+            let path = only.unwrap_or(if k % 2 == 0 {
+                Path::Direct
+            } else {
+                Path::Proxy
+            });
+            let scheduled = Instant::from_std(at);
+            let (ctx, hists, done) = (ctx.clone(), hists.clone(), done_tx.clone());
+            handle.spawn(async move {
+                let _permit = permit;
+                let ds = ctx.call(path, measure, k / per_slot, scheduled).await;
+                if let Ok(mut h) = hists.lock() {
+                    for d in ds {
+                        let _ = h[path as usize].record(d.as_nanos().max(1) as u64);
                     }
-                    drop(done);
-                });
-            }
-            dropped
+                }
+                drop(done);
+            });
         })
     };
     let dropped = tokio::task::spawn_blocking(move || pacer.join().unwrap_or(u64::MAX))

@@ -548,8 +548,8 @@ fn write_changes(
     // Rolled back on drop unless committed.
     let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
     {
-        let mut upsert = tx.prepare(UPSERT_SQL).map_err(e)?;
-        let mut delete = tx.prepare(DELETE_SQL).map_err(e)?;
+        let mut upsert = tx.prepare_cached(UPSERT_SQL).map_err(e)?;
+        let mut delete = tx.prepare_cached(DELETE_SQL).map_err(e)?;
         for (entity, record) in changes {
             let Some(key) = table_key(entity, record.as_ref(), runs) else {
                 // A reservation never written: there is no row to delete.

@@ -90,6 +90,7 @@ macro_rules! __with_conformance_cases {
             whole_run_reserves_and_reconciles,
             whole_run_expiry_charges_the_hold,
             cutoff_refuses_admission,
+            dry_run_reports_instead_of_refusing,
             hammer_one_budget,
             hammer_last_cent,
             model_based,

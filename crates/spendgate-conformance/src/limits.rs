@@ -399,3 +399,72 @@ pub async fn cutoff_refuses_admission(b: &dyn Backend) {
     let lines = check_ledger(&s, &w.scopes()).await;
     assert_eq!(ur(&lines, ScopeKind::Global), (700, 1_000));
 }
+
+/// Limits in dry-run (SPEC §8): a scope whose policy is in dry-run reports the refusal it
+/// would give (rate first, then concurrency, then budgets, as enforcement checks) and admits;
+/// what it admits is accounted as usual, a budget held past its limit is marked overrun, and
+/// the enforced scopes beside it still refuse.
+pub async fn dry_run_reports_instead_of_refusing(b: &dyn Backend) {
+    let mut p = policy();
+    p.global.budgets = vec![day(1_000_000)];
+    p.session = ScopePolicy {
+        budgets: vec![day(300_000)],
+        rate: Some(Rate {
+            count: 1,
+            period_ms: 60_000,
+            burst: 1,
+        }),
+        concurrency: Some(1),
+        dry_run: true,
+    };
+    let s = b.open(p, START).await;
+    let (w1, w2) = (
+        Who::new("s1", "c1", "192.0.2.1/32"),
+        Who::new("s1", "c2", "192.0.2.1/32"),
+    );
+    let first = admit(&s, w1.run("r1")).await;
+    assert_eq!(first.value.dry_run, None, "nothing to report yet");
+    // Past the session's rate (burst 1) and its one active run: admitted, reported.
+    let second = admit(&s, w2.run("r2")).await;
+    let dry = second.value.dry_run.expect("a dry-run refusal is reported");
+    refusal(&dry, RefusalCode::RateLimited, ScopeKind::Session);
+    assert!(dry.retry_after_s.is_some_and(|s| s >= 1), "{dry:?}");
+    assert_eq!(summary(&s).await.runs_active, 2);
+
+    // Within the session budget: nothing to report.
+    let a = reserve(&s, micros_step("r1", "r1.a", 250_000)).await;
+    assert_eq!(a.dry_run, None);
+    // Past it: granted, the budget refusal reported, the counter marked overrun.
+    let b2 = reserve(&s, micros_step("r2", "r2.a", 100_000)).await;
+    let dry = b2.dry_run.expect("a dry-run budget refusal is reported");
+    refusal(&dry, RefusalCode::BudgetExhausted, ScopeKind::Session);
+    assert_eq!(dry.retry_after_s, Some(SECS_TO_MIDNIGHT), "{dry:?}");
+    let lines = check_ledger(&s, &w1.scopes()).await;
+    let session = line(&lines, ScopeKind::Session);
+    assert_eq!(
+        (session.reserved.0, session.limit.0),
+        (350_000, 300_000),
+        "what dry-run admits is held"
+    );
+    assert!(
+        session.overrun,
+        "a budget past its limit in dry-run is overrun"
+    );
+    assert_eq!(ur(&lines, ScopeKind::Global), (0, 350_000));
+
+    // The enforced global budget still refuses (its refusal, not the session's report).
+    let r = reserve_refused(&s, micros_step("r1", "r1.b", 700_000)).await;
+    refusal(&r, RefusalCode::BudgetExhausted, ScopeKind::Global);
+    // So does the enforced one-run-per-conversation cap.
+    let r = admit_refused(&s, Who::new("s2", "c1", "192.0.2.2/32").run("r3")).await;
+    refusal(&r, RefusalCode::ConcurrencyLimited, ScopeKind::Conversation);
+
+    // Conservation holds as usual.
+    resolve(&s, "r1.a", units(250_000)).await;
+    resolve(&s, "r2.a", Resolution::Unknown).await;
+    finish(&s, "r1").await;
+    finish(&s, "r2").await;
+    let lines = check_ledger(&s, &w1.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Session), (350_000, 0));
+    assert_eq!(ur(&lines, ScopeKind::Global), (350_000, 0));
+}

@@ -48,6 +48,7 @@ pub fn policy() -> Policy {
             budgets: vec![day(100_000_000)],
             rate: None,
             concurrency: None,
+            dry_run: false,
         },
         ip: ScopePolicy::default(),
         session: ScopePolicy::default(),
@@ -55,6 +56,7 @@ pub fn policy() -> Policy {
             budgets: vec![],
             rate: None,
             concurrency: Some(1),
+            dry_run: false,
         },
         run: RunBounds {
             max_input_bytes: 16_384,

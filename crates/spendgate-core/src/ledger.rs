@@ -297,6 +297,9 @@ pub struct RunAdmitted {
     /// The request-rate scope with the least quota left after this admission (`None` when no
     /// scope of the run has a rate). Computed from the rate state the admission wrote.
     pub rate_left: Option<RateLeft>,
+    /// The refusal a limit in dry-run would have given (the first, in the order enforcement
+    /// checks: rates, concurrency, budgets); `None` when every limit passed.
+    pub dry_run: Option<Refusal>,
 }
 
 /// What one request-rate (GCRA) scope has left right after an admission (see [`Rate::left`]).
@@ -360,6 +363,8 @@ pub struct StepReserved {
     pub max_output_tokens: Option<u64>,
     /// The output bound was shrunk to fit the remaining budget (`run.shrink_to_fit`).
     pub shrunk: bool,
+    /// The refusal a budget in dry-run would have given; `None` when every budget passed.
+    pub dry_run: Option<Refusal>,
 }
 
 /// What a commit reports.
@@ -918,34 +923,50 @@ impl Ledger {
         c
     }
 
-    /// Checks that `amount` fits every counter; the first that does not says why.
+    /// Checks that `amount` fits every counter. `Err`: the first enforced counter that it
+    /// does not fit, and why. `Ok(Some(_))`: every enforced counter fits, and this is the
+    /// first counter in dry-run that it does not (see [`ScopePolicy::dry_run`]).
     fn check_budgets(
         &self,
+        policy: &Policy,
         counters: &[(CounterKey, Micros)],
         amount: Micros,
         now: UnixMs,
-    ) -> Result<(), Refusal> {
-        let views: Vec<BudgetView> = counters
-            .iter()
-            .map(|(key, limit)| {
-                let c = self.counters.get(key).copied().unwrap_or_default();
-                BudgetView::of(key.scope.kind, &c, *limit, key.window.resets_at())
+    ) -> Result<Option<Refusal>, Refusal> {
+        let check = |dry: bool| -> Result<(), Refusal> {
+            let picked: Vec<&(CounterKey, Micros)> = counters
+                .iter()
+                .filter(|(key, _)| policy.dry_run(key.scope.kind) == dry)
+                .collect();
+            let views: Vec<BudgetView> = picked
+                .iter()
+                .map(|(key, limit)| {
+                    let c = self.counters.get(key).copied().unwrap_or_default();
+                    BudgetView::of(key.scope.kind, &c, *limit, key.window.resets_at())
+                })
+                .collect();
+            crate::admission::decide(&views, amount, now).map_err(|r| {
+                let (key, limit) = picked[r.index];
+                budget_refusal(key, &self.counter_view(key, *limit), now)
             })
-            .collect();
-        crate::admission::decide(&views, amount, now).map_err(|r| {
-            let (key, limit) = &counters[r.index];
-            budget_refusal(key, &self.counter_view(key, *limit), now)
-        })
+        };
+        check(false)?;
+        Ok(check(true).err())
     }
 
-    fn hold(&mut self, counters: &[(CounterKey, Micros)], amount: Micros) {
+    fn hold(&mut self, policy: &Policy, counters: &[(CounterKey, Micros)], amount: Micros) {
         for (key, limit) in counters {
+            let dry = policy.dry_run(key.scope.kind);
             let c = self.counter_mut(key, *limit);
             c.reserved = c.reserved.add_capped(amount);
-            debug_assert!(
-                c.used.0 + c.reserved.0 <= c.limit.0,
-                "I1: admission must keep used + reserved <= limit"
-            );
+            if c.used.0 + c.reserved.0 > c.limit.0 {
+                // Only a limit in dry-run admits past itself; it is then overrun (and I1's
+                // exception), so that it reports every later request as refused.
+                debug_assert!(dry, "I1: admission must keep used + reserved <= limit");
+                if dry {
+                    c.overrun = true;
+                }
+            }
         }
     }
 
@@ -1219,6 +1240,8 @@ impl Ledger {
         let now_us = now.0.saturating_mul(1000);
         let mut tats = Vec::new();
         let mut rate_left: Option<RateLeft> = None;
+        // The first refusal of a limit in dry-run (see `ScopePolicy::dry_run`).
+        let mut dry_run: Option<Refusal> = None;
         for (scope, factor) in &scopes {
             let Some(p) = policy.for_kind(scope.kind) else {
                 continue;
@@ -1240,12 +1263,17 @@ impl Ledger {
                     tats.push((key, new_tat));
                 }
                 Err(wait_us) => {
-                    return Err(Refusal::new(
+                    let refusal = Refusal::new(
                         RefusalCode::RateLimited,
                         Some(scope.kind),
                         format!("{} request rate exceeded", scope.kind.name()),
                     )
-                    .retry_after(wait_us.div_ceil(1_000_000)))
+                    .retry_after(wait_us.div_ceil(1_000_000));
+                    if !p.dry_run {
+                        return Err(refusal);
+                    }
+                    // The rate's state stays: a refused request would not have moved it.
+                    dry_run.get_or_insert(refusal);
                 }
             }
         }
@@ -1260,7 +1288,7 @@ impl Ledger {
             };
             let held = self.slots.get(scope).copied().unwrap_or(0);
             if held >= cap {
-                return Err(Refusal::new(
+                let refusal = Refusal::new(
                     RefusalCode::ConcurrencyLimited,
                     Some(scope.kind),
                     format!(
@@ -1268,7 +1296,11 @@ impl Ledger {
                         scope.kind.name()
                     ),
                 )
-                .retry_after(1));
+                .retry_after(1);
+                if !p.dry_run {
+                    return Err(refusal);
+                }
+                dry_run.get_or_insert(refusal);
             }
             slots.push(scope.clone());
         }
@@ -1278,12 +1310,15 @@ impl Ledger {
             ReservationMode::WholeRun => bounds.max_cost,
             ReservationMode::PerStep => Micros(1),
         };
-        self.check_budgets(&counters, hold, now)?;
+        if let Some(refusal) = self.check_budgets(policy, &counters, hold, now)? {
+            dry_run.get_or_insert(refusal);
+        }
         Ok(RunPlan {
             tats,
             rate_left,
             slots,
             counters,
+            dry_run,
         })
     }
 
@@ -1326,7 +1361,7 @@ impl Ledger {
         let mut reserved = Micros::ZERO;
         if policy.mode == ReservationMode::WholeRun {
             let id = ReservationId(format!("{}.hold", req.run_id.0));
-            self.hold(&plan.counters, bounds.max_cost);
+            self.hold(policy, &plan.counters, bounds.max_cost);
             reserved = bounds.max_cost;
             self.insert_reservation(Reservation {
                 id: id.clone(),
@@ -1355,6 +1390,7 @@ impl Ledger {
             reserved,
             bounds,
             rate_left: plan.rate_left,
+            dry_run: plan.dry_run,
         }
     }
 
@@ -1471,13 +1507,14 @@ impl Ledger {
             }
             ReservationMode::WholeRun => vec![run_counter],
         };
-        match self.check_budgets(&counters, amount, now) {
-            Ok(()) => Ok(StepPlan {
+        match self.check_budgets(policy, &counters, amount, now) {
+            Ok(dry_run) => Ok(StepPlan {
                 amount,
                 max_out,
                 shrunk: false,
                 counters,
                 counter_kind,
+                dry_run,
             }),
             Err(refusal) => {
                 // shrink_to_fit: lower the output bound to what the tightest counter allows.
@@ -1490,8 +1527,10 @@ impl Ledger {
                     },
                 ) = (b.shrink_to_fit, &req.kind)
                 {
+                    // Only enforced limits bound the output (a limit in dry-run never refuses).
                     let room = counters
                         .iter()
+                        .filter(|(k, _)| !policy.dry_run(k.scope.kind))
                         .map(|(k, l)| self.counter_view(k, *l).remaining())
                         .min()
                         .unwrap_or_default();
@@ -1499,13 +1538,14 @@ impl Ledger {
                         let fit = fit.min(max_out.unwrap_or(0));
                         if fit >= b.min_output_tokens {
                             let amount = price.bound(*prompt_tokens, fit);
-                            self.check_budgets(&counters, amount, now)?;
+                            let dry_run = self.check_budgets(policy, &counters, amount, now)?;
                             return Ok(StepPlan {
                                 amount,
                                 max_out: Some(fit),
                                 shrunk: true,
                                 counters,
                                 counter_kind,
+                                dry_run,
                             });
                         }
                     }
@@ -1528,7 +1568,7 @@ impl Ledger {
         req: &StepRequest,
         plan: StepPlan,
     ) -> StepReserved {
-        self.hold(&plan.counters, plan.amount);
+        self.hold(policy, &plan.counters, plan.amount);
         let kind = match &req.kind {
             StepKind::Model {
                 model,
@@ -1575,6 +1615,7 @@ impl Ledger {
             reserved: plan.amount,
             max_output_tokens: plan.max_out,
             shrunk: plan.shrunk,
+            dry_run: plan.dry_run,
         }
     }
 
@@ -2093,6 +2134,7 @@ struct RunPlan {
     rate_left: Option<RateLeft>,
     slots: Vec<ScopeKey>,
     counters: Vec<(CounterKey, Micros)>,
+    dry_run: Option<Refusal>,
 }
 
 #[derive(Clone, Copy)]
@@ -2107,6 +2149,7 @@ struct StepPlan {
     shrunk: bool,
     counters: Vec<(CounterKey, Micros)>,
     counter_kind: StepCounter,
+    dry_run: Option<Refusal>,
 }
 
 // Unused import guard for ScopePolicy in docs.

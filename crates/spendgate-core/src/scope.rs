@@ -102,6 +102,12 @@ pub struct ScopePolicy {
     pub budgets: Vec<Budget>,
     pub rate: Option<Rate>,
     pub concurrency: Option<u32>,
+    /// Dry-run: this scope's limits are checked against the real state and a failing check
+    /// is reported (`dry_run` in the answer) instead of refusing. What is admitted is
+    /// accounted as usual (reserved, charged, slots taken); a budget held past its limit is
+    /// marked overrun, and a request past the rate does not move the rate's state (a refused
+    /// request would not have).
+    pub dry_run: bool,
 }
 
 impl ScopePolicy {
@@ -122,6 +128,7 @@ impl ScopePolicy {
                 .collect(),
             rate: self.rate.map(|r| r.scaled(factor)),
             concurrency: self.concurrency.map(|c| c.saturating_mul(f32)),
+            dry_run: self.dry_run,
         }
     }
 }
@@ -184,6 +191,12 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// Whether a scope kind's limits are in dry-run (never for `run`: run bounds are always
+    /// enforced).
+    pub fn dry_run(&self, kind: ScopeKind) -> bool {
+        self.for_kind(kind).is_some_and(|p| p.dry_run)
+    }
+
     pub fn for_kind(&self, kind: ScopeKind) -> Option<&ScopePolicy> {
         match kind {
             ScopeKind::Global => Some(&self.global),
@@ -215,6 +228,7 @@ impl Default for Policy {
                     burst: 20,
                 }),
                 concurrency: Some(64),
+                dry_run: false,
             },
             ip: ScopePolicy {
                 budgets: vec![budget(1_000_000, Window::Day)],
@@ -224,6 +238,7 @@ impl Default for Policy {
                     burst: 10,
                 }),
                 concurrency: Some(4),
+                dry_run: false,
             },
             session: ScopePolicy {
                 budgets: vec![budget(500_000, Window::Day)],
@@ -233,11 +248,13 @@ impl Default for Policy {
                     burst: 5,
                 }),
                 concurrency: Some(2),
+                dry_run: false,
             },
             conversation: ScopePolicy {
                 budgets: vec![budget(500_000, Window::Day)],
                 rate: None,
                 concurrency: Some(1),
+                dry_run: false,
             },
             run: RunBounds::default(),
             mode: ReservationMode::PerStep,

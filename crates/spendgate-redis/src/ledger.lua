@@ -374,6 +374,7 @@ local function parse_policy(s)
     end
     if nn() == 1 then kp.rate = { nn(), nn(), nn() } end
     if nn() == 1 then kp.conc = nn() end
+    kp.dry = nn() == 1
     p.kinds[kind] = kp
   end
   local r = {}
@@ -715,24 +716,46 @@ local function budget_refusal(k, c, now)
     S(k.limit), S(now) }
 end
 
+-- Whether a scope kind's limits are in dry-run (never 'run').
+local function is_dry(kind)
+  local kp = P.kinds[kind]
+  return kp ~= nil and kp.dry
+end
+
+-- The first enforced counter `amount` does not fit (a refusal), else nil and the first
+-- counter in dry-run it does not fit (nil when none).
 local function check_budgets(counters, amount, now)
+  local dry = nil
   for _, k in ipairs(counters) do
     local c = cload(k.enc)
     c.limit = k.limit
     if not (c.overrun == 0 and c.used + c.reserved + amount <= k.limit) then
-      return budget_refusal(k, c, now)
+      if not is_dry(k.kind) then return budget_refusal(k, c, now) end
+      if not dry then dry = budget_refusal(k, c, now) end
     end
   end
-  return nil
+  return nil, dry
 end
 
+-- (past its limit only in dry-run: the counter is then overrun)
 local function hold(counters, amount)
   for _, k in ipairs(counters) do
     local c = cload(k.enc)
     c.limit = k.limit
     c.reserved = math.min(c.reserved + amount, MAX)
+    if c.used + c.reserved > c.limit and is_dry(k.kind) then c.overrun = 1 end
     csave(c)
   end
+end
+
+-- Appends to an admitted outcome '0', or '1' and the fields of the dry-run refusal.
+local function add_dry(outcome, dry)
+  if not dry then
+    outcome[#outcome + 1] = '0'
+    return
+  end
+  outcome[#outcome + 1] = '1'
+  for i = 2, #dry do outcome[#outcome + 1] = dry[i] end
 end
 
 ---------------------------------------------------------------- reservations
@@ -1084,6 +1107,7 @@ function OPS.admit_run(now, swept, A)
   local now_us = now * 1000
   local tats, slots = {}, {}
   local left = nil -- RateLeft: { scope, remaining, reset_s }, the tightest
+  local dry = nil -- the first refusal of a limit in dry-run
   if not outcome then
     for _, s in ipairs(scopes) do
       local kp = P.kinds[s[1]]
@@ -1092,13 +1116,19 @@ function OPS.admit_run(now, swept, A)
         local key = 'run|' .. disp(s[1], s[2])
         local good, v = rate_check(r, rate_get(key), now_us)
         if not good then
-          outcome = text_refusal('rate_limited', s[1], S(wait_secs(v)), s[1] .. ' request rate exceeded')
-          break
-        end
-        tats[#tats + 1] = { key, v }
-        local rem, reset = rate_left(r, v, now_us)
-        if not left or rem < left[2] or (rem == left[2] and reset > left[3]) then
-          left = { s[1], rem, reset }
+          local refusal = text_refusal('rate_limited', s[1], S(wait_secs(v)), s[1] .. ' request rate exceeded')
+          if not kp.dry then
+            outcome = refusal
+            break
+          end
+          -- (the rate's state stays: a refused request would not have moved it)
+          if not dry then dry = refusal end
+        else
+          tats[#tats + 1] = { key, v }
+          local rem, reset = rate_left(r, v, now_us)
+          if not left or rem < left[2] or (rem == left[2] and reset > left[3]) then
+            left = { s[1], rem, reset }
+          end
         end
       end
     end
@@ -1111,9 +1141,13 @@ function OPS.admit_run(now, swept, A)
         local d = disp(s[1], s[2])
         local held = N(redis.call('HGET', K_SLOTS, d) or '0')
         if held >= cap then
-          outcome = text_refusal('concurrency_limited', s[1], '1',
+          local refusal = text_refusal('concurrency_limited', s[1], '1',
             s[1] .. ' already has ' .. S(held) .. ' active run(s) (limit ' .. S(cap) .. ')')
-          break
+          if not kp.dry then
+            outcome = refusal
+            break
+          end
+          if not dry then dry = refusal end
         end
         slots[#slots + 1] = d
       end
@@ -1123,7 +1157,9 @@ function OPS.admit_run(now, swept, A)
   if not outcome then
     local need = 1
     if P.mode == 'whole_run' then need = b.cost end
-    outcome = check_budgets(counters, need, now)
+    local bdry
+    outcome, bdry = check_budgets(counters, need, now)
+    if not dry then dry = bdry end
   end
   local admitted = false
   if not outcome then
@@ -1160,6 +1196,7 @@ function OPS.admit_run(now, swept, A)
       outcome[#outcome + 1] = '0'
       outcome[#outcome + 1] = '0'
     end
+    add_dry(outcome, dry)
   end
   if has_idem then remember(ikey, ifp, 'run', outcome, now) end
   local changed = swept or admitted or has_idem
@@ -1244,26 +1281,29 @@ function OPS.reserve_step(now, swept, A)
       counters = {}
     end
     counters[#counters + 1] = run_counter(run_id, imm[R_B_COST])
-    local refusal = check_budgets(counters, amount, now)
+    local refusal, dry = check_budgets(counters, amount, now)
     if not refusal then
-      plan = { amount = amount, max_out = max_out, shrunk = false }
+      plan = { amount = amount, max_out = max_out, shrunk = false, dry = dry }
     else
       if imm[R_B_SHRINK] == 1 and kind == 'model' then
+        -- (only enforced limits bound the output: a limit in dry-run never refuses)
         local room = nil
         for _, k in ipairs(counters) do
-          local c = cload(k.enc)
-          c.limit = k.limit
-          local r = remaining(c)
-          if room == nil or r < room then room = r end
+          if not is_dry(k.kind) then
+            local c = cload(k.enc)
+            c.limit = k.limit
+            local r = remaining(c)
+            if room == nil or r < room then room = r end
+          end
         end
         local fit = fit_output(prompt_s, ip, op, room or 0, max_out or 0)
         if fit and fit >= imm[R_B_MINOUT] then
           local a2 = price_ceil({ { prompt_s, ip }, { S(fit), op } })
-          local r2 = check_budgets(counters, a2, now)
+          local r2, dry2 = check_budgets(counters, a2, now)
           if r2 then
             outcome = r2
           else
-            plan = { amount = a2, max_out = fit, shrunk = true }
+            plan = { amount = a2, max_out = fit, shrunk = true, dry = dry2 }
           end
         end
       end
@@ -1303,6 +1343,7 @@ function OPS.reserve_step(now, swept, A)
     local mo = ''
     if plan.max_out then mo = plan.max_out end
     outcome = { 'step_ok', step_id, plan.amount, mo, I01(plan.shrunk) }
+    add_dry(outcome, plan.dry)
   end
   if has_idem then remember(ikey, ifp, 'step', outcome, now) end
   local changed = swept or plan ~= nil or has_idem

@@ -315,6 +315,7 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
                 out.num(u64::from(c), &what)?;
             }
         }
+        out.word(if sp.dry_run { "1" } else { "0" });
     }
     let b = &p.run;
     for (v, what) in [
@@ -350,7 +351,7 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
 /// The layout of what the ledger script stores (keys, packed records, meta fields). Every
 /// epoch id starts with it, so a deployment whose data was written in another layout is
 /// refused rather than misread. Bump it with any change of the stored layout.
-pub const LEDGER_FORMAT: &str = "f4";
+pub const LEDGER_FORMAT: &str = "f5";
 
 /// Refuses an epoch written by a build with another stored layout ([`LEDGER_FORMAT`]).
 fn check_format(epoch: &str, prefix: &str) -> Result<(), StoreError> {

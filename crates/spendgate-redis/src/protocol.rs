@@ -401,8 +401,18 @@ fn run_outcome(f: &mut Fields<'_>) -> Result<Result<RunAdmitted, Refusal>, Store
                 min_output_tokens: f.u()?,
             },
             rate_left: rate_left(f)?,
+            dry_run: dry_run(f)?,
         })),
         other => Err(bad(format!("run outcome {other:?}"))),
+    }
+}
+
+/// `0`, or `1` and the refusal a limit in dry-run would have given (a refusal's fields).
+fn dry_run(f: &mut Fields<'_>) -> Result<Option<Refusal>, StoreError> {
+    if f.b()? {
+        Ok(Some(refusal(f)?))
+    } else {
+        Ok(None)
     }
 }
 
@@ -433,6 +443,7 @@ fn step_outcome(f: &mut Fields<'_>) -> Result<Result<StepReserved, Refusal>, Sto
             reserved: Micros(f.u()?),
             max_output_tokens: f.opt_u()?,
             shrunk: f.b()?,
+            dry_run: dry_run(f)?,
         })),
         other => Err(bad(format!("step outcome {other:?}"))),
     }

@@ -27,6 +27,11 @@
 //!   no work was done releases the reservation instead of charging it.
 //! - In `[limits.X]`, `rate = "off"` and `concurrency = "off"` switch that limit off; absent keys
 //!   keep their default.
+//! - `limits.X.dry_run` (default `false`): that scope's limits in dry-run (SPEC §8 "per
+//!   limit"); `server.dry_run = true` puts every `[limits.X]` in dry-run. Dry-run covers the
+//!   scope limits (rates, concurrency caps, budgets). Run bounds, the spending cutoff, price
+//!   checks and session-creation limits stay enforced: they bound one request or are the
+//!   operator's own brake, and are not tuned by watching refusals.
 
 use serde::de::{self, Visitor};
 use serde::Deserialize;
@@ -552,6 +557,7 @@ struct RawScope {
     burst: Option<u64>,
     concurrency: Option<RawCount>,
     budgets: Option<Vec<RawBudget>>,
+    dry_run: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1159,14 +1165,16 @@ impl Validator<'_, '_> {
         let identity = self.identity(&raw.identity)?;
         let defaults = Policy::default();
         let limits = &raw.limits;
+        let all_dry = server.dry_run;
         let policy = Policy {
-            global: self.scope("global", &limits.global, &defaults.global)?,
-            ip: self.scope("ip", &limits.ip, &defaults.ip)?,
-            session: self.scope("session", &limits.session, &defaults.session)?,
+            global: self.scope("global", &limits.global, &defaults.global, all_dry)?,
+            ip: self.scope("ip", &limits.ip, &defaults.ip, all_dry)?,
+            session: self.scope("session", &limits.session, &defaults.session, all_dry)?,
             conversation: self.scope(
                 "conversation",
                 &limits.conversation,
                 &defaults.conversation,
+                all_dry,
             )?,
             run: self.run(&raw.run)?,
             mode: self.one_of(
@@ -1241,14 +1249,6 @@ impl Validator<'_, '_> {
                     "the same token is also a service token; admin tokens must differ",
                 ));
             }
-        }
-        if raw.dry_run {
-            // Refused rather than ignored: an operator who asked for dry-run must not believe
-            // decisions are unenforced while they are enforced (or the other way round).
-            return Err(self.err(
-                &p.key("dry_run"),
-                "dry-run mode is not available yet; every decision is enforced",
-            ));
         }
         Ok(ServerConfig {
             listen,
@@ -1452,7 +1452,13 @@ impl Validator<'_, '_> {
         })
     }
 
-    fn scope(&self, name: &str, raw: &RawScope, default: &ScopePolicy) -> R<ScopePolicy> {
+    fn scope(
+        &self,
+        name: &str,
+        raw: &RawScope,
+        default: &ScopePolicy,
+        all_dry: bool,
+    ) -> R<ScopePolicy> {
         let p = KeyPath::of(&["limits", name]);
         let mut rate = match &raw.rate {
             None => default.rate,
@@ -1511,6 +1517,7 @@ impl Validator<'_, '_> {
             budgets,
             rate,
             concurrency,
+            dry_run: all_dry || raw.dry_run.unwrap_or(default.dry_run),
         })
     }
 
@@ -2027,6 +2034,7 @@ impl Config {
                 })
                 .collect();
             o.kv("budgets", format!("[{}]", budgets.join(", ")));
+            o.kv("dry_run", sp.dry_run);
         }
 
         let r = &self.policy.run;
@@ -2150,7 +2158,23 @@ impl Config {
             );
         }
         if self.server.dry_run {
-            w.push("server.dry_run: limits are computed and logged but NOT enforced".to_string());
+            w.push(
+                "server.dry_run: rates, concurrency caps and budgets are computed and logged but                  NOT enforced"
+                    .to_string(),
+            );
+        } else {
+            for (name, sp) in [
+                ("global", &self.policy.global),
+                ("ip", &self.policy.ip),
+                ("session", &self.policy.session),
+                ("conversation", &self.policy.conversation),
+            ] {
+                if sp.dry_run {
+                    w.push(format!(
+                        "limits.{name}.dry_run: this scope's limits are computed and logged but                          NOT enforced"
+                    ));
+                }
+            }
         }
         w
     }
@@ -2419,10 +2443,10 @@ thresholds = [0.5, 0.8, 1.0]
             "lists known keys: {e}"
         );
 
-        let e = load_err("[limits.global]\nrate = \"1/second\"\ndry_run = true\n");
+        let e = load_err("[limits.global]\nrate = \"1/second\"\ndry_rn = true\n");
         assert!(
             e.to_string()
-                .contains("unknown key \"dry_run\" in [limits.global]"),
+                .contains("unknown key \"dry_rn\" in [limits.global]"),
             "{e}"
         );
 

@@ -29,6 +29,7 @@ fn policy() -> Policy {
         }],
         rate: None,
         concurrency: None,
+        dry_run: false,
     };
     let mut global = day(1_000_000_000_000);
     global.budgets.push(Budget {

@@ -36,6 +36,7 @@ fn policy() -> Policy {
             }],
             rate: None,
             concurrency: None,
+            dry_run: false,
         },
         ip: ScopePolicy::default(),
         session: ScopePolicy::default(),

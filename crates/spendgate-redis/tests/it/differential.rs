@@ -69,21 +69,25 @@ fn policy(variant: u8) -> Policy {
             budgets: vec![budget(8000, Window::Day), budget(20_000, Window::Month)],
             rate: rate(20, 1000, 10),
             concurrency: Some(6),
+            dry_run: false,
         },
         ip: ScopePolicy {
             budgets: vec![budget(4000, Window::Day)],
             rate: rate(2, 1000, 2),
             concurrency: Some(3),
+            dry_run: false,
         },
         session: ScopePolicy {
             budgets: vec![budget(3000, Window::Day)],
             rate: rate(10, 60_000, 4),
             concurrency: Some(2),
+            dry_run: false,
         },
         conversation: ScopePolicy {
             budgets: vec![budget(2000, Window::Day)],
             rate: None,
             concurrency: Some(1),
+            dry_run: false,
         },
         run: bounds(true),
         mode: ReservationMode::PerStep,
@@ -107,6 +111,13 @@ fn policy(variant: u8) -> Policy {
             p.session.rate = None;
             p.conversation.concurrency = Some(2);
             p.session_create_per_ip = None;
+        }
+        3 => {
+            // Dry-run: the ip, session and conversation limits report instead of refusing;
+            // the global ones stay enforced.
+            p.ip.dry_run = true;
+            p.session.dry_run = true;
+            p.conversation.dry_run = true;
         }
         _ => {}
     }
@@ -458,9 +469,13 @@ fn outcome(r: &Result<Reply, spendgate_store::StoreError>) -> String {
     let refused = |r: &Refusal| format!("refused {}", r.code.name());
     match r {
         Err(e) => format!("error {}", e.to_string().split(' ').next().unwrap_or("")),
-        Ok(Reply::Run(a)) => a.value.as_ref().map_or_else(refused, |_| "run ok".into()),
-        Ok(Reply::Step(a)) => a.value.as_ref().map_or_else(refused, |s| {
-            if s.shrunk { "step shrunk" } else { "step ok" }.into()
+        Ok(Reply::Run(a)) => a.value.as_ref().map_or_else(refused, |r| match &r.dry_run {
+            None => "run ok".into(),
+            Some(d) => format!("run ok, dry-run {}", d.code.name()),
+        }),
+        Ok(Reply::Step(a)) => a.value.as_ref().map_or_else(refused, |s| match &s.dry_run {
+            None => if s.shrunk { "step shrunk" } else { "step ok" }.into(),
+            Some(d) => format!("step ok, dry-run {}", d.code.name()),
         }),
         Ok(Reply::Session(a)) => a
             .value
@@ -535,6 +550,23 @@ async fn batches_answer_as_the_core_one_by_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_answers_as_the_core_whole_run() {
     variant(1, 11..=13, &["refused rate_limited"]).await;
+}
+
+/// Limits in dry-run (ip, session, conversation) report what they would refuse, the same way
+/// on both, while the global limits still refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_answers_as_the_core_with_limits_in_dry_run() {
+    variant(
+        3,
+        51..=53,
+        &[
+            "run ok, dry-run rate_limited",
+            "run ok, dry-run concurrency_limited",
+            "step ok, dry-run budget_exhausted",
+            "step shrunk",
+        ],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

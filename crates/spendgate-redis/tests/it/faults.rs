@@ -22,6 +22,7 @@ fn policy() -> Policy {
             }],
             rate: None,
             concurrency: None,
+            dry_run: false,
         },
         ip: ScopePolicy::default(),
         session: ScopePolicy::default(),

@@ -2159,7 +2159,7 @@ impl Config {
         }
         if self.server.dry_run {
             w.push(
-                "server.dry_run: rates, concurrency caps and budgets are computed and logged but                  NOT enforced"
+                "server.dry_run: rates, concurrency caps and budgets are computed and logged but NOT enforced"
                     .to_string(),
             );
         } else {
@@ -2171,7 +2171,7 @@ impl Config {
             ] {
                 if sp.dry_run {
                     w.push(format!(
-                        "limits.{name}.dry_run: this scope's limits are computed and logged but                          NOT enforced"
+                        "limits.{name}.dry_run: this scope's limits are computed and logged but NOT enforced"
                     ));
                 }
             }
@@ -2285,6 +2285,31 @@ thresholds = [0.5, 0.8, 1.0]
         ),
         ("OPENAI_API_KEY", "sk-openai-value-0123456789"),
     ];
+
+    #[test]
+    fn dry_run_globally_or_per_limit() {
+        let c = load("", &no_env).expect("valid");
+        assert!(!c.policy.global.dry_run && !c.policy.ip.dry_run);
+        let c = load("[limits.ip]\ndry_run = true\n", &no_env).expect("valid");
+        assert!(c.policy.ip.dry_run, "per limit");
+        assert!(!c.policy.global.dry_run && !c.policy.session.dry_run);
+        assert!(c
+            .warnings()
+            .iter()
+            .any(|w| w.starts_with("limits.ip.dry_run")));
+        let c = load("[server]\ndry_run = true\n", &no_env).expect("valid");
+        for p in [
+            &c.policy.global,
+            &c.policy.ip,
+            &c.policy.session,
+            &c.policy.conversation,
+        ] {
+            assert!(p.dry_run, "server.dry_run covers every [limits.X]");
+        }
+        assert!(c.warnings().iter().any(|w| w.starts_with("server.dry_run")));
+        let e = load_err("[limits.ip]\ndry_run = \"yes\"\n");
+        assert_eq!(e.key(), "limits.ip.dry_run");
+    }
 
     #[test]
     fn empty_file_gives_the_spec_defaults() {

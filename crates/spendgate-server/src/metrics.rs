@@ -14,6 +14,8 @@ const LABEL_SETS_MAX: usize = 256;
 pub struct Metrics {
     admissions: Mutex<BTreeMap<&'static str, u64>>,
     refusals: Mutex<BTreeMap<(&'static str, &'static str, &'static str), u64>>,
+    /// Refusals a limit in dry-run would have given (the request was admitted).
+    dry_run_refusals: Mutex<BTreeMap<(&'static str, &'static str, &'static str), u64>>,
     overruns: AtomicU64,
     store_calls: Timing,
     upstream_calls: Timing,
@@ -62,6 +64,17 @@ impl Metrics {
             (what, code, scope.map(|s| s.name()).unwrap_or("")),
         );
     }
+    pub fn dry_run_refused(
+        &self,
+        what: &'static str,
+        code: &'static str,
+        scope: Option<ScopeKind>,
+    ) {
+        bump(
+            &self.dry_run_refusals,
+            (what, code, scope.map(|s| s.name()).unwrap_or("")),
+        );
+    }
     pub fn overrun(&self) {
         self.overruns.fetch_add(1, Ordering::Relaxed);
     }
@@ -91,17 +104,14 @@ impl Metrics {
         {
             let _ = writeln!(out, "spendgate_admissions_total{{what=\"{k}\"}} {v}");
         }
-        let _ = writeln!(out, "# TYPE spendgate_refusals_total counter");
-        for ((w, c, s), v) in self
-            .refusals
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-        {
-            let _ = writeln!(
-                out,
-                "spendgate_refusals_total{{what=\"{w}\",code=\"{c}\",scope=\"{s}\"}} {v}"
-            );
+        for (name, family) in [
+            ("spendgate_refusals_total", &self.refusals),
+            ("spendgate_dry_run_refusals_total", &self.dry_run_refusals),
+        ] {
+            let _ = writeln!(out, "# TYPE {name} counter");
+            for ((w, c, s), v) in family.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                let _ = writeln!(out, "{name}{{what=\"{w}\",code=\"{c}\",scope=\"{s}\"}} {v}");
+            }
         }
         let l = |n: &AtomicU64| n.load(Ordering::Relaxed);
         let _ = writeln!(

@@ -404,6 +404,8 @@ pub async fn chat_completions(
             retry: who.retry,
         },
     };
+    // What a limit in dry-run would have refused at the one-step run's admission.
+    let mut run_dry_run: Option<Refusal> = None;
     let (run_id, own_run, reserved) = match &who.run {
         Some(r) => {
             api::check_id_path("run", r)?;
@@ -455,7 +457,7 @@ pub async fn chat_completions(
                 None => Err(StoreError::Unavailable("no answer".into())),
             };
             match admitted.map(|a| a.value) {
-                Ok(Ok(_)) => {}
+                Ok(Ok(a)) => run_dry_run = a.dry_run,
                 Ok(Err(r)) => {
                     state.metrics.refused("proxy_run", r.code.name(), r.scope);
                     return Err(ApiError::from(&r));
@@ -544,6 +546,9 @@ pub async fn chat_completions(
     if reserved.shrunk {
         extra.insert("spendgate-output-shrunk", HeaderValue::from_static("true"));
     }
+    // A run's refusal first (it is checked first), else the step's.
+    let dry_run = run_dry_run.as_ref().or(reserved.dry_run.as_ref());
+    api::note_dry_run(&state, "proxy_step", dry_run, &mut extra);
 
     let url = format!(
         "{}/chat/completions",

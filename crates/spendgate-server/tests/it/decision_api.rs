@@ -690,3 +690,89 @@ async fn ratelimit_header_counts_the_session_burst_down() {
     assert_eq!(code(&v), "rate_limited", "{v}");
     assert_eq!(v["error"]["scope"], "session");
 }
+
+const GLOBAL_DRY_RUN: &str = concat!(
+    r#"
+[limits.global]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = [{ amount = "0.02", window = "day" }]
+dry_run = true
+
+"#,
+    open_guest_limits!(),
+    r#"
+[limits.conversation]
+concurrency = 1
+budgets = []
+
+[run]
+max_tool_calls = 1000
+max_cost = "100"
+
+[tools.web_search]
+per_call = "0.01"
+"#
+);
+
+/// SPEC §8 dry-run, per limit: with the global budget (0.02) in dry-run, a third tool step
+/// of 0.01 is still granted (201), the response says `Spendgate-Dry-Run: budget_exhausted;
+/// scope=global`, `/metrics` counts it, and the usage shows what was really held. The
+/// enforced one-run-per-conversation cap still refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_in_dry_run_reports_and_admits() {
+    let server = Server::start(GLOBAL_DRY_RUN);
+    let s = server.session().await;
+    let run = server.run(&s, "192.0.2.1", "c1").await;
+    let step = || {
+        server
+            .http
+            .post(server.url(&format!("/v1/runs/{run}/steps")))
+            .bearer_auth(SERVICE)
+            .json(&json!({"kind": "tool", "tool": "web_search"}))
+            .send()
+    };
+    for _ in 0..2 {
+        let r = step().await.expect("send");
+        assert_eq!(r.status().as_u16(), 201);
+        assert!(r.headers().get("spendgate-dry-run").is_none());
+    }
+    let r = step().await.expect("send");
+    assert_eq!(
+        r.status().as_u16(),
+        201,
+        "a limit in dry-run does not refuse"
+    );
+    assert_eq!(
+        r.headers()
+            .get("spendgate-dry-run")
+            .and_then(|v| v.to_str().ok()),
+        Some("budget_exhausted; scope=global")
+    );
+    let usage = server.global_usage().await;
+    assert_eq!(usage["reserved_micros"], 30_000, "{usage}");
+    let metrics = server
+        .http
+        .get(server.url("/metrics"))
+        .send()
+        .await
+        .expect("send")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains(
+            "spendgate_dry_run_refusals_total{what=\"step\",code=\"budget_exhausted\",scope=\"global\"} 1"
+        ),
+        "{metrics}"
+    );
+    let (status, v) = server
+        .post(
+            "/v1/runs",
+            json!({"session": s, "client_ip": "192.0.2.1", "conversation": "c1", "input_text": "hi"}),
+        )
+        .await;
+    assert_eq!(status, 429, "{v}");
+    assert_eq!(code(&v), "concurrency_limited");
+}

@@ -100,6 +100,8 @@ fn amount(micros: u64) -> String {
 
 struct Opts {
     global_budget: &'static str,
+    /// The global limits in dry-run (reported, not enforced).
+    global_dry_run: bool,
     conversation_budget: &'static str,
     prices: Prices,
     timeout_s: u64,
@@ -109,6 +111,7 @@ impl Default for Opts {
     fn default() -> Opts {
         Opts {
             global_budget: "1000",
+            global_dry_run: false,
             conversation_budget: "1000",
             // 0.15 / 0.075 / 0.60 per million: most charges are fractions of a micro.
             prices: Prices {
@@ -130,6 +133,7 @@ rate = "100000/second"
 burst = 100000
 concurrency = 10000
 budgets = [{{ amount = "{global}", window = "day" }}]
+dry_run = {global_dry_run}
 
 [limits.ip]
 rate = "100000/second"
@@ -188,6 +192,7 @@ base_url = "http://127.0.0.1:{down_port}/v1"
 "#,
         down_port = free_port(),
         global = o.global_budget,
+        global_dry_run = o.global_dry_run,
         conv = o.conversation_budget,
         input = amount(o.prices.input),
         cached = amount(o.prices.cached),
@@ -789,6 +794,68 @@ async fn concurrent_calls_never_overspend_the_global_budget() {
     let global = g.global().await;
     assert_eq!(global["used_micros"], served_worth, "books = ground truth");
     assert_eq!(global["reserved_micros"], 0);
+}
+
+/// SPEC §8 through the proxy: with the global budget in dry-run, the call past it is still
+/// forwarded, marked `Spendgate-Dry-Run`, counted, and charged at the upstream's usage like
+/// any other: the books stay equal to what the mock served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_in_dry_run_reports_and_forwards() {
+    let prices = Prices {
+        input: 10_000_000,
+        cached: 10_000_000,
+        output: 30_000_000,
+    };
+    let g = Gateway::start(Opts {
+        global_budget: "0.00624", // 2 × 3120: two "hello" calls
+        global_dry_run: true,
+        prices,
+        ..Opts::default()
+    })
+    .await;
+    let mut marks = Vec::new();
+    for i in 0..3 {
+        let body = json!({"model": MODEL, "stream": i == 2, "messages": user("hello")});
+        let r = g
+            .chat(
+                &format!("dry-{i}"),
+                body,
+                &[("x-mock-completion-tokens", "100")],
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(r.reserved(), 3120);
+        marks.push(r.header("spendgate-dry-run"));
+    }
+    assert_eq!(
+        marks,
+        vec![
+            None,
+            None,
+            Some("budget_exhausted; scope=global".to_string())
+        ]
+    );
+    assert_eq!(
+        g.metric("spendgate_dry_run_refusals_total{what=\"proxy_step\",code=\"budget_exhausted\",scope=\"global\"}")
+            .await,
+        1
+    );
+    let stats = g.mock.stats();
+    assert_eq!(stats.requests, 3, "a limit in dry-run forwards");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let global = g.global().await;
+        if global["reserved_micros"] == 0 {
+            assert_eq!(
+                global["used_micros"],
+                priced_delta(prices, &MockStats::default(), &stats),
+                "books = ground truth: {global}"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "never reconciled: {global}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// Acceptance: each fault mode ends in the right terminal state, the client gets a clear

@@ -94,6 +94,7 @@ macro_rules! __with_conformance_cases {
             hammer_one_budget,
             hammer_last_cent,
             model_based,
+            model_based_dry_run,
         }
     };
 }

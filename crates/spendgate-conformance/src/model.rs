@@ -25,6 +25,8 @@ const TTL_MS: u64 = 10_000;
 const RUN_SECONDS: u64 = 15;
 const GLOBAL_DAY: u64 = 60_000;
 const SESSION_DAY: u64 = 40_000;
+/// The session budget when it is in dry-run: small, so that cases often go past it.
+const SESSION_DAY_DRY: u64 = 15_000;
 const RUN_COST: u64 = 20_000;
 const CONTEXT: u64 = 8_000;
 const OUTPUT: u64 = 4_000;
@@ -42,10 +44,20 @@ const DAY_MS: u64 = 86_400_000;
 const CASES: u32 = 64;
 const OPS_MAX: usize = 40;
 
-fn model_policy() -> Policy {
+fn session_day(session_dry: bool) -> u64 {
+    if session_dry {
+        SESSION_DAY_DRY
+    } else {
+        SESSION_DAY
+    }
+}
+
+/// `session_dry`: the session budget in dry-run (reported, not enforced).
+fn model_policy(session_dry: bool) -> Policy {
     let mut p = policy();
     p.global.budgets = vec![day(GLOBAL_DAY)];
-    p.session.budgets = vec![day(SESSION_DAY)];
+    p.session.budgets = vec![day(session_day(session_dry))];
+    p.session.dry_run = session_dry;
     p.conversation.concurrency = Some(1);
     p.run = RunBounds {
         max_input_bytes: INPUT_BYTES,
@@ -187,16 +199,21 @@ struct MStep {
     charged: u64,
 }
 
+/// A refusal a limit in dry-run reported: `(code, scope, retry_after_s)`.
+type DryRun = Option<(RefusalCode, Option<ScopeKind>, Option<u64>)>;
+
 /// A normalized answer, compared between store and model.
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum Ans {
     Admitted {
         deadline: u64,
         reserved: u64,
+        dry: DryRun,
     },
     Reserved {
         amount: u64,
         max_out: Option<u64>,
+        dry: DryRun,
     },
     Refused {
         code: RefusalCode,
@@ -229,6 +246,8 @@ enum Ans {
 
 #[derive(Default, Debug)]
 struct Model {
+    /// The session budget is in dry-run.
+    session_dry: bool,
     now: u64,
     counters: Vec<MCounter>,
     runs: Vec<MRun>,
@@ -248,10 +267,10 @@ fn refused(code: RefusalCode, scope: ScopeKind, retry_after_s: Option<u64>) -> A
 }
 
 impl Model {
-    fn limit(key: Key) -> u64 {
+    fn limit(&self, key: Key) -> u64 {
         match key {
             Key::Global(_) => GLOBAL_DAY,
-            Key::Session(..) => SESSION_DAY,
+            Key::Session(..) => session_day(self.session_dry),
             Key::Run(_) => RUN_COST,
         }
     }
@@ -262,7 +281,7 @@ impl Model {
             None => {
                 self.counters.push(MCounter {
                     key,
-                    limit: Model::limit(key),
+                    limit: self.limit(key),
                     used: 0,
                     reserved: 0,
                     overrun: false,
@@ -285,7 +304,7 @@ impl Model {
 
     fn fits(&self, key: Key, amount: u64) -> bool {
         let (used, reserved, overrun) = self.view(key);
-        !overrun && used + reserved + amount <= Model::limit(key)
+        !overrun && used + reserved + amount <= self.limit(key)
     }
 
     fn budget_refusal(&self, key: Key) -> Ans {
@@ -372,11 +391,10 @@ impl Model {
             );
         }
         let d = day_of(self.now);
-        for key in [Key::Global(d), Key::Session(session, d)] {
-            if !self.fits(key, 1) {
-                return self.budget_refusal(key);
-            }
-        }
+        let dry = match self.check(&[Key::Global(d), Key::Session(session, d)], 1) {
+            Ok(dry) => dry,
+            Err(refusal) => return refusal,
+        };
         let deadline = self.now + RUN_SECONDS * 1000;
         self.runs.push(MRun {
             id,
@@ -393,7 +411,35 @@ impl Model {
         Ans::Admitted {
             deadline,
             reserved: 0,
+            dry,
         }
+    }
+
+    fn dry(&self, key: Key) -> bool {
+        matches!(key, Key::Session(..)) && self.session_dry
+    }
+
+    /// The first enforced key `amount` does not fit (its refusal), else the first key in
+    /// dry-run it does not fit (as reported).
+    fn check(&self, keys: &[Key], amount: u64) -> Result<DryRun, Ans> {
+        for &key in keys.iter().filter(|&&k| !self.dry(k)) {
+            if !self.fits(key, amount) {
+                return Err(self.budget_refusal(key));
+            }
+        }
+        for &key in keys.iter().filter(|&&k| self.dry(k)) {
+            if !self.fits(key, amount) {
+                if let Ans::Refused {
+                    code,
+                    scope,
+                    retry_after_s,
+                } = self.budget_refusal(key)
+                {
+                    return Ok(Some((code, scope, retry_after_s)));
+                }
+            }
+        }
+        Ok(None)
     }
 
     /// A model step (`Some((prompt, out, retry))`) or a tool step (`None`, `units`).
@@ -429,13 +475,18 @@ impl Model {
         };
         let d = day_of(self.now);
         let keys = vec![Key::Global(d), Key::Session(r.session, d), Key::Run(run)];
+        let dry = match self.check(&keys, amount) {
+            Ok(dry) => dry,
+            Err(refusal) => return refusal,
+        };
         for &key in &keys {
-            if !self.fits(key, amount) {
-                return self.budget_refusal(key);
+            let in_dry_run = self.dry(key);
+            let c = self.counter(key);
+            c.reserved += amount;
+            // Only a limit in dry-run is held past itself; it is then overrun.
+            if in_dry_run && c.used + c.reserved > c.limit {
+                c.overrun = true;
             }
-        }
-        for &key in &keys {
-            self.counter(key).reserved += amount;
         }
         let r = &mut self.runs[run];
         match model {
@@ -457,6 +508,7 @@ impl Model {
         Ans::Reserved {
             amount,
             max_out: step_model.map(|(_, out)| out),
+            dry,
         }
     }
 
@@ -549,7 +601,7 @@ impl Model {
         .into_iter()
         .map(|(kind, key)| {
             let (used, reserved, overrun) = self.view(key);
-            (kind, Model::limit(key), used, reserved, overrun)
+            (kind, self.limit(key), used, reserved, overrun)
         })
         .collect()
     }
@@ -566,6 +618,10 @@ fn from_refusal(r: &Refusal) -> Ans {
         scope: r.scope,
         retry_after_s,
     }
+}
+
+fn dry_of(r: Option<&Refusal>) -> DryRun {
+    r.map(|r| (r.code, r.scope, r.retry_after_s))
 }
 
 fn from_error(e: StoreError) -> Result<Ans, TestCaseError> {
@@ -588,14 +644,15 @@ fn step_name(kind: &Option<(u64, u64)>) -> &'static str {
 }
 
 /// One case: opens a store, applies `ops` to it and to the model, compares.
-async fn run_case(b: &dyn Backend, ops: &[Op]) -> Result<(), TestCaseError> {
+async fn run_case(b: &dyn Backend, ops: &[Op], session_dry: bool) -> Result<(), TestCaseError> {
     // Whether the backend is durable decides what `Reopen` does; ask it on an empty store.
-    drop(b.open(model_policy(), START).await);
+    drop(b.open(model_policy(session_dry), START).await);
     let (mut store, durable) = match b.reopen().await {
         Some(s) => (s, true),
-        None => (b.open(model_policy(), START).await, false),
+        None => (b.open(model_policy(session_dry), START).await, false),
     };
     let mut m = Model {
+        session_dry,
         now: START.0,
         ..Model::default()
     };
@@ -641,6 +698,7 @@ async fn run_case(b: &dyn Backend, ops: &[Op]) -> Result<(), TestCaseError> {
                     Ok(v) => Ans::Admitted {
                         deadline: v.deadline.0,
                         reserved: v.reserved.0,
+                        dry: dry_of(v.dry_run.as_ref()),
                     },
                     Err(r) => from_refusal(r),
                 };
@@ -834,6 +892,7 @@ async fn reserve_ans(s: &Arc<dyn Store>, req: StepRequest) -> Result<(Ans, u64),
         Ok(g) => Ans::Reserved {
             amount: g.reserved.0,
             max_out: g.max_output_tokens,
+            dry: dry_of(g.dry_run.as_ref()),
         },
         Err(r) => from_refusal(r),
     };
@@ -931,6 +990,16 @@ async fn check_case(s: &Arc<dyn Store>, m: &Model, sum: &Summary) -> Result<(), 
 /// after every operation, and I1 and I2 hold throughout. `PROPTEST_CASES` overrides the
 /// number of cases.
 pub async fn model_based(b: &dyn Backend) {
+    model_based_with(b, false).await;
+}
+
+/// [`model_based`] with the session budget in dry-run: steps past it are granted and reported,
+/// the counter is marked overrun, and conservation holds as before.
+pub async fn model_based_dry_run(b: &dyn Backend) {
+    model_based_with(b, true).await;
+}
+
+async fn model_based_with(b: &dyn Backend, session_dry: bool) {
     let cases = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -944,7 +1013,9 @@ pub async fn model_based(b: &dyn Backend) {
     let strategy = proptest::collection::vec(op(), 1..=OPS_MAX);
     let result = tokio::task::block_in_place(|| {
         let mut runner = TestRunner::new(config);
-        runner.run(&strategy, |ops| handle.block_on(run_case(b, &ops)))
+        runner.run(&strategy, |ops| {
+            handle.block_on(run_case(b, &ops, session_dry))
+        })
     });
     if let Err(e) = result {
         panic!("model-based test failed: {e}");

@@ -29,6 +29,8 @@ pub async fn summary(State(state): State<Shared>, headers: HeaderMap) -> ApiResu
         "charged_micros": s.charged_micros.0,
         "overruns": s.overruns,
         "dry_run": state.config.server.dry_run,
+        // The scopes whose limits are reported, not enforced.
+        "dry_run_limits": dry_run_limits(&state.config.policy),
         "global": usage_json(&global)["scopes"],
     }))
     .into_response())
@@ -193,4 +195,19 @@ pub async fn dashboard() -> Response {
         Html(include_str!("dashboard.html")),
     )
         .into_response()
+}
+
+/// The scope kinds whose limits are in dry-run (`limits.X.dry_run`, or all with
+/// `server.dry_run`).
+fn dry_run_limits(p: &spendgate_core::Policy) -> Vec<&'static str> {
+    [
+        ScopeKind::Global,
+        ScopeKind::Ip,
+        ScopeKind::Session,
+        ScopeKind::Conversation,
+    ]
+    .into_iter()
+    .filter(|k| p.dry_run(*k))
+    .map(|k| k.name())
+    .collect()
 }

@@ -752,6 +752,8 @@ async fn a_limit_in_dry_run_reports_and_admits() {
     );
     let usage = server.global_usage().await;
     assert_eq!(usage["reserved_micros"], 30_000, "{usage}");
+    let summary = server.admin_get("/admin/v1/summary").await;
+    assert_eq!(summary["dry_run_limits"], json!(["global"]), "{summary}");
     let metrics = server
         .http
         .get(server.url("/metrics"))

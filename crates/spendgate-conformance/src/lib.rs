@@ -115,6 +115,25 @@ macro_rules! __conformance_test_fns {
 
 #[doc(hidden)]
 #[macro_export]
+macro_rules! __conformance_run_all {
+    ($backend:expr; $($case:ident),* $(,)?) => {
+        $(
+            $crate::$case($backend).await;
+        )*
+    };
+}
+
+/// Runs every case in order against one backend, in one test: for a backend that is slow to
+/// start (a Redis in cluster mode waits 2 s before it serves). Each case opens its own store.
+#[macro_export]
+macro_rules! run_all_conformance_cases {
+    ($backend:expr) => {
+        $crate::__with_conformance_cases!(__conformance_run_all!($backend))
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
 macro_rules! __conformance_case_names {
     (; $($case:ident),* $(,)?) => {
         &[$(stringify!($case)),*]

@@ -23,6 +23,42 @@ pub fn server(appendonly: bool) -> RedisServer {
     })
 }
 
+/// A private redis-server in cluster mode, a cluster of one node that serves every slot. Redis
+/// checks in cluster mode that a script touches keys of one slot only (else "Script attempted
+/// to access keys that do not hash to the same slot"), so the ledger running here shows that
+/// one deployment's keys really share one hash tag (SPEC §7: a Redis Cluster can serve them).
+pub fn cluster_server() -> RedisServer {
+    let server = RedisServer::start(spendgate_testkit::RedisOptions {
+        extra_args: [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            "nodes.conf",
+        ]
+        .map(String::from)
+        .to_vec(),
+        ..Default::default()
+    })
+    .unwrap_or_else(|e| panic!("cannot start a private redis-server in cluster mode: {e}"));
+    server
+        .command(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"])
+        .unwrap_or_else(|e| panic!("CLUSTER ADDSLOTSRANGE: {e}"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let info = server
+            .command(&["CLUSTER", "INFO"])
+            .unwrap_or_else(|e| panic!("CLUSTER INFO: {e}"));
+        if info.contains("cluster_state:ok") {
+            return server;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the one-node cluster never became ok: {info}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 /// A fresh prefix per call, so stores on one server never share data.
 pub fn fresh_prefix(tag: &str) -> String {
     static N: AtomicUsize = AtomicUsize::new(0);

@@ -4,29 +4,7 @@ use crate::harness::*;
 use serde_json::{json, Value};
 use std::sync::Arc;
 
-const TOOL_BUDGET: &str = concat!(
-    r#"
-[limits.global]
-rate = "100000/second"
-burst = 100000
-concurrency = 1000
-budgets = [{ amount = "1.00", window = "day" }]
-
-"#,
-    open_guest_limits!(),
-    r#"
-[limits.conversation]
-concurrency = 1
-budgets = []
-
-[run]
-max_tool_calls = 1000
-max_cost = "100"
-
-[tools.web_search]
-per_call = "0.01"
-"#
-);
+const TOOL_BUDGET: &str = tool_budget_config!("1.00", "");
 
 /// Acceptance: global budget 1.00, tool at 0.01; 20 sessions × 1 run; steps from 20 tasks
 /// until refused: exactly 100 granted, later ones 429 budget_exhausted (scope global); after a
@@ -691,30 +669,7 @@ async fn ratelimit_header_counts_the_session_burst_down() {
     assert_eq!(v["error"]["scope"], "session");
 }
 
-const GLOBAL_DRY_RUN: &str = concat!(
-    r#"
-[limits.global]
-rate = "100000/second"
-burst = 100000
-concurrency = 1000
-budgets = [{ amount = "0.02", window = "day" }]
-dry_run = true
-
-"#,
-    open_guest_limits!(),
-    r#"
-[limits.conversation]
-concurrency = 1
-budgets = []
-
-[run]
-max_tool_calls = 1000
-max_cost = "100"
-
-[tools.web_search]
-per_call = "0.01"
-"#
-);
+const GLOBAL_DRY_RUN: &str = tool_budget_config!("0.02", "dry_run = true\n");
 
 /// SPEC §8 dry-run, per limit: with the global budget (0.02) in dry-run, a third tool step
 /// of 0.01 is still granted (201), the response says `Spendgate-Dry-Run: budget_exhausted;

@@ -36,6 +36,42 @@ budgets = []
     };
 }
 
+/// The acceptance config of issues 2 and 3: a global day budget of `$amount` (plus any
+/// `$global_extra` lines of `[limits.global]`), rates and concurrency that never bind, one
+/// active run per conversation, and a tool `web_search` at 0.01 a call.
+macro_rules! tool_budget_config {
+    ($amount:literal, $global_extra:literal) => {
+        concat!(
+            r#"
+[limits.global]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = [{ amount = "#,
+            "\"",
+            $amount,
+            "\"",
+            r#", window = "day" }]
+"#,
+            $global_extra,
+            "\n",
+            open_guest_limits!(),
+            r#"
+[limits.conversation]
+concurrency = 1
+budgets = []
+
+[run]
+max_tool_calls = 1000
+max_cost = "100"
+
+[tools.web_search]
+per_call = "0.01"
+"#
+        )
+    };
+}
+
 pub const SERVICE: &str = "test-service-token-0123456789";
 pub const ADMIN: &str = "test-admin-token-0123456789";
 pub const SESSION_KEY: &str = "test-session-key-0123456789abcdef";

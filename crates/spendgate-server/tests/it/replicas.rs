@@ -6,32 +6,7 @@ use serde_json::{json, Value};
 use spendgate_testkit::{RedisOptions, RedisServer};
 use std::time::{Duration, Instant};
 
-const TOOL_BUDGET: &str = concat!(
-    r#"
-lease_ttl_s = 2
-timeout_ms = 100
-
-[limits.global]
-rate = "100000/second"
-burst = 100000
-concurrency = 1000
-budgets = [{ amount = "1.00", window = "day" }]
-
-"#,
-    open_guest_limits!(),
-    r#"
-[limits.conversation]
-concurrency = 1
-budgets = []
-
-[run]
-max_tool_calls = 1000
-max_cost = "100"
-
-[tools.web_search]
-per_call = "0.01"
-"#
-);
+const TOOL_BUDGET: &str = tool_budget_config!("1.00", "");
 
 fn replicas(redis: &RedisServer, prefix: &str, n: usize) -> Vec<Server> {
     (0..n)

@@ -8,6 +8,8 @@
 //! each operation. POLICY is `bench` (the limits of scripts/bench-redis.sh: one global day
 //! budget) or `full` (budgets on every scope kind, as the default policy: 5 counters a step).
 
+mod common;
+
 use spendgate_core::*;
 use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
 use spendgate_store::Store;
@@ -16,48 +18,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 const STEPS_PER_RUN: usize = 16;
-
-fn policy(kind: &str) -> Policy {
-    let mut p = Policy::default();
-    let big = Rate {
-        count: 1_000_000,
-        period_ms: 1000,
-        burst: 1_000_000,
-    };
-    for sp in [
-        &mut p.global,
-        &mut p.ip,
-        &mut p.session,
-        &mut p.conversation,
-    ] {
-        if sp.rate.is_some() {
-            sp.rate = Some(big);
-        }
-        if sp.concurrency.is_some() {
-            sp.concurrency = Some(100_000);
-        }
-        for b in &mut sp.budgets {
-            b.amount = Micros(1_000_000_000_000);
-        }
-    }
-    if kind == "bench" {
-        p.global.budgets = vec![Budget {
-            amount: Micros(1_000_000_000_000),
-            window: Window::Day,
-        }];
-        p.ip.budgets.clear();
-        p.ip.concurrency = None;
-        p.session.budgets.clear();
-        p.session.concurrency = None;
-        p.conversation.budgets.clear();
-        p.conversation.rate = None;
-        p.conversation.concurrency = None;
-    }
-    p.run.max_tool_calls = 64;
-    p.run.max_seconds = 3600;
-    p.run.max_cost = Micros(1_000_000_000_000);
-    p
-}
 
 fn run_request(client: usize, n: usize) -> RunRequest {
     RunRequest {
@@ -188,7 +148,7 @@ async fn main() -> Result<(), String> {
         clock: ClockSource::Server,
     };
     let store = Arc::new(
-        RedisStore::open(opts, policy(&kind))
+        RedisStore::open(opts, common::policy(&kind))
             .await
             .map_err(|e| e.to_string())?,
     );

@@ -13,6 +13,8 @@
 //! (`bench`: one global day budget; `full`: budgets on every scope). Sequential, one client.
 //! Run it against a fresh server (or another PREFIX) each time.
 
+mod common;
+
 use spendgate_core::*;
 use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
 use spendgate_store::Store;
@@ -20,46 +22,11 @@ use std::time::Duration;
 
 const TOOL_STEPS: usize = 4;
 
+/// The shared policy, with room for model rounds and leases long enough for a slow
+/// (instrumented) server.
 fn policy(kind: &str) -> Policy {
-    let mut p = Policy::default();
-    let big = Rate {
-        count: 1_000_000,
-        period_ms: 1000,
-        burst: 1_000_000,
-    };
-    for sp in [
-        &mut p.global,
-        &mut p.ip,
-        &mut p.session,
-        &mut p.conversation,
-    ] {
-        if sp.rate.is_some() {
-            sp.rate = Some(big);
-        }
-        if sp.concurrency.is_some() {
-            sp.concurrency = Some(100_000);
-        }
-        for b in &mut sp.budgets {
-            b.amount = Micros(1_000_000_000_000);
-        }
-    }
-    if kind == "bench" {
-        p.global.budgets = vec![Budget {
-            amount: Micros(1_000_000_000_000),
-            window: Window::Day,
-        }];
-        p.ip.budgets.clear();
-        p.ip.concurrency = None;
-        p.session.budgets.clear();
-        p.session.concurrency = None;
-        p.conversation.budgets.clear();
-        p.conversation.rate = None;
-        p.conversation.concurrency = None;
-    }
-    p.run.max_tool_calls = 64;
+    let mut p = common::policy(kind);
     p.run.max_model_rounds = 64;
-    p.run.max_seconds = 3600;
-    p.run.max_cost = Micros(1_000_000_000_000);
     p.lease_ttl_ms = 600_000;
     p
 }

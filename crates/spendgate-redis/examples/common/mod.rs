@@ -1,0 +1,47 @@
+//! What the Redis examples (`opbench`, `opcount`) share.
+
+use spendgate_core::{Budget, Micros, Policy, Rate, Window};
+
+/// The policy of a measurement: limits that never refuse. `full`: every scope keeps its kinds
+/// of limits (five counters a step); `bench`: one global day budget and nothing else.
+pub fn policy(kind: &str) -> Policy {
+    let mut p = Policy::default();
+    let big = Rate {
+        count: 1_000_000,
+        period_ms: 1000,
+        burst: 1_000_000,
+    };
+    for sp in [
+        &mut p.global,
+        &mut p.ip,
+        &mut p.session,
+        &mut p.conversation,
+    ] {
+        if sp.rate.is_some() {
+            sp.rate = Some(big);
+        }
+        if sp.concurrency.is_some() {
+            sp.concurrency = Some(100_000);
+        }
+        for b in &mut sp.budgets {
+            b.amount = Micros(1_000_000_000_000);
+        }
+    }
+    if kind == "bench" {
+        p.global.budgets = vec![Budget {
+            amount: Micros(1_000_000_000_000),
+            window: Window::Day,
+        }];
+        p.ip.budgets.clear();
+        p.ip.concurrency = None;
+        p.session.budgets.clear();
+        p.session.concurrency = None;
+        p.conversation.budgets.clear();
+        p.conversation.rate = None;
+        p.conversation.concurrency = None;
+    }
+    p.run.max_tool_calls = 64;
+    p.run.max_seconds = 3600;
+    p.run.max_cost = Micros(1_000_000_000_000);
+    p
+}

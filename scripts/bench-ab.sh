@@ -17,10 +17,7 @@ one() {
   bench_config "$port" "kind = \"sqlite\"
 path = \"$dir/bench.db\"" > "$dir/bench.toml"
   "$bin" serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 & pid=$!
-  for _ in $(seq 100); do
-    curl -fs "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break
-    sleep 0.05
-  done
+  wait_url "http://127.0.0.1:$port/healthz"
   out=$(./target/release/spendgate-load --base "http://127.0.0.1:$port" --service-token "$BENCH_TOKEN" \
     --rate "$RATE" --seconds "$SECONDS_EACH" --open-only 2>&1 || true)
   echo "$(basename "$bin"): $(echo "$out" | grep -E "reserve latency|pair latency" | cut -d'|' -f3 | tr '\n' ' ')"

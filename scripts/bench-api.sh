@@ -21,10 +21,7 @@ env ${SPENDGATE_BENCH_ENV:-} ./target/release/spendgate serve --config "$dir/ben
 sleep 0.2; if ! kill -0 $! 2>/dev/null; then cat "$dir/server.log"; exit 1; fi
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
-for _ in $(seq 100); do
-  curl -fs "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 && break
-  sleep 0.1
-done
+wait_url "http://127.0.0.1:$port/healthz"
 echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
 ./target/release/spendgate-load --base "http://127.0.0.1:$port" --service-token "$token" \
   --rate "$RATE" --seconds "$SECONDS_EACH" --concurrency 32 --runs 64

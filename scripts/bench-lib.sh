@@ -1,6 +1,18 @@
 # Shared by the benchmark scripts (sourced): free loopback ports, and the config of a gateway
 # whose limits never bind, so that what is measured is the work of admitting, not refusals.
 
+# wait_url URL...: waits (at most 10 s) until every URL answers 2xx; fails otherwise.
+wait_url() {
+  for _ in $(seq 100); do
+    local ok=1 u
+    for u in "$@"; do curl -fs "$u" >/dev/null 2>&1 || { ok=0; break; }; done
+    [ "$ok" = 1 ] && return 0
+    sleep 0.1
+  done
+  echo "not answering after 10 s: $*" >&2
+  return 1
+}
+
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 BENCH_TOKEN=bench-service-token-0123456789

@@ -37,11 +37,7 @@ mpid=$!
 RUST_LOG=warn ./target/release/spendgate serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
 pid=$!
 trap 'kill $pid $mpid 2>/dev/null; wait $pid $mpid 2>/dev/null; rm -rf "$dir"' EXIT
-for _ in $(seq 100); do
-  curl -fs "http://127.0.0.1:$port/healthz" >/dev/null 2>&1 \
-    && curl -fs "http://127.0.0.1:$mport/v1/models" >/dev/null 2>&1 && break
-  sleep 0.1
-done
+wait_url "http://127.0.0.1:$port/healthz" "http://127.0.0.1:$mport/v1/models"
 echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
 ./target/release/spendgate-proxy-load --proxy "http://127.0.0.1:$port" --direct "http://127.0.0.1:$mport" \
   --service-token "$token" --rate "$RATE" --seconds "$SECONDS_EACH" --warmup 2 "$@"

@@ -31,7 +31,7 @@ timeout_ms = 1000" > "$dir/r$i.toml"
   bases+=("http://127.0.0.1:$port")
 done
 for b in "${bases[@]}"; do
-  for _ in $(seq 100); do curl -fs "$b/readyz" >/dev/null 2>&1 && break; sleep 0.1; done
+  wait_url "$b/readyz"
 done
 echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ), redis $(redis-server --version | awk '{print $3}')"
 echo

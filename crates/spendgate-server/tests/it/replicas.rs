@@ -6,7 +6,11 @@ use serde_json::{json, Value};
 use spendgate_testkit::{RedisOptions, RedisServer};
 use std::time::{Duration, Instant};
 
-const TOOL_BUDGET: &str = tool_budget_config!("1.00", "");
+/// Short leases and store timeouts (the `[store]` keys come first), then the acceptance config.
+const TOOL_BUDGET: &str = concat!(
+    "lease_ttl_s = 2\ntimeout_ms = 100\n",
+    tool_budget_config!("1.00", "")
+);
 
 fn replicas(redis: &RedisServer, prefix: &str, n: usize) -> Vec<Server> {
     (0..n)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh Debian machine with Rust: installs what the tests need
-# (redis-server for the tests that start their own Redis; Chromium and its driver for the
+# (redis-server for the tests that start their own Redis, and a Valkey server; Chromium and its driver for the
 # page test; a Python virtualenv with the official `openai` package for the proxy's
 # real-client tests and `selenium` for the page test), then checks formatting and lints and
 # runs every test.
@@ -15,6 +15,10 @@ apt_install() {
 }
 
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+# Valkey, for the conformance suite on Valkey: unpacked under .valkey/ from Debian's
+# valkey-tools package (bookworm-backports here), nothing installed.
+export SPENDGATE_VALKEY_SERVER
+SPENDGATE_VALKEY_SERVER=$(scripts/fetch-valkey.sh)
 command -v python3 >/dev/null 2>&1 || apt_install python3 python3-venv
 # A real browser for the test of the demo page and the dashboard.
 { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || apt_install chromium chromium-driver

@@ -1,3 +1,4 @@
+use std::collections::HashMap;
 use std::ffi::OsString;
 use std::fmt;
 use std::fs::File;
@@ -6,7 +7,7 @@ use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
@@ -43,6 +44,9 @@ pub struct RedisOptions {
     /// Extra command-line arguments appended last (so they override the
     /// defaults), e.g. `["--maxmemory", "10mb"]`.
     pub extra_args: Vec<String>,
+    /// The server binary; `None` means `redis-server` (see [`REDIS_SERVER_PATH`]).
+    /// Any server that speaks Redis 7's protocol and options, e.g. `valkey-server`.
+    pub binary: Option<PathBuf>,
 }
 
 /// A private `redis-server` child process on a free loopback port with its
@@ -114,7 +118,15 @@ impl RedisServer {
     /// dir as `--dir`, no RDB snapshots, the log in that dir, and wait (up to
     /// 5 s) until it answers PING.
     pub fn start(opts: RedisOptions) -> Result<RedisServer, TestkitError> {
-        let binary = find_redis_server()?;
+        let binary = match &opts.binary {
+            Some(b) if b.is_file() => b.clone(),
+            Some(b) => {
+                return Err(TestkitError::RedisNotInstalled {
+                    searched: b.display().to_string(),
+                })
+            }
+            None => find_redis_server()?,
+        };
         let dir = tempfile::Builder::new()
             .prefix("spendgate-redis-")
             .tempdir()
@@ -489,21 +501,28 @@ fn find_redis_server() -> Result<PathBuf, TestkitError> {
     })
 }
 
-/// Major version of the redis-server binary (from `--version`), cached.
+/// Major version of a server binary (from `--version`), cached per binary.
 fn redis_major_version(binary: &Path) -> Option<u32> {
-    static VERSION: OnceLock<Option<u32>> = OnceLock::new();
-    *VERSION.get_or_init(|| {
+    static VERSIONS: OnceLock<Mutex<HashMap<PathBuf, Option<u32>>>> = OnceLock::new();
+    let versions = VERSIONS.get_or_init(Default::default);
+    if let Some(v) = versions.lock().ok()?.get(binary) {
+        return *v;
+    }
+    let read = || {
         let out = Command::new(binary)
             .arg("--version")
             .stdin(Stdio::null())
             .stderr(Stdio::null())
             .output()
             .ok()?;
-        // "Redis server v=7.0.15 sha=..."
+        // "Redis server v=7.0.15 sha=...", "Valkey server v=8.0.1 sha=..."
         let text = String::from_utf8_lossy(&out.stdout).into_owned();
         let v = text.split_whitespace().find_map(|w| w.strip_prefix("v="))?;
         v.split('.').next()?.parse().ok()
-    })
+    };
+    let v = read();
+    versions.lock().ok()?.insert(binary.to_path_buf(), v);
+    v
 }
 
 /// One raw inline `PING`; true iff the reply starts with `+PONG`.

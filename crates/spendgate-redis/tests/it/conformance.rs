@@ -23,6 +23,14 @@ impl RedisBackend {
         }
     }
 
+    /// On Valkey (see `valkey_server`).
+    fn valkey() -> RedisBackend {
+        RedisBackend {
+            server: valkey_server(),
+            last: Mutex::new(None),
+        }
+    }
+
     /// On a one-node Redis Cluster (see `cluster_server`).
     fn cluster() -> RedisBackend {
         RedisBackend {
@@ -69,5 +77,21 @@ conformance_tests!(RedisBackend::new());
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn the_suite_on_a_one_node_redis_cluster() {
     let backend = RedisBackend::cluster();
+    spendgate_conformance::run_all_conformance_cases!(&backend);
+}
+
+/// The whole suite, case after case, on Valkey (SPEC §7: the redis store works against Redis 7
+/// and Valkey): the same functions, scripts and server checks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_suite_on_valkey() {
+    let backend = RedisBackend::valkey();
+    let version = backend
+        .server
+        .command(&["INFO", "server"])
+        .expect("INFO server");
+    assert!(
+        version.contains("server_name:valkey"),
+        "not a Valkey server: {version}"
+    );
     spendgate_conformance::run_all_conformance_cases!(&backend);
 }

@@ -23,6 +23,39 @@ pub fn server(appendonly: bool) -> RedisServer {
     })
 }
 
+/// The Valkey server binary: `$SPENDGATE_VALKEY_SERVER`, else `.valkey/valkey-server` in the
+/// workspace (where `scripts/fetch-valkey.sh`, run by `scripts/test.sh`, puts it), else
+/// `valkey-server` on `$PATH`. Missing, it fails the test: SPEC §7 promises Valkey.
+pub fn valkey_binary() -> std::path::PathBuf {
+    let fetched =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.valkey/valkey-server");
+    let on_path = std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join("valkey-server"))
+            .find(|c| c.is_file())
+    });
+    std::env::var_os("SPENDGATE_VALKEY_SERVER")
+        .map(std::path::PathBuf::from)
+        .or_else(|| fetched.is_file().then_some(fetched))
+        .or(on_path)
+        .unwrap_or_else(|| {
+            panic!(
+                "no valkey-server: run scripts/fetch-valkey.sh (scripts/test.sh does) or set \
+                 SPENDGATE_VALKEY_SERVER"
+            )
+        })
+}
+
+/// A private Valkey server (see [`valkey_binary`]), configured as `server` configures Redis.
+pub fn valkey_server() -> RedisServer {
+    let binary = valkey_binary();
+    RedisServer::start(spendgate_testkit::RedisOptions {
+        binary: Some(binary.clone()),
+        ..Default::default()
+    })
+    .unwrap_or_else(|e| panic!("cannot start a private {}: {e}", binary.display()))
+}
+
 /// A private redis-server in cluster mode, a cluster of one node that serves every slot. Redis
 /// checks in cluster mode that a script touches keys of one slot only (else "Script attempted
 /// to access keys that do not hash to the same slot"), so the ledger running here shows that

@@ -134,6 +134,7 @@ fn redis_options_are_applied() {
         appendonly: true,
         maxmemory_policy: Some("allkeys-lru".into()),
         extra_args: vec!["--maxmemory".into(), "5mb".into()],
+        binary: None,
     });
     let get = |k: &str| redis.command(&["CONFIG", "GET", k]).expect("config get");
     assert_eq!(get("maxmemory-policy"), "maxmemory-policy\nallkeys-lru");
@@ -141,6 +142,19 @@ fn redis_options_are_applied() {
     assert_eq!(get("appendfsync"), "appendfsync\nalways");
     assert_eq!(get("maxmemory"), "maxmemory\n5242880");
     assert_eq!(get("bind"), "bind\n127.0.0.1");
+}
+
+#[test]
+fn a_missing_server_binary_is_named() {
+    let err = RedisServer::start(RedisOptions {
+        binary: Some("/nonexistent/valkey-server".into()),
+        ..RedisOptions::default()
+    })
+    .expect_err("no such binary");
+    assert!(
+        err.to_string().contains("/nonexistent/valkey-server"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -91,6 +91,8 @@ const HEALTH_EVERY: Duration = Duration::from_secs(5);
 const LATCHED_MIN_SEQ: &str = "9007199254740992";
 /// Longest accepted key prefix.
 const PREFIX_BYTES_MAX: usize = 64;
+/// Cluster redirections (`MOVED`) one call follows at most.
+const REDIRECTS_MAX: usize = 2;
 /// Attempts of one call when the epoch changed under it by an accepted reset.
 const EPOCH_ATTEMPTS: usize = 3;
 
@@ -136,18 +138,20 @@ struct EpochState {
 
 #[derive(Debug, Default)]
 struct Health {
-    checked: Option<Instant>,
+    /// When, and on which node ([`SlotConn::generation`]).
+    checked: Option<(Instant, u64)>,
     fault: Option<String>,
     warned: Option<String>,
 }
 
 /// The Redis ledger backend. Cheap to share behind an `Arc`; one multiplexed connection
-/// (reconnected automatically by [`ConnectionManager`]).
+/// (reconnected automatically by [`ConnectionManager`]) to the node that serves the
+/// deployment ([`SlotConn`]).
 pub struct RedisStore {
     opts: RedisOptions,
     base: String,
     policy_arg: String,
-    conn: ConnectionManager,
+    conn: SlotConn,
     lib: Arc<Library>,
     epoch: Mutex<EpochState>,
     health: tokio::sync::Mutex<Health>,
@@ -187,16 +191,15 @@ fn library() -> Library {
     }
 }
 
-/// `FCALL`, loading the library first when Redis does not have it (the function did not
-/// run, so running it now is not a retry of an unknown outcome).
-async fn fcall(
+/// `FCALL` on one node, loading the library first when that node does not have it (the
+/// function did not run, so running it now is not a retry of an unknown outcome).
+async fn fcall_on(
     conn: &mut ConnectionManager,
     lib: &Library,
     read: bool,
     base: &str,
     argv: &[&str],
-    timeout: Duration,
-) -> Result<Item, StoreError> {
+) -> Result<redis::Value, redis::RedisError> {
     let build = || {
         let mut c = redis::cmd("FCALL");
         c.arg(if read { &lib.read } else { &lib.write })
@@ -205,8 +208,7 @@ async fn fcall(
             .arg(argv);
         c
     };
-    let value = match build().query_async::<redis::Value>(conn).await {
-        Ok(v) => v,
+    match build().query_async::<redis::Value>(conn).await {
         Err(e) if e.to_string().contains("Function not found") => {
             let loaded = redis::cmd("FUNCTION")
                 .arg("LOAD")
@@ -217,16 +219,168 @@ async fn fcall(
                 Ok(_) => {}
                 // Another replica loaded it meanwhile.
                 Err(e) if e.to_string().contains("already exists") => {}
-                Err(e) => return Err(map_redis_error(e, timeout)),
+                Err(e) => return Err(e),
             }
-            build()
-                .query_async::<redis::Value>(conn)
-                .await
-                .map_err(|e| map_redis_error(e, timeout))?
+            build().query_async::<redis::Value>(conn).await
         }
-        Err(e) => return Err(map_redis_error(e, timeout)),
-    };
-    Item::from_value(value)
+        other => other,
+    }
+}
+
+/// `FCALL` on the node that serves the deployment's slot, following a cluster's `MOVED`
+/// answers (at most [`REDIRECTS_MAX`] per call): a `MOVED` says the script did not run, so
+/// running it on the named node is not a retry of an unknown outcome.
+async fn fcall(
+    slot: &SlotConn,
+    lib: &Library,
+    read: bool,
+    base: &str,
+    argv: &[&str],
+    timeout: Duration,
+) -> Result<Item, StoreError> {
+    for _ in 0..=REDIRECTS_MAX {
+        let node = slot.current();
+        let mut conn = node.conn.clone();
+        match fcall_on(&mut conn, lib, read, base, argv).await {
+            Ok(v) => return Item::from_value(v),
+            Err(e) if e.code() == Some("MOVED") => {
+                let Some((addr, _slot)) = e.redirect_node() else {
+                    return Err(map_redis_error(e, timeout));
+                };
+                slot.moved(&node, addr)?;
+            }
+            Err(e) => {
+                if e.is_timeout() || e.is_io_error() || e.is_connection_dropped() {
+                    slot.failed(&node);
+                }
+                return Err(map_redis_error(e, timeout));
+            }
+        }
+    }
+    Err(unavailable(format!(
+        "redis cluster redirected one call more than {REDIRECTS_MAX} times (slots moving?)"
+    )))
+}
+
+/// One node of Redis: the one `store.url` names, or the one a Redis Cluster redirected the
+/// store to.
+struct Node {
+    /// `host:port` of a node the cluster redirected to; `None`: the configured node.
+    redirected_to: Option<String>,
+    conn: ConnectionManager,
+}
+
+/// The connection to the node that serves the deployment: every key of a deployment carries
+/// its hash tag, so one cluster slot, and one node, holds them all. Starts on the configured
+/// node; a `MOVED` answer switches it to the node named; a failed connection to a node it was
+/// redirected to switches it back to the configured node, which redirects it again to
+/// whichever node serves the slot then (after a failover or a resharding).
+struct SlotConn {
+    info: redis::ConnectionInfo,
+    timeout: Duration,
+    node: Mutex<Arc<Node>>,
+    /// Bumped at every switch, so that the server checks (eviction policy, persistence) run
+    /// again on the new node.
+    generation: AtomicU64,
+}
+
+impl SlotConn {
+    fn open(opts: &RedisOptions) -> Result<SlotConn, StoreError> {
+        let info = redis::IntoConnectionInfo::into_connection_info(opts.url.as_str())
+            .map_err(|e| unavailable(format!("store.url is not a usable redis url: {e}")))?;
+        let conn = connection(info.clone(), opts.timeout)?;
+        Ok(SlotConn {
+            info,
+            timeout: opts.timeout,
+            node: Mutex::new(Arc::new(Node {
+                redirected_to: None,
+                conn,
+            })),
+            generation: AtomicU64::new(0),
+        })
+    }
+
+    fn current(&self) -> Arc<Node> {
+        self.node.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    fn switch(&self, from: &Arc<Node>, to: Node) {
+        let mut node = self.node.lock().unwrap_or_else(|p| p.into_inner());
+        // Another call may have switched already; its switch stands.
+        if Arc::ptr_eq(&node, from) {
+            tracing::warn!(
+                from = from.redirected_to.as_deref().unwrap_or("store.url"),
+                to = to.redirected_to.as_deref().unwrap_or("store.url"),
+                "redis: the ledger's node changed"
+            );
+            *node = Arc::new(to);
+            self.generation.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// `MOVED` from `from`: `addr` (`host:port`) serves the slot now.
+    fn moved(&self, from: &Arc<Node>, addr: &str) -> Result<(), StoreError> {
+        let bad = || {
+            unavailable(format!(
+                "redis cluster redirected to {addr:?}, not a host:port"
+            ))
+        };
+        let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
+        let port: u16 = port.parse().map_err(|_| bad())?;
+        let host = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string();
+        let to = match self.info.addr() {
+            redis::ConnectionAddr::Tcp(..) => redis::ConnectionAddr::Tcp(host, port),
+            redis::ConnectionAddr::TcpTls {
+                insecure,
+                tls_params,
+                ..
+            } => redis::ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: *insecure,
+                tls_params: tls_params.clone(),
+            },
+            _ => {
+                return Err(unavailable(format!(
+                    "redis cluster redirected to {addr} but store.url is not a TCP address"
+                )))
+            }
+        };
+        let conn = connection(self.info.clone().set_addr(to), self.timeout)?;
+        self.switch(
+            from,
+            Node {
+                redirected_to: Some(addr.to_string()),
+                conn,
+            },
+        );
+        Ok(())
+    }
+
+    /// The connection to `from` failed or timed out: when it was a redirection, the next call
+    /// goes to the configured node again.
+    fn failed(&self, from: &Arc<Node>) {
+        if from.redirected_to.is_none() {
+            return;
+        }
+        match connection(self.info.clone(), self.timeout) {
+            Ok(conn) => self.switch(
+                from,
+                Node {
+                    redirected_to: None,
+                    conn,
+                },
+            ),
+            Err(e) => tracing::warn!(error = %e, "redis: cannot reconnect to store.url"),
+        }
+    }
 }
 
 fn unavailable(msg: impl Into<String>) -> StoreError {
@@ -381,14 +535,17 @@ fn new_epoch_id(prefix: &str) -> String {
     format!("{LEDGER_FORMAT}-{}", hex::encode(&h.finalize()[..16]))
 }
 
-fn connection(opts: &RedisOptions) -> Result<ConnectionManager, StoreError> {
-    let client = redis::Client::open(opts.url.as_str())
+fn connection(
+    info: redis::ConnectionInfo,
+    timeout: Duration,
+) -> Result<ConnectionManager, StoreError> {
+    let client = redis::Client::open(info)
         .map_err(|e| unavailable(format!("store.url is not a usable redis url: {e}")))?;
     // Timeouts from store.timeout_ms (redis 1.x would default to 1 s / 500 ms); a short
     // reconnect backoff so that service resumes soon after Redis returns.
     let config = ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(opts.timeout))
-        .set_response_timeout(Some(opts.timeout))
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout))
         .set_number_of_retries(2)
         .set_min_delay(Duration::from_millis(50))
         .set_max_delay(Duration::from_millis(250));
@@ -407,6 +564,8 @@ fn map_redis_error(e: redis::RedisError, timeout: Duration) -> StoreError {
         Some("OOM") => "redis is out of memory",
         Some("LOADING") => "redis is loading its data",
         Some("MASTERDOWN") => "redis master is down",
+        Some("ASK") | Some("TRYAGAIN") => "redis cluster is moving the ledger's slot",
+        Some("CLUSTERDOWN") => "redis cluster is down",
         _ if e.is_io_error() || e.is_connection_dropped() => "redis connection failed",
         _ => "redis error",
     };
@@ -426,7 +585,7 @@ impl RedisStore {
     pub async fn open(opts: RedisOptions, policy: Policy) -> Result<RedisStore, StoreError> {
         let base = check_prefix(&opts.prefix)?;
         let policy_arg = policy_arg(&policy)?;
-        let conn = connection(&opts)?;
+        let conn = SlotConn::open(&opts)?;
         let store = RedisStore {
             base,
             policy_arg,
@@ -447,7 +606,7 @@ impl RedisStore {
     /// data. Writes a new epoch; every store adopts it and resumes with what Redis now holds.
     pub async fn accept_reset(opts: &RedisOptions) -> Result<(), StoreError> {
         let base = check_prefix(&opts.prefix)?;
-        let mut conn = connection(opts)?;
+        let conn = SlotConn::open(opts)?;
         let id = new_epoch_id(&opts.prefix);
         let now = match &opts.clock {
             ClockSource::Server => String::new(),
@@ -458,13 +617,13 @@ impl RedisStore {
             // A reset acknowledges lost or rolled-back data, not data of another layout:
             // adopting that would misread it.
             let argv = ["epoch_init", now.as_str(), "", "0", "", id.as_str()];
-            let item = fcall(&mut conn, &lib, false, &base, &argv, opts.timeout).await?;
+            let item = fcall(&conn, &lib, false, &base, &argv, opts.timeout).await?;
             let mut f = protocol::Fields::new(item.list()?);
             if f.s()? == "OK" {
                 check_format(&f.s()?, &opts.prefix)?;
             }
             let argv = ["epoch_reset", now.as_str(), "", "0", "", id.as_str()];
-            fcall(&mut conn, &lib, false, &base, &argv, opts.timeout).await
+            fcall(&conn, &lib, false, &base, &argv, opts.timeout).await
         };
         tokio::time::timeout(opts.timeout.max(Duration::from_secs(5)), fut)
             .await
@@ -481,9 +640,8 @@ impl RedisStore {
     }
 
     async fn eval(&self, read: bool, argv: &[&str]) -> Result<Item, StoreError> {
-        let mut conn = self.conn.clone();
         fcall(
-            &mut conn,
+            &self.conn,
             &self.lib,
             read,
             &self.base,
@@ -631,7 +789,8 @@ impl RedisStore {
     /// PING, eviction policy, persistence warnings. Cached for admissions.
     async fn check_server(&self) -> Result<(), StoreError> {
         let t = self.opts.timeout;
-        let mut conn = self.conn.clone();
+        let generation = self.conn.generation();
+        let mut conn = self.conn.current().conn.clone();
         let map = |e| map_redis_error(e, t);
         redis::cmd("PING")
             .query_async::<redis::Value>(&mut conn)
@@ -693,7 +852,7 @@ impl RedisStore {
             }
         }
         h.fault = fault.clone();
-        h.checked = Some(Instant::now());
+        h.checked = Some((Instant::now(), generation));
         match fault {
             Some(f) => Err(unavailable(f)),
             None => Ok(()),
@@ -705,8 +864,8 @@ impl RedisStore {
     async fn healthy(&self) -> Result<(), StoreError> {
         {
             let h = self.health.lock().await;
-            if let Some(at) = h.checked {
-                let fresh = at.elapsed() < HEALTH_EVERY;
+            if let Some((at, generation)) = h.checked {
+                let fresh = at.elapsed() < HEALTH_EVERY && generation == self.conn.generation();
                 if fresh || self.refreshing.swap(true, Ordering::AcqRel) {
                     return match &h.fault {
                         Some(f) => Err(unavailable(f.clone())),
@@ -777,6 +936,7 @@ impl RedisStore {
 
     async fn ready_inner(&self) -> Result<(), StoreError> {
         self.check_server().await?;
+        let generation = self.conn.generation();
         let items = self
             .call(&Call {
                 read: true,
@@ -785,9 +945,14 @@ impl RedisStore {
             })
             .await?;
         match items.first().map(Item::str) {
-            Some(Ok("OK")) => Ok(()),
-            _ => Err(unavailable("redis store: unexpected readiness answer")),
+            Some(Ok("OK")) => {}
+            _ => return Err(unavailable("redis store: unexpected readiness answer")),
         }
+        // A cluster redirected the script: check the node that serves the deployment.
+        if self.conn.generation() != generation {
+            self.check_server().await?;
+        }
+        Ok(())
     }
 }
 

@@ -1,6 +1,7 @@
 //! Integration tests of the redis store, each against a private `redis-server` started by
 //! `spendgate_testkit::RedisServer` (never the shared one on 6379).
 
+mod cluster;
 mod conformance;
 mod differential;
 mod faults;

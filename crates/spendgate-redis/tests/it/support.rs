@@ -56,40 +56,97 @@ pub fn valkey_server() -> RedisServer {
     .unwrap_or_else(|e| panic!("cannot start a private {}: {e}", binary.display()))
 }
 
-/// A private redis-server in cluster mode, a cluster of one node that serves every slot. Redis
-/// checks in cluster mode that a script touches keys of one slot only (else "Script attempted
-/// to access keys that do not hash to the same slot"), so the ledger running here shows that
-/// one deployment's keys really share one hash tag (SPEC §7: a Redis Cluster can serve them).
-pub fn cluster_server() -> RedisServer {
+/// Slots of a Redis Cluster.
+pub const SLOTS: u16 = 16384;
+
+/// One node of a private Redis Cluster: the server and its cluster bus port.
+pub struct ClusterNode {
+    pub server: RedisServer,
+    pub bus: u16,
+}
+
+/// A redis-server in cluster mode on free ports (its bus port too), not yet in any cluster.
+pub fn cluster_node(extra_args: &[&str]) -> ClusterNode {
+    let bus = spendgate_testkit::free_port();
+    let mut args: Vec<String> = [
+        "--cluster-enabled",
+        "yes",
+        "--cluster-config-file",
+        "nodes.conf",
+        "--cluster-port",
+    ]
+    .map(String::from)
+    .to_vec();
+    args.push(bus.to_string());
+    args.extend(extra_args.iter().map(|a| a.to_string()));
     let server = RedisServer::start(spendgate_testkit::RedisOptions {
-        extra_args: [
-            "--cluster-enabled",
-            "yes",
-            "--cluster-config-file",
-            "nodes.conf",
-        ]
-        .map(String::from)
-        .to_vec(),
+        extra_args: args,
         ..Default::default()
     })
     .unwrap_or_else(|e| panic!("cannot start a private redis-server in cluster mode: {e}"));
+    ClusterNode { server, bus }
+}
+
+/// One command on a test server, panicking on an error.
+pub fn cmd(server: &RedisServer, args: &[&str]) -> String {
     server
-        .command(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"])
-        .unwrap_or_else(|e| panic!("CLUSTER ADDSLOTSRANGE: {e}"));
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        .command(args)
+        .unwrap_or_else(|e| panic!("{args:?} on port {}: {e}", server.port()))
+}
+
+/// `node` joins the cluster that `to` is part of.
+pub fn meet(node: &RedisServer, to: &ClusterNode) {
+    let (port, bus) = (to.server.port().to_string(), to.bus.to_string());
+    cmd(node, &["CLUSTER", "MEET", "127.0.0.1", &port, &bus]);
+}
+
+/// Waits (up to 20 s) until `node` sees a healthy cluster of `known` nodes.
+pub fn wait_cluster_ok(node: &RedisServer, known: usize) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
-        let info = server
-            .command(&["CLUSTER", "INFO"])
-            .unwrap_or_else(|e| panic!("CLUSTER INFO: {e}"));
-        if info.contains("cluster_state:ok") {
-            return server;
+        let info = cmd(node, &["CLUSTER", "INFO"]);
+        if info.contains("cluster_state:ok")
+            && info.contains(&format!("cluster_known_nodes:{known}"))
+        {
+            return;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "the one-node cluster never became ok: {info}"
+            "the cluster of {known} never became ok on port {}: {info}",
+            node.port()
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
+}
+
+/// A private Redis Cluster of `n` primaries on loopback (no replicas), the slots split evenly
+/// in order (node 0 serves the lowest), each node started with `extra_args`. Redis checks in
+/// cluster mode that a script touches keys of one slot only (else "Script attempted to access
+/// keys that do not hash to the same slot"), so the ledger running here shows that one
+/// deployment's keys really share one hash tag (SPEC §7: a Redis Cluster can serve them).
+pub fn cluster_with(n: u16, extra_args: &[&str]) -> Vec<ClusterNode> {
+    let nodes: Vec<ClusterNode> = (0..n).map(|_| cluster_node(extra_args)).collect();
+    for node in &nodes[1..] {
+        meet(&node.server, &nodes[0]);
+    }
+    for (i, node) in nodes.iter().enumerate() {
+        let i = i as u32;
+        let lo = u32::from(SLOTS) * i / u32::from(n);
+        let hi = u32::from(SLOTS) * (i + 1) / u32::from(n) - 1;
+        cmd(
+            &node.server,
+            &["CLUSTER", "ADDSLOTSRANGE", &lo.to_string(), &hi.to_string()],
+        );
+    }
+    for node in &nodes {
+        wait_cluster_ok(&node.server, usize::from(n));
+    }
+    nodes
+}
+
+/// [`cluster_with`] with Redis's defaults.
+pub fn cluster(n: u16) -> Vec<RedisServer> {
+    cluster_with(n, &[]).into_iter().map(|c| c.server).collect()
 }
 
 /// A fresh prefix per call, so stores on one server never share data.

@@ -229,7 +229,11 @@ async fn fcall_on(
 
 /// `FCALL` on the node that serves the deployment's slot, following a cluster's `MOVED`
 /// answers (at most [`REDIRECTS_MAX`] per call): a `MOVED` says the script did not run, so
-/// running it on the named node is not a retry of an unknown outcome.
+/// running it on the named node is not a retry of an unknown outcome. `ASK` is not followed:
+/// while a slot moves, the script's one declared key (the bare hash tag, never a key of its
+/// own) is missing on the old node, so every call gets `ASK`; followed, the script would run
+/// on the new node over a ledger only partly moved there. Refused instead (fail closed)
+/// until the move completes and the old node answers `MOVED`.
 async fn fcall(
     slot: &SlotConn,
     lib: &Library,

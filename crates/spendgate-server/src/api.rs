@@ -351,6 +351,7 @@ pub async fn create_run(
     state.metrics.store_call(started.elapsed());
     let applied = applied?;
     let rate_left = applied.value.as_ref().ok().and_then(|a| a.rate_left);
+    let changed = applied.changed;
     let dry_run = applied.value.as_ref().ok().and_then(|a| a.dry_run.clone());
     let out = applied.value.map(|a| {
         json!({
@@ -366,30 +367,35 @@ pub async fn create_run(
         if let Some(left) = rate_left {
             rate_limit(left, &mut resp);
         }
-        note_dry_run(&state, "run", dry_run.as_ref(), resp.headers_mut());
+        note_dry_run(&state, "run", dry_run.as_ref(), changed, resp.headers_mut());
     }
     Ok(resp)
 }
 
 /// A limit in dry-run would have refused this admitted request (SPEC §8: computed, logged and
 /// counted, not enforced): logs it, counts it in `spendgate_dry_run_refusals_total` and tells
-/// the caller in `Spendgate-Dry-Run: <code>; scope=<scope>`.
+/// the caller in `Spendgate-Dry-Run: <code>; scope=<scope>`. `decided`: this call made the
+/// decision; an idempotent replay of an earlier answer (which changed nothing) repeats the
+/// header but is not logged or counted again.
 pub fn note_dry_run(
     state: &AppState,
     what: &'static str,
     refusal: Option<&Refusal>,
+    decided: bool,
     headers: &mut HeaderMap,
 ) {
     let Some(r) = refusal else { return };
     let scope = r.scope.map(|s| s.name()).unwrap_or("");
-    state.metrics.dry_run_refused(what, r.code.name(), r.scope);
-    tracing::warn!(
-        what,
-        code = r.code.name(),
-        scope,
-        message = %r.message,
-        "dry-run: a limit would have refused this request; admitted"
-    );
+    if decided {
+        state.metrics.dry_run_refused(what, r.code.name(), r.scope);
+        tracing::warn!(
+            what,
+            code = r.code.name(),
+            scope,
+            message = %r.message,
+            "dry-run: a limit would have refused this request; admitted"
+        );
+    }
     if let Ok(v) = HeaderValue::from_str(&format!("{}; scope={scope}", r.code.name())) {
         headers.insert("spendgate-dry-run", v);
     }
@@ -538,6 +544,7 @@ pub async fn create_step(
     state.metrics.store_call(started.elapsed());
     let applied = applied?;
     let shrunk = matches!(&applied.value, Ok(s) if s.shrunk);
+    let changed = applied.changed;
     let dry_run = applied.value.as_ref().ok().and_then(|s| s.dry_run.clone());
     let out = applied.value.map(|s| {
         json!({
@@ -559,7 +566,13 @@ pub async fn create_step(
             .insert("spendgate-output-shrunk", HeaderValue::from_static("true"));
     }
     if resp.status() == StatusCode::CREATED {
-        note_dry_run(&state, "step", dry_run.as_ref(), resp.headers_mut());
+        note_dry_run(
+            &state,
+            "step",
+            dry_run.as_ref(),
+            changed,
+            resp.headers_mut(),
+        );
     }
     Ok(resp)
 }

@@ -548,7 +548,7 @@ pub async fn chat_completions(
     }
     // A run's refusal first (it is checked first), else the step's.
     let dry_run = run_dry_run.as_ref().or(reserved.dry_run.as_ref());
-    api::note_dry_run(&state, "proxy_step", dry_run, &mut extra);
+    api::note_dry_run(&state, "proxy_step", dry_run, true, &mut extra);
 
     let url = format!(
         "{}/chat/completions",

@@ -693,18 +693,30 @@ async fn a_limit_in_dry_run_reports_and_admits() {
         assert_eq!(r.status().as_u16(), 201);
         assert!(r.headers().get("spendgate-dry-run").is_none());
     }
-    let r = step().await.expect("send");
-    assert_eq!(
-        r.status().as_u16(),
-        201,
-        "a limit in dry-run does not refuse"
-    );
-    assert_eq!(
-        r.headers()
-            .get("spendgate-dry-run")
-            .and_then(|v| v.to_str().ok()),
-        Some("budget_exhausted; scope=global")
-    );
+    // The third, sent twice with one Idempotency-Key: the replay repeats the answer and its
+    // header, and is neither held nor counted again.
+    for _ in 0..2 {
+        let r = server
+            .http
+            .post(server.url(&format!("/v1/runs/{run}/steps")))
+            .bearer_auth(SERVICE)
+            .header("Idempotency-Key", "third")
+            .json(&json!({"kind": "tool", "tool": "web_search"}))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(
+            r.status().as_u16(),
+            201,
+            "a limit in dry-run does not refuse"
+        );
+        assert_eq!(
+            r.headers()
+                .get("spendgate-dry-run")
+                .and_then(|v| v.to_str().ok()),
+            Some("budget_exhausted; scope=global")
+        );
+    }
     let usage = server.global_usage().await;
     assert_eq!(usage["reserved_micros"], 30_000, "{usage}");
     let summary = server.admin_get("/admin/v1/summary").await;

@@ -114,22 +114,75 @@ fn caller(state: &api::AppState, peer: SocketAddr, headers: &HeaderMap) -> ApiRe
     })
 }
 
-/// The text of a message's content: a string, or the text parts of an array. Non-text parts
-/// are counted by their JSON size (an upper bound on what they can cost in tokens here).
-fn content_text(content: &Value, out: &mut String) {
+/// The text of a message's content: a string, or an array of `text` (and, in an assistant's
+/// earlier answer, `refusal`) parts. Any other part (an image, audio, a file) is refused: the
+/// upstream charges it by what it holds (an image URL of 50 bytes can cost a thousand
+/// tokens), which spendgate can neither count nor price (SPEC §6: no price, no call).
+fn content_text(content: &Value, out: &mut String) -> ApiResult<()> {
     match content {
         Value::String(s) => out.push_str(s),
         Value::Array(parts) => {
             for p in parts {
-                match p.get("text").and_then(Value::as_str) {
-                    Some(t) => out.push_str(t),
-                    None => out.push_str(&p.to_string()),
+                let kind = p.get("type").and_then(Value::as_str);
+                let text = match kind {
+                    Some("text") => p.get("text").and_then(Value::as_str),
+                    Some("refusal") => p.get("refusal").and_then(Value::as_str),
+                    _ => None,
+                };
+                match (text, kind) {
+                    (Some(t), _) => out.push_str(t),
+                    (None, Some(k @ ("text" | "refusal"))) => {
+                        return Err(ApiError::invalid(format!(
+                            "a {k:?} content part must carry its text in \"{k}\""
+                        )))
+                    }
+                    (None, k) => {
+                        return Err(ApiError::invalid(format!(
+                            "content parts of type {} cannot be bounded or priced here; only \
+                             text is accepted",
+                            k.map_or_else(|| "(none)".to_string(), |k| format!("{k:?}"))
+                        )))
+                    }
                 }
             }
         }
         Value::Null => {}
         other => out.push_str(&other.to_string()),
     }
+    Ok(())
+}
+
+/// Request options that make the upstream charge more than text tokens at the configured
+/// prices (audio output, web search, a priority tier) are refused rather than reserved and
+/// charged as text (SPEC §6: no price, no call).
+fn check_priced_as_text(body: &Value) -> ApiResult<()> {
+    let set = |k: &str| body.get(k).is_some_and(|v| !v.is_null());
+    if let Some(m) = body.get("modalities").filter(|v| !v.is_null()) {
+        let text_only = m
+            .as_array()
+            .is_some_and(|a| a.iter().all(|v| v.as_str() == Some("text")));
+        if !text_only {
+            return Err(ApiError::invalid(
+                "\"modalities\" other than [\"text\"] have no price here",
+            ));
+        }
+    }
+    for k in ["audio", "web_search_options"] {
+        if set(k) {
+            return Err(ApiError::invalid(format!(
+                "\"{k}\" is charged beyond text tokens and has no price here"
+            )));
+        }
+    }
+    if let Some(tier) = body.get("service_tier").filter(|v| !v.is_null()) {
+        if !matches!(tier.as_str(), Some("auto" | "default" | "flex")) {
+            return Err(ApiError::invalid(format!(
+                "service_tier {tier} may be charged above the configured prices; use \
+                 \"auto\", \"default\" or \"flex\""
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Prompt bound of a request: every message's text, tool calls and names, and the tool
@@ -144,13 +197,14 @@ pub fn prompt_tokens(tokenizer: Tokenizer, body: &Value) -> ApiResult<(u64, u64,
             "\"messages\" must hold 1 to {MESSAGES_MAX} messages"
         )));
     }
+    check_priced_as_text(body)?;
     let mut total = TOKENS_PER_REQUEST;
     let mut largest_tool_result = 0u64;
     let mut last_user_bytes = 0u64;
     for m in messages {
         let mut text = String::new();
         if let Some(c) = m.get("content") {
-            content_text(c, &mut text);
+            content_text(c, &mut text)?;
         }
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
         if role == "tool" || role == "function" {
@@ -1153,5 +1207,36 @@ mod tests {
         let (_, tool, user) = prompt_tokens(Tokenizer::Bytes, &bodies[2]).expect("bound");
         assert_eq!((tool, user), (6, 6));
         assert!(prompt_tokens(Tokenizer::Bytes, &json!({"messages": []})).is_err());
+    }
+
+    #[test]
+    fn what_cannot_be_priced_as_text_is_refused() {
+        let user = |content: Value| json!({"messages": [{"role": "user", "content": content}]});
+        let refused = [
+            user(json!([{"type": "text", "text": "what is this?"},
+                {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}])),
+            user(json!([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}])),
+            user(json!([{"type": "file", "file": {"file_id": "f"}}])),
+            user(json!([{"text": "no type"}])),
+            user(json!([{"type": "text"}])),
+            json!({"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "alloy"}}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "web_search_options": {}}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "service_tier": "priority"}),
+        ];
+        for b in &refused {
+            let e = prompt_tokens(Tokenizer::Bytes, b).expect_err("refused");
+            assert_eq!(e.code, "invalid_request", "{b}");
+        }
+        let accepted = [
+            user(json!([{"type": "text", "text": "a"}])),
+            json!({"messages": [{"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}]},
+                {"role": "user", "content": "hi"}],
+                "modalities": ["text"], "service_tier": "auto", "audio": null}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "service_tier": "flex"}),
+        ];
+        for b in &accepted {
+            assert!(prompt_tokens(Tokenizer::Bytes, b).is_ok(), "{b}");
+        }
     }
 }

@@ -632,6 +632,26 @@ async fn over_bound_requests_never_reach_the_upstream() {
         )
         .await;
     assert_eq!((r.status, r.code()), (400, "invalid_request".into()));
+    // What the upstream charges beyond text tokens at the configured prices: an image (a
+    // short URL, a thousand tokens upstream), audio output, a priority tier.
+    for extra in [
+        json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "what is it?"},
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]}]}),
+        json!({"messages": user("hi"), "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}),
+        json!({"messages": user("hi"), "service_tier": "priority"}),
+    ] {
+        let mut body = json!({"model": MODEL});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        let r = g.chat("c-priced", body, &[]).await;
+        assert_eq!(
+            (r.status, r.code()),
+            (400, "invalid_request".into()),
+            "{extra}: {}",
+            r.text
+        );
+    }
     // No identity.
     let r = g
         .server

@@ -167,10 +167,12 @@ fn check_priced_as_text(body: &Value) -> ApiResult<()> {
             ));
         }
     }
-    for k in ["audio", "web_search_options"] {
+    // `prediction`: its rejected tokens are billed as output beyond what the output bound
+    // reserves.
+    for k in ["audio", "web_search_options", "prediction"] {
         if set(k) {
             return Err(ApiError::invalid(format!(
-                "\"{k}\" is charged beyond text tokens and has no price here"
+                "\"{k}\" is charged beyond the text tokens reserved here"
             )));
         }
     }
@@ -1223,6 +1225,8 @@ mod tests {
             json!({"messages": [{"role": "user", "content": "hi"}], "audio": {"voice": "alloy"}}),
             json!({"messages": [{"role": "user", "content": "hi"}], "web_search_options": {}}),
             json!({"messages": [{"role": "user", "content": "hi"}], "service_tier": "priority"}),
+            json!({"messages": [{"role": "user", "content": "hi"}],
+                "prediction": {"type": "content", "content": "x"}}),
         ];
         for b in &refused {
             let e = prompt_tokens(Tokenizer::Bytes, b).expect_err("refused");

@@ -111,13 +111,21 @@ secure_cookie = false
     )
 }
 
+/// The sqlite store's `timeout_ms` in tests that are not about timeouts: an fsync on this
+/// machine's disk has stalled for up to 200 ms while the suite loads both cores, and the
+/// default (100 ms) then refuses with 503 `store_unavailable`, as designed.
+const SQLITE_TEST_TIMEOUT_MS: u64 = 5_000;
+
 impl Server {
     /// `extra` is appended to the config: `[limits.*]`, `[run]`, `[tools.*]` sections and a
     /// `lease_ttl_s = N` line that belongs to `[store]` (put it first).
     pub fn start(extra: &str) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = dir.path().join("spendgate.db");
-        let store = format!("kind = \"sqlite\"\npath = \"{}\"", db.display());
+        let store = format!(
+            "kind = \"sqlite\"\npath = \"{}\"\ntimeout_ms = {SQLITE_TEST_TIMEOUT_MS}",
+            db.display()
+        );
         Server::start_in(dir, &store, extra)
     }
 
@@ -132,7 +140,10 @@ impl Server {
     pub fn start_with_sessions(sessions: &str, extra: &str) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = dir.path().join("spendgate.db");
-        let store = format!("kind = \"sqlite\"\npath = \"{}\"", db.display());
+        let store = format!(
+            "kind = \"sqlite\"\npath = \"{}\"\ntimeout_ms = {SQLITE_TEST_TIMEOUT_MS}",
+            db.display()
+        );
         Server::start_full(dir, &store, sessions, extra)
     }
 

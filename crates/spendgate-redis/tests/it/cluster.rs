@@ -4,6 +4,7 @@
 
 use crate::support::{
     cluster, cluster_node, cluster_with, cmd, fresh_prefix, meet, open, options, wait_cluster_ok,
+    ClusterNode,
 };
 use spendgate_conformance::support::{
     admit, day, micros_step, policy, reserve, reserve_refused, resolve, units, usage, Who,
@@ -19,10 +20,10 @@ fn keyslot(node: &RedisServer, prefix: &str) -> u16 {
         .expect("a slot number")
 }
 
-/// The index in `nodes` of the node that serves `slot`, as `CLUSTER NODES` on `nodes[0]` says
-/// (lines of `id host:port@bus flags master ping pong epoch state slot-ranges...`).
-fn owner(nodes: &[&RedisServer], slot: u16) -> usize {
-    let table = cmd(nodes[0], &["CLUSTER", "NODES"]);
+/// The port of the primary that serves `slot`, as `CLUSTER NODES` on `via` says (lines of
+/// `id host:port@bus flags master ping pong epoch state slot-ranges...`).
+fn owner_port(via: &RedisServer, slot: u16) -> u16 {
+    let table = cmd(via, &["CLUSTER", "NODES"]);
     for line in table.lines() {
         let fields: Vec<&str> = line.split_whitespace().collect();
         let serves = fields.iter().skip(8).any(|range| {
@@ -30,18 +31,23 @@ fn owner(nodes: &[&RedisServer], slot: u16) -> usize {
             matches!((lo.parse::<u16>(), hi.parse::<u16>()), (Ok(lo), Ok(hi)) if lo <= slot && slot <= hi)
         });
         if serves && fields[2].contains("master") {
-            let port = fields[1]
+            return fields[1]
                 .split(['@', ':'])
                 .nth(1)
                 .and_then(|p| p.parse::<u16>().ok())
                 .expect("host:port@bus");
-            return nodes
-                .iter()
-                .position(|n| n.port() == port)
-                .unwrap_or_else(|| panic!("port {port} is none of ours: {table}"));
         }
     }
     panic!("no node serves slot {slot}: {table}")
+}
+
+/// The index in `nodes` of the node that serves `slot`, as `nodes[0]` sees it.
+fn owner(nodes: &[&RedisServer], slot: u16) -> usize {
+    let port = owner_port(nodes[0], slot);
+    nodes
+        .iter()
+        .position(|n| n.port() == port)
+        .unwrap_or_else(|| panic!("port {port} is none of ours"))
 }
 
 fn dbsize(node: &RedisServer) -> u64 {
@@ -189,28 +195,45 @@ async fn stores_follow_the_ledger_slot_across_a_resharding() {
     assert_eq!((dbsize(&nodes[0]), dbsize(&nodes[1])), (0, 0));
 }
 
-/// The primary that serves the ledger's slot is killed; its replica takes over (the cluster's
-/// own failover). The store, redirected to the dead primary before, goes back to its
-/// configured node, which redirects it to the new primary: service resumes without a restart
-/// and with the ledger whole (the replica had every write: `WAIT` before the kill).
+/// The primary that serves the ledger's slot is killed and its replica takes over (an
+/// operator's `CLUSTER FAILOVER TAKEOVER`, what the cluster's own failover does after
+/// `cluster-node-timeout`; forced here so that the test does not hang on timing). The store,
+/// redirected to the dead primary before, goes back to its configured node, which redirects
+/// it to the new primary: service resumes without a restart and with the ledger whole (the
+/// replica had every write: `WAIT` before the kill).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_follows_the_ledger_slot_across_a_failover() {
-    let timeout = ["--cluster-node-timeout", "500"];
-    let mut nodes = cluster_with(3, &timeout);
-    let replica = cluster_node(&timeout);
+    let mut nodes = cluster_with(3, &[]);
+    let replica = cluster_node(&[]);
     meet(&replica.server, &nodes[0]);
     wait_cluster_ok(&replica.server, 4);
     let primary_id = cmd(&nodes[1].server, &["CLUSTER", "MYID"]);
     cmd(&replica.server, &["CLUSTER", "REPLICATE", &primary_id]);
+    let logs = |nodes: &[ClusterNode], replica: &ClusterNode| {
+        let mut out = format!("--- replica ---\n{}", replica.server.log());
+        for (i, n) in nodes.iter().enumerate() {
+            out.push_str(&format!("\n--- node {i} ---\n{}", n.server.log()));
+        }
+        out
+    };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
     while !cmd(&replica.server, &["INFO", "replication"]).contains("master_link_status:up") {
         assert!(
             std::time::Instant::now() < deadline,
-            "the replica never synced"
+            "the replica never synced\n{}",
+            logs(&nodes, &replica)
         );
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let (prefix, _slot) = prefix_on(&[&nodes[0].server, &nodes[1].server, &nodes[2].server], 1);
+    let (prefix, slot) = prefix_on(
+        &[
+            &nodes[0].server,
+            &nodes[1].server,
+            &nodes[2].server,
+            &replica.server,
+        ],
+        1,
+    );
     let mut p = policy();
     p.global.budgets = vec![day(1_000)];
     let mut opts = options(&nodes[0].server, &prefix, None);
@@ -224,11 +247,13 @@ async fn a_store_follows_the_ledger_slot_across_a_failover() {
     assert_eq!(cmd(&nodes[1].server, &["WAIT", "1", "5000"]), "1");
 
     nodes[1].server.stop().expect("kill the primary");
+    cmd(&replica.server, &["CLUSTER", "FAILOVER", "TAKEOVER"]);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    while !cmd(&replica.server, &["INFO", "replication"]).contains("role:master") {
+    while owner_port(&nodes[0].server, slot) != replica.server.port() {
         assert!(
             std::time::Instant::now() < deadline,
-            "the replica never took over"
+            "node 0 never saw the replica take over\n{}",
+            logs(&nodes, &replica)
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
@@ -242,7 +267,8 @@ async fn a_store_follows_the_ledger_slot_across_a_failover() {
             Err(e) => {
                 assert!(
                     std::time::Instant::now() < deadline,
-                    "the store never reached the new primary: {e}"
+                    "the store never reached the new primary: {e}\n{}",
+                    logs(&nodes, &replica)
                 );
                 tokio::time::sleep(std::time::Duration::from_millis(100)).await;
             }

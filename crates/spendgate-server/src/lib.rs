@@ -75,12 +75,14 @@ async fn open_redis(
     config: &Config,
     policy: spendgate_core::Policy,
 ) -> Result<Arc<dyn Store>, ServerError> {
+    // `rediss://` urls: TLS with the system's roots (or `SSL_CERT_FILE`), through rustls.
+    install_crypto();
     Ok(Arc::new(
         spendgate_redis::RedisStore::open(redis_options(config), policy).await?,
     ))
 }
 
-/// Installs the TLS crypto provider (ring) for outgoing HTTPS; idempotent.
+/// Installs the TLS crypto provider (ring) for outgoing HTTPS and `rediss://`; idempotent.
 pub fn install_crypto() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }

@@ -82,6 +82,8 @@ pub struct Server {
     pub child: Option<ChildGuard>,
     pub http: reqwest::Client,
     config: PathBuf,
+    /// Environment variables the process starts with, besides the test's own.
+    env: Vec<(String, String)>,
 }
 
 /// A config with the test tokens and the given extra TOML (appended; it must not repeat
@@ -131,9 +133,23 @@ impl Server {
 
     /// A replica on a Redis store.
     pub fn start_redis(url: &str, prefix: &str, extra: &str) -> Server {
+        Server::start_redis_with_env(url, prefix, extra, &[])
+    }
+
+    /// A replica on a Redis store, started with these environment variables.
+    pub fn start_redis_with_env(
+        url: &str,
+        prefix: &str,
+        extra: &str,
+        env: &[(&str, &str)],
+    ) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = format!("kind = \"redis\"\nurl = \"{url}\"\nprefix = \"{prefix}\"");
-        Server::start_in(dir, &store, extra)
+        let env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Server::start_full(dir, &store, DEFAULT_SESSIONS, extra, env)
     }
 
     /// A server on sqlite with its own `[sessions]` settings.
@@ -144,14 +160,20 @@ impl Server {
             "kind = \"sqlite\"\npath = \"{}\"\ntimeout_ms = {SQLITE_TEST_TIMEOUT_MS}",
             db.display()
         );
-        Server::start_full(dir, &store, sessions, extra)
+        Server::start_full(dir, &store, sessions, extra, Vec::new())
     }
 
     fn start_in(dir: tempfile::TempDir, store: &str, extra: &str) -> Server {
-        Server::start_full(dir, store, DEFAULT_SESSIONS, extra)
+        Server::start_full(dir, store, DEFAULT_SESSIONS, extra, Vec::new())
     }
 
-    fn start_full(dir: tempfile::TempDir, store: &str, sessions: &str, extra: &str) -> Server {
+    fn start_full(
+        dir: tempfile::TempDir,
+        store: &str,
+        sessions: &str,
+        extra: &str,
+        env: Vec<(String, String)>,
+    ) -> Server {
         let port = free_port();
         let config = dir.path().join("spendgate.toml");
         std::fs::write(
@@ -170,6 +192,7 @@ impl Server {
             child: None,
             http,
             config,
+            env,
         };
         s.spawn();
         s
@@ -184,7 +207,8 @@ impl Server {
         cmd.arg("serve")
             .arg("--config")
             .arg(&self.config)
-            .env("RUST_LOG", "warn");
+            .env("RUST_LOG", "warn")
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
         let child = ChildGuard::spawn(cmd).expect("spawn spendgate");
         if wait_for_port(self.port, Duration::from_secs(20)).is_err() {
             panic!("spendgate did not start:\n{}", child.output());

@@ -274,3 +274,176 @@ async fn empty_redis_needs_accept_reset_and_evicting_redis_is_never_ready() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// Runs `openssl` in `dir` (Debian package `openssl`, installed by the test command).
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = std::process::Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("run openssl (Debian package `openssl`)");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A certificate authority `NAME.crt` / `NAME.key` in `dir`.
+fn test_ca(dir: &std::path::Path, name: &str) {
+    let (key, crt, subj) = (
+        format!("{name}.key"),
+        format!("{name}.crt"),
+        format!("/CN=spendgate test {name}"),
+    );
+    openssl(
+        dir,
+        &[
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            &key,
+            "-out",
+            &crt,
+            "-days",
+            "2",
+            "-subj",
+            &subj,
+        ],
+    );
+}
+
+/// `store.url = "rediss://…"`: a replica reaches Redis over TLS and verifies the server's
+/// certificate against the system's roots (here `SSL_CERT_FILE`, which rustls's native roots
+/// read): it admits, reserves and commits. A replica that does not trust the certificate
+/// never becomes ready and admits nothing (503 `store_unavailable`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_reaches_redis_over_tls_and_verifies_its_certificate() {
+    let certs = tempfile::tempdir().expect("tempdir");
+    let d = certs.path();
+    test_ca(d, "ca");
+    test_ca(d, "other");
+    openssl(
+        d,
+        &[
+            "req",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-keyout",
+            "redis.key",
+            "-out",
+            "redis.csr",
+            "-subj",
+            "/CN=localhost",
+        ],
+    );
+    std::fs::write(
+        d.join("san.ext"),
+        "subjectAltName=DNS:localhost,IP:127.0.0.1\n",
+    )
+    .expect("write san.ext");
+    openssl(
+        d,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            "redis.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-out",
+            "redis.crt",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+        ],
+    );
+    let path = |f: &str| d.join(f).display().to_string();
+    let tls_port = spendgate_testkit::free_port();
+    let redis = RedisServer::start(RedisOptions {
+        extra_args: vec![
+            "--tls-port".into(),
+            tls_port.to_string(),
+            "--tls-cert-file".into(),
+            path("redis.crt"),
+            "--tls-key-file".into(),
+            path("redis.key"),
+            "--tls-ca-cert-file".into(),
+            path("ca.crt"),
+            "--tls-auth-clients".into(),
+            "no".into(),
+        ],
+        ..Default::default()
+    })
+    .expect("redis-server with TLS");
+    let url = format!("rediss://localhost:{tls_port}/0");
+
+    let trusting = Server::start_redis_with_env(
+        &url,
+        "tls",
+        TOOL_BUDGET,
+        &[("SSL_CERT_FILE", path("ca.crt").as_str())],
+    );
+    wait_ready(&trusting).await;
+    let session = trusting.session().await;
+    let run = trusting.run(&session, "10.9.0.1", "c-tls").await;
+    let (status, step) = trusting
+        .post(
+            &format!("/v1/runs/{run}/steps"),
+            json!({"kind": "tool", "tool": "web_search"}),
+        )
+        .await;
+    assert_eq!(status, 201, "{step}");
+    let step_id = step["step_id"].as_str().expect("step_id");
+    let (status, done) = trusting
+        .post(&format!("/v1/steps/{step_id}/commit"), json!({"units": 1}))
+        .await;
+    assert_eq!(
+        (status, done["charged_micros"].as_u64()),
+        (200, Some(10_000)),
+        "{done}"
+    );
+    let keys: u64 = redis
+        .command(&["DBSIZE"])
+        .expect("dbsize")
+        .parse()
+        .expect("a count");
+    assert!(keys > 0, "the ledger went to this Redis");
+
+    let doubting = Server::start_redis_with_env(
+        &url,
+        "tls",
+        TOOL_BUDGET,
+        &[("SSL_CERT_FILE", path("other.crt").as_str())],
+    );
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        let r = doubting
+            .http
+            .get(doubting.url("/readyz"))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status().as_u16(), 503, "an untrusted Redis is not ready");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (status, v) = doubting
+        .post(
+            "/v1/runs",
+            json!({"session": session, "client_ip": "10.9.0.2", "conversation": "c-tls-2", "input_text": "hi"}),
+        )
+        .await;
+    assert_eq!((status, code(&v)), (503, "store_unavailable"), "{v}");
+}

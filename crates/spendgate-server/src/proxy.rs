@@ -208,6 +208,12 @@ pub fn prompt_tokens(tokenizer: Tokenizer, body: &Value) -> ApiResult<(u64, u64,
         if let Some(c) = m.get("content") {
             content_text(c, &mut text)?;
         }
+        // An earlier audio answer referred to by id is billed as audio input.
+        if m.get("audio").is_some_and(|v| !v.is_null()) {
+            return Err(ApiError::invalid(
+                "messages carrying \"audio\" are charged beyond text tokens and have no price here",
+            ));
+        }
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
         if role == "tool" || role == "function" {
             largest_tool_result = largest_tool_result.max(text.len() as u64);
@@ -1227,6 +1233,8 @@ mod tests {
             json!({"messages": [{"role": "user", "content": "hi"}], "service_tier": "priority"}),
             json!({"messages": [{"role": "user", "content": "hi"}],
                 "prediction": {"type": "content", "content": "x"}}),
+            json!({"messages": [{"role": "assistant", "content": null, "audio": {"id": "audio_1"}},
+                {"role": "user", "content": "and?"}]}),
         ];
         for b in &refused {
             let e = prompt_tokens(Tokenizer::Bytes, b).expect_err("refused");

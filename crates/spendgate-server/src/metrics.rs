@@ -23,25 +23,46 @@ pub struct Metrics {
     unknown_outcomes: AtomicU64,
 }
 
-/// A Prometheus summary without quantiles: how many, and their total time.
+/// Upper bounds of the latency histograms' buckets, in microseconds (Prometheus `le`, in
+/// seconds when rendered): from 100 µs, where a store call on loopback lands, to 10 s, past
+/// any configured timeout.
+const BUCKETS_MICROS: [u64; 16] = [
+    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
+    1_000_000, 2_500_000, 5_000_000, 10_000_000,
+];
+
+/// A Prometheus histogram of durations: how many fell in each bucket (not cumulative here),
+/// how many in all, and their total time. Lock-free.
 #[derive(Default)]
 struct Timing {
+    buckets: [AtomicU64; BUCKETS_MICROS.len()],
     count: AtomicU64,
     micros: AtomicU64,
 }
 
 impl Timing {
     fn record(&self, d: Duration) {
+        let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        if let Some(i) = BUCKETS_MICROS.iter().position(|&b| micros <= b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
         self.count.fetch_add(1, Ordering::Relaxed);
-        self.micros.fetch_add(
-            u64::try_from(d.as_micros()).unwrap_or(u64::MAX),
-            Ordering::Relaxed,
-        );
+        self.micros.fetch_add(micros, Ordering::Relaxed);
     }
 
     fn render(&self, out: &mut String, name: &str) {
-        let _ = writeln!(out, "# TYPE {name} summary");
-        let _ = writeln!(out, "{name}_count {}", self.count.load(Ordering::Relaxed));
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        let count = self.count.load(Ordering::Relaxed);
+        let mut cumulative = 0u64;
+        for (bound, n) in BUCKETS_MICROS.iter().zip(&self.buckets) {
+            // Read after `count`: a record in between can make a bucket exceed the count,
+            // never fall below it; capped so the series stays monotonic.
+            cumulative = cumulative.saturating_add(n.load(Ordering::Relaxed)).min(count);
+            let le = *bound as f64 / 1e6;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_count {count}");
         let micros = self.micros.load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_sum {}", micros as f64 / 1e6);
     }
@@ -170,17 +191,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn timings_render_as_summaries_in_seconds() {
+    fn timings_render_as_histograms_in_seconds() {
         let m = Metrics::default();
         m.store_call(Duration::from_micros(1_500));
         m.store_call(Duration::from_micros(500));
+        m.store_call(Duration::from_secs(60));
         m.proxy_overhead(Duration::from_millis(3));
         let out = m.render(None);
         for line in [
-            "# TYPE spendgate_store_call_seconds summary",
-            "spendgate_store_call_seconds_count 2",
-            "spendgate_store_call_seconds_sum 0.002",
+            "# TYPE spendgate_store_call_seconds histogram",
+            "spendgate_store_call_seconds_bucket{le=\"0.0001\"} 0",
+            "spendgate_store_call_seconds_bucket{le=\"0.0005\"} 1",
+            "spendgate_store_call_seconds_bucket{le=\"0.001\"} 1",
+            "spendgate_store_call_seconds_bucket{le=\"0.0025\"} 2",
+            "spendgate_store_call_seconds_bucket{le=\"10\"} 2",
+            "spendgate_store_call_seconds_bucket{le=\"+Inf\"} 3",
+            "spendgate_store_call_seconds_count 3",
+            "spendgate_store_call_seconds_sum 60.002",
             "spendgate_upstream_call_seconds_count 0",
+            "spendgate_upstream_call_seconds_bucket{le=\"+Inf\"} 0",
+            "spendgate_proxy_overhead_seconds_bucket{le=\"0.0025\"} 0",
+            "spendgate_proxy_overhead_seconds_bucket{le=\"0.005\"} 1",
             "spendgate_proxy_overhead_seconds_count 1",
             "spendgate_proxy_overhead_seconds_sum 0.003",
         ] {

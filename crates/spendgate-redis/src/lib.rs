@@ -274,6 +274,42 @@ struct Node {
     conn: ConnectionManager,
 }
 
+impl Node {
+    /// The host this node was reached at (`info`: the configured node's).
+    fn host(&self, info: &redis::ConnectionInfo) -> String {
+        if let Some(addr) = &self.redirected_to {
+            if let Ok((host, _)) = redirect_target(addr, "") {
+                return host;
+            }
+        }
+        match info.addr() {
+            redis::ConnectionAddr::Tcp(host, _) => host.clone(),
+            redis::ConnectionAddr::TcpTls { host, .. } => host.clone(),
+            _ => String::new(),
+        }
+    }
+}
+
+/// The `host` and `port` of a `MOVED` answer's endpoint (`host:port`, `[v6]:port`). An empty
+/// host means the host of the connection that got the answer (`current`); `?` means the node
+/// has no endpoint to give (`cluster-preferred-endpoint-type unknown-endpoint`).
+fn redirect_target(addr: &str, current: &str) -> Result<(String, u16), StoreError> {
+    let bad = || {
+        unavailable(format!(
+            "redis cluster redirected to {addr:?}, not a host:port"
+        ))
+    };
+    let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
+    let port: u16 = port.parse().map_err(|_| bad())?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    match host {
+        "?" => Err(bad()),
+        "" if current.is_empty() => Err(bad()),
+        "" => Ok((current.to_string(), port)),
+        h => Ok((h.to_string(), port)),
+    }
+}
+
 /// The connection to the node that serves the deployment: every key of a deployment carries
 /// its hash tag, so one cluster slot, and one node, holds them all. Starts on the configured
 /// node; a `MOVED` answer switches it to the node named; a failed connection to a node it was
@@ -328,17 +364,12 @@ impl SlotConn {
 
     /// `MOVED` from `from`: `addr` (`host:port`) serves the slot now.
     fn moved(&self, from: &Arc<Node>, addr: &str) -> Result<(), StoreError> {
-        let bad = || {
-            unavailable(format!(
-                "redis cluster redirected to {addr:?}, not a host:port"
-            ))
+        let (host, port) = redirect_target(addr, &from.host(&self.info))?;
+        let resolved = if host.contains(':') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
         };
-        let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
-        let port: u16 = port.parse().map_err(|_| bad())?;
-        let host = host
-            .trim_start_matches('[')
-            .trim_end_matches(']')
-            .to_string();
         let to = match self.info.addr() {
             redis::ConnectionAddr::Tcp(..) => redis::ConnectionAddr::Tcp(host, port),
             redis::ConnectionAddr::TcpTls {
@@ -361,7 +392,7 @@ impl SlotConn {
         self.switch(
             from,
             Node {
-                redirected_to: Some(addr.to_string()),
+                redirected_to: Some(resolved),
                 conn,
             },
         );
@@ -997,6 +1028,22 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn redirect_targets() {
+        let t = |addr: &str| redirect_target(addr, "10.0.0.5").map_err(|e| e.to_string());
+        assert_eq!(t("10.0.0.7:6380"), Ok(("10.0.0.7".into(), 6380)));
+        assert_eq!(
+            t("redis-2.internal:6379"),
+            Ok(("redis-2.internal".into(), 6379))
+        );
+        assert_eq!(t("[fd00::7]:6380"), Ok(("fd00::7".into(), 6380)));
+        assert_eq!(t(":6381"), Ok(("10.0.0.5".into(), 6381)));
+        for bad in ["?:6379", "nohost", "10.0.0.7:port", "10.0.0.7:70000"] {
+            assert!(t(bad).is_err(), "{bad}");
+        }
+        assert!(redirect_target(":6381", "").is_err());
+    }
 
     #[test]
     fn prefixes_cannot_inject_hash_tags() {

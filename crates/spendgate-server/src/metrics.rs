@@ -57,7 +57,9 @@ impl Timing {
         for (bound, n) in BUCKETS_MICROS.iter().zip(&self.buckets) {
             // Read after `count`: a record in between can make a bucket exceed the count,
             // never fall below it; capped so the series stays monotonic.
-            cumulative = cumulative.saturating_add(n.load(Ordering::Relaxed)).min(count);
+            cumulative = cumulative
+                .saturating_add(n.load(Ordering::Relaxed))
+                .min(count);
             let le = *bound as f64 / 1e6;
             let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {cumulative}");
         }

@@ -254,7 +254,7 @@ async fn fcall(
                 slot.moved(&node, addr)?;
             }
             Err(e) => {
-                if e.is_timeout() || e.is_io_error() || e.is_connection_dropped() {
+                if node_unusable(&e) {
                     slot.failed(&node);
                 }
                 return Err(map_redis_error(e, timeout));
@@ -264,6 +264,21 @@ async fn fcall(
     Err(unavailable(format!(
         "redis cluster redirected one call more than {REDIRECTS_MAX} times (slots moving?)"
     )))
+}
+
+/// Whether an error says that the node may no longer serve the deployment: no answer at all
+/// (connection refused or dropped, a timeout, anything but a reply of the server), or a reply
+/// of a node that is down, loading or no longer a primary. After such an error from a node the
+/// store was redirected to, the next call asks `store.url`'s node again.
+fn node_unusable(e: &redis::RedisError) -> bool {
+    e.is_timeout()
+        || e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || matches!(
+            e.code(),
+            None | Some("CLUSTERDOWN" | "MASTERDOWN" | "LOADING" | "READONLY")
+        )
 }
 
 /// One node of Redis: the one `store.url` names, or the one a Redis Cluster redirected the

@@ -258,6 +258,7 @@ async fn a_store_follows_the_ledger_slot_across_a_failover() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
     // A commit is idempotent: retried until the store reaches the new primary.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     let charged = loop {
         match a
             .resolve(spendgate_conformance::support::step_id("s2"), units(250))

@@ -19,13 +19,14 @@
 -- * Loops are bounded: expiries per call, sweep batches, ties in listings.
 
 -- Per-call state: set by `main` at the start of every call (a function library's locals
--- outlive a call; nothing below may carry anything from one call to the next except the
--- parsed-policy cache, which is a pure function of the policy string).
+-- outlive a call; nothing below may carry anything from one call to the next except caches
+-- that are pure functions of their keys (parsed policies, counter encodings, window indexes),
+-- library functions, and per-call tables, which are emptied in place: see clear).
 local B
+-- Library functions as upvalues (cheaper than a global and a field lookup at each use); bound
+-- by `main` on its first call, as the library's load environment does not offer them.
+local rcall, spack, sunpack, ssub, sfmt, tconcat, mfloor, mmin, mmax
 local MAX = 9007199254740991
-local SWEEP_EXPIRIES = 256
-local SWEEP_BATCH = 1024
-local TIES_MAX = 10000
 -- The core's constants (spendgate_core::ledger), passed in front of the policy.
 local RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = 0, 0, 0, 0, 0
 
@@ -55,12 +56,26 @@ local function kCounter(enc) return B .. ':c:' .. enc end
 -- WB until kv_flush writes them all in one MSET at the end of the command (reads see it); a
 -- delete is done at once. kv_prefetch reads several keys in one MGET.
 local RC, WB, WBN = {}, {}, 0
+-- Empties a per-call table in place: it keeps its size, so the next call neither allocates it
+-- nor rehashes it as it fills; one that grew large is replaced (an empty large table is slow to
+-- scan).
+local function clear(t)
+  local n = 0
+  for k in next, t do
+    t[k] = nil
+    n = n + 1
+  end
+  if n > 32 then return {} end
+  return t
+end
+-- kv_flush's MSET arguments (emptied after each use)
+local MSET_ARGS = {}
 local function kv_get(k)
   local v = WB[k]
   if v then return v end
   v = RC[k]
   if v == nil then
-    v = redis.call('GET', k)
+    v = rcall('GET', k)
     RC[k] = v
   end
   return v or nil
@@ -72,7 +87,7 @@ local function kv_prefetch(keys)
     kv_get(keys[1])
     return
   end
-  local vs = redis.call('MGET', unpack(keys))
+  local vs = rcall('MGET', unpack(keys))
   for i = 1, n do
     local k = keys[i]
     if RC[k] == nil then RC[k] = vs[i] end
@@ -88,28 +103,31 @@ local function kv_del(k)
     WBN = WBN - 1
   end
   RC[k] = false
-  redis.call('DEL', k)
+  rcall('DEL', k)
 end
 local function kv_flush()
   if WBN > 0 then
-    local args, i = {}, 0
+    local args, i = MSET_ARGS, 0
     for k, v in pairs(WB) do
       args[i + 1] = k
       args[i + 2] = v
       i = i + 2
       -- (unpack's bound)
       if i >= 1000 then
-        redis.call('MSET', unpack(args, 1, i))
+        rcall('MSET', unpack(args, 1, i))
         i = 0
       end
     end
-    if i > 0 then redis.call('MSET', unpack(args, 1, i)) end
-    WB, WBN = {}, 0
+    if i > 0 then rcall('MSET', unpack(args, 1, i)) end
+    local n = #args
+    for j = 1, n do args[j] = nil end
+    if n > 64 then MSET_ARGS = {} end
+    WB, WBN = clear(WB), 0
   end
-  if next(RC) then RC = {} end
+  RC = clear(RC)
 end
 
-local function S(x) return string.format('%d', x) end
+local function S(x) return sfmt('%d', x) end
 -- (a number in an answer becomes an integer reply: exact, and cheaper than a string; redis.call
 -- takes numbers too, but prints them with %.17g, which costs more than S)
 local function N(s) return tonumber(s) end
@@ -154,9 +172,9 @@ local function run_get(id)
   if r == nil then
     local s = kv_get(kRun(id))
     if s then
-      local st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ch, nh, ns, nsteps, _, pos = struct.unpack(RUN_FMT, s)
-      r = { st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, string.sub(s, pos, pos + nsteps - 1), ch, nh, ns,
-        string.sub(s, pos + nsteps) }
+      local st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ch, nh, ns, nsteps, _, pos = sunpack(RUN_FMT, s)
+      r = { st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ssub(s, pos, pos + nsteps - 1), ch, nh, ns,
+        ssub(s, pos + nsteps) }
     else
       r = false
     end
@@ -165,12 +183,12 @@ local function run_get(id)
   return r or nil
 end
 local function run_pack(r)
-  return struct.pack(RUN_FMT, #r[1], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
+  return spack(RUN_FMT, #r[1], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
     r[13], r[15], r[16], r[17], #r[14], #r[18]) .. r[14] .. r[18]
 end
 local function imm_pack(bounds, mode, rest)
   local packed = cmsgpack.pack(rest)
-  return struct.pack(IMM_FMT, bounds[1], bounds[2], bounds[3], bounds[4], bounds[5], bounds[6], bounds[7],
+  return spack(IMM_FMT, bounds[1], bounds[2], bounds[3], bounds[4], bounds[5], bounds[6], bounds[7],
     bounds[8], bounds[9], bounds[10], bounds[11], #mode, mode) .. packed
 end
 -- The immutable part of a run record: the bounds and the mode, and with `full` the rest.
@@ -179,9 +197,9 @@ local function run_imm(r, full)
   local t = { false, false, false, false, false, false, false, false, false, false, false, false, false, false, false,
     false, false, false, false }
   t[R_B_IN], t[R_B_CTX], t[R_B_OUT], t[R_B_TRB], t[R_B_ROUNDS], t[R_B_TOOLS], t[R_B_RETRIES], t[R_B_SECS],
-    t[R_B_COST], t[R_B_SHRINK], t[R_B_MINOUT], t[R_MODE], t.pos = struct.unpack(IMM_FMT, r[R_IMM])
+    t[R_B_COST], t[R_B_SHRINK], t[R_B_MINOUT], t[R_MODE], t.pos = sunpack(IMM_FMT, r[R_IMM])
   if full then
-    local x = cmsgpack.unpack(string.sub(r[R_IMM], t.pos))
+    local x = cmsgpack.unpack(ssub(r[R_IMM], t.pos))
     t[R_ID], t[R_SESSION], t[R_CONV], t[R_IPS], t[R_CREATED], t[R_SLOTS], t[R_HOLD] = x[1], x[2], x[3], x[4], x[5],
       x[6], x[7]
   end
@@ -200,12 +218,12 @@ local function run_flush()
   for id in pairs(RDIRTY) do
     kv_set(kRun(id), run_pack(RUNS[id]))
   end
-  RDIRTY = {}
+  RDIRTY = clear(RDIRTY)
 end
 
 -- floor(a / b) for non-negative integers a, b with a < 2^53
 local function idiv(a, b)
-  local q = math.floor(a / b)
+  local q = mfloor(a / b)
   if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
   return q
 end
@@ -223,7 +241,7 @@ local function enc(list)
     if type(s) == 'number' then s = S(s) end
     out[#out + 1] = S(#s) .. ':' .. s
   end
-  return table.concat(out)
+  return tconcat(out)
 end
 local function dec(s)
   local r = {}
@@ -232,8 +250,8 @@ local function dec(s)
   while pos <= n do
     local c = string.find(s, ':', pos, true)
     if not c then break end
-    local len = N(string.sub(s, pos, c - 1))
-    r[#r + 1] = string.sub(s, c + 1, c + len)
+    local len = N(ssub(s, pos, c - 1))
+    r[#r + 1] = ssub(s, c + 1, c + len)
     pos = c + 1 + len
   end
   return r
@@ -241,81 +259,88 @@ end
 
 ---------------------------------------------------------------- calendar (window.rs)
 
-local function civil_from_days(z)
-  z = z + 719468
-  local era = math.floor(z / 146097)
-  local doe = z - era * 146097
-  local yoe = math.floor((doe - math.floor(doe / 1460) + math.floor(doe / 36524) - math.floor(doe / 146096)) / 365)
-  local y = yoe + era * 400
-  local doy = doe - (365 * yoe + math.floor(yoe / 4) - math.floor(yoe / 100))
-  local mp = math.floor((5 * doy + 2) / 153)
-  local d = doy - math.floor((153 * mp + 2) / 5) + 1
-  local m
-  if mp < 10 then m = mp + 3 else m = mp - 9 end
-  if m <= 2 then y = y + 1 end
-  return y, m, d
-end
-
-local function days_from_civil(y, m, d)
-  if m <= 2 then y = y - 1 end
-  local era = math.floor(y / 400)
-  local yoe = y - era * 400
-  local mm
-  if m > 2 then mm = m - 3 else mm = m + 9 end
-  local doy = math.floor((153 * mm + 2) / 5) + d - 1
-  local doe = yoe * 365 + math.floor(yoe / 4) - math.floor(yoe / 100) + doy
-  return era * 146097 + doe - 719468
-end
-
-local function window_index(w, now)
-  local secs = idiv(now, 1000)
-  if w == 'hour' then return idiv(secs, 3600) end
-  if w == 'day' then return idiv(secs, 86400) end
-  if w == 'month' then
-    local y, m = civil_from_days(idiv(secs, 86400))
-    return y * 12 + m - 1
+-- (window_index and resets_at are the locals declared here)
+local window_index, resets_at
+do
+  local function civil_from_days(z)
+    z = z + 719468
+    local era = mfloor(z / 146097)
+    local doe = z - era * 146097
+    local yoe = mfloor((doe - mfloor(doe / 1460) + mfloor(doe / 36524) - mfloor(doe / 146096)) / 365)
+    local y = yoe + era * 400
+    local doy = doe - (365 * yoe + mfloor(yoe / 4) - mfloor(yoe / 100))
+    local mp = mfloor((5 * doy + 2) / 153)
+    local d = doy - mfloor((153 * mp + 2) / 5) + 1
+    local m
+    if mp < 10 then m = mp + 3 else m = mp - 9 end
+    if m <= 2 then y = y + 1 end
+    return y, m, d
   end
-  return 0
-end
 
-local function resets_at(w, idx)
-  if w == 'hour' then return (idx + 1) * 3600000 end
-  if w == 'day' then return (idx + 1) * 86400000 end
-  if w == 'month' then
-    local nx = idx + 1
-    return days_from_civil(math.floor(nx / 12), nx % 12 + 1, 1) * 86400000
+  local function days_from_civil(y, m, d)
+    if m <= 2 then y = y - 1 end
+    local era = mfloor(y / 400)
+    local yoe = y - era * 400
+    local mm
+    if m > 2 then mm = m - 3 else mm = m + 9 end
+    local doy = mfloor((153 * mm + 2) / 5) + d - 1
+    local doe = yoe * 365 + mfloor(yoe / 4) - mfloor(yoe / 100) + doy
+    return era * 146097 + doe - 719468
   end
-  return nil
+
+  function window_index(w, now)
+    local secs = idiv(now, 1000)
+    if w == 'hour' then return idiv(secs, 3600) end
+    if w == 'day' then return idiv(secs, 86400) end
+    if w == 'month' then
+      local y, m = civil_from_days(idiv(secs, 86400))
+      return y * 12 + m - 1
+    end
+    return 0
+  end
+
+  function resets_at(w, idx)
+    if w == 'hour' then return (idx + 1) * 3600000 end
+    if w == 'day' then return (idx + 1) * 86400000 end
+    if w == 'month' then
+      local nx = idx + 1
+      return days_from_civil(mfloor(nx / 12), nx % 12 + 1, 1) * 86400000
+    end
+    return nil
+  end
 end
 
 ---------------------------------------------------------------- money (money.rs)
 
 -- Splits a decimal string of up to 20 digits into hi * 10^6 + lo, both exact.
-local function split6(xs)
-  if #xs > 6 then return N(string.sub(xs, 1, -7)), N(string.sub(xs, -6)) end
-  return 0, N(xs)
-end
-
--- For terms {count_string, price}: the sum of count * price as floor(sum / 10^6), the
--- remainder, and whether the quotient exceeds MAX. Exact for counts below 2^64 and prices
--- below 2^53 (the core computes the same in u128).
-local function mulsum(terms)
-  local I, F, over = 0, 0, false
-  for _, t in ipairs(terms) do
-    local xh, xl = split6(t[1])
-    local p = t[2]
-    local pa = idiv(p, 1000000)
-    local pb = p - pa * 1000000
-    local a = xh * p
-    if a > MAX then over = true else I = I + a end
-    I = I + xl * pa
-    F = F + xl * pb
-    if I > MAX then over = true end
+local mulsum
+do
+  local function split6(xs)
+    if #xs > 6 then return N(ssub(xs, 1, -7)), N(ssub(xs, -6)) end
+    return 0, N(xs)
   end
-  local fq = idiv(F, 1000000)
-  I = I + fq
-  if I > MAX then over = true end
-  return I, F - fq * 1000000, over
+
+  -- For terms {count_string, price}: the sum of count * price as floor(sum / 10^6), the
+  -- remainder, and whether the quotient exceeds MAX. Exact for counts below 2^64 and prices
+  -- below 2^53 (the core computes the same in u128).
+  function mulsum(terms)
+    local I, F, over = 0, 0, false
+    for _, t in ipairs(terms) do
+      local xh, xl = split6(t[1])
+      local p = t[2]
+      local pa = idiv(p, 1000000)
+      local pb = p - pa * 1000000
+      local a = xh * p
+      if a > MAX then over = true else I = I + a end
+      I = I + xl * pa
+      F = F + xl * pb
+      if I > MAX then over = true end
+    end
+    local fq = idiv(F, 1000000)
+    I = I + fq
+    if I > MAX then over = true end
+    return I, F - fq * 1000000, over
+  end
 end
 
 -- ceil(sum / 10^6), saturating at MAX (ModelPrice::bound / ::charge)
@@ -323,17 +348,17 @@ local function price_ceil(terms)
   local I, R, over = mulsum(terms)
   if over then return MAX end
   if R > 0 then I = I + 1 end
-  return math.min(I, MAX)
+  return mmin(I, MAX)
 end
 
 -- ToolPrice::cost: per_call + per_unit * units, saturating at MAX
 local function tool_cost(pc, pu, units_s)
-  if pu == 0 then return math.min(pc, MAX) end
+  if pu == 0 then return mmin(pc, MAX) end
   local u = N(units_s)
   if u > MAX then return MAX end
   local prod = pu * u
   if prod > MAX then return MAX end
-  return math.min(prod + pc, MAX)
+  return mmin(prod + pc, MAX)
 end
 
 -- The largest out <= cap with prompt * ip + out * op <= room * 10^6, or nil when not even
@@ -348,7 +373,7 @@ local function fit_output(prompt_s, ip, op, room, cap)
   if op == 0 or fits(cap) then return cap end
   local lo, hi = 0, cap -- fits(lo), not fits(hi)
   while hi - lo > 1 do
-    local mid = lo + math.floor((hi - lo) / 2)
+    local mid = lo + mfloor((hi - lo) / 2)
     if fits(mid) then lo = mid else hi = mid end
   end
   return lo
@@ -357,56 +382,59 @@ end
 ---------------------------------------------------------------- policy
 
 local P = nil
-local function parse_policy(s)
-  local t = {}
-  for w in string.gmatch(s, '%S+') do t[#t + 1] = w end
-  local i = 0
-  local function nx() i = i + 1; return t[i] end
-  local function nn() return N(nx()) end
-  local p = { kinds = {} }
-  RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = nn(), nn(), nn(), nn(), nn()
-  for _, kind in ipairs({ 'global', 'ip', 'session', 'conversation' }) do
-    local kp = { budgets = {} }
-    local nb = nn()
-    for _ = 1, nb do
-      local w = nx()
-      kp.budgets[#kp.budgets + 1] = { w, nn() }
+local policy
+do
+  local function parse_policy(s)
+    local t = {}
+    for w in string.gmatch(s, '%S+') do t[#t + 1] = w end
+    local i = 0
+    local function nx() i = i + 1; return t[i] end
+    local function nn() return N(nx()) end
+    local p = { kinds = {} }
+    RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = nn(), nn(), nn(), nn(), nn()
+    for _, kind in ipairs({ 'global', 'ip', 'session', 'conversation' }) do
+      local kp = { budgets = {} }
+      local nb = nn()
+      for _ = 1, nb do
+        local w = nx()
+        kp.budgets[#kp.budgets + 1] = { w, nn() }
+      end
+      if nn() == 1 then kp.rate = { nn(), nn(), nn() } end
+      if nn() == 1 then kp.conc = nn() end
+      kp.dry = nn() == 1
+      p.kinds[kind] = kp
     end
-    if nn() == 1 then kp.rate = { nn(), nn(), nn() } end
-    if nn() == 1 then kp.conc = nn() end
-    kp.dry = nn() == 1
-    p.kinds[kind] = kp
+    local r = {}
+    for _, f in ipairs({ 'in', 'ctx', 'out', 'trb', 'rounds', 'tools', 'retries', 'secs', 'cost', 'shrink', 'minout' }) do
+      r[f] = nn()
+    end
+    p.run = r
+    p.mode = nx()
+    p.ttl = nn()
+    if nn() == 1 then p.sc_ip = { nn(), nn(), nn() } end
+    if nn() == 1 then p.sc_global = { nn(), nn(), nn() } end
+    p.consts = { RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX }
+    -- whether a step has budgets of scopes other than global
+    p.scoped = #p.kinds.ip.budgets + #p.kinds.session.budgets + #p.kinds.conversation.budgets > 0
+    return p
   end
-  local r = {}
-  for _, f in ipairs({ 'in', 'ctx', 'out', 'trb', 'rounds', 'tools', 'retries', 'secs', 'cost', 'shrink', 'minout' }) do
-    r[f] = nn()
-  end
-  p.run = r
-  p.mode = nx()
-  p.ttl = nn()
-  if nn() == 1 then p.sc_ip = { nn(), nn(), nn() } end
-  if nn() == 1 then p.sc_global = { nn(), nn(), nn() } end
-  p.consts = { RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX }
-  -- whether a step has budgets of scopes other than global
-  p.scoped = #p.kinds.ip.budgets + #p.kinds.session.budgets + #p.kinds.conversation.budgets > 0
-  return p
-end
 
--- Parsed policies by policy string (a pure function of the string; replicas of one deployment
--- send the same one). Bounded: cleared when it holds too many.
-local POLICIES, POLICIES_N = {}, 0
-local function policy(s)
-  local p = POLICIES[s]
-  if not p then
-    p = parse_policy(s)
-    if POLICIES_N >= 16 then
-      POLICIES, POLICIES_N = {}, 0
+  -- Parsed policies by policy string (a pure function of the string; replicas of one deployment
+  -- send the same one). Bounded: cleared when it holds too many.
+  local POLICIES, POLICIES_N = {}, 0
+  function policy(s)
+    local p = POLICIES[s]
+    if not p then
+      p = parse_policy(s)
+      if POLICIES_N >= 16 then
+        POLICIES, POLICIES_N = {}, 0
+      end
+      POLICIES[s] = p
+      POLICIES_N = POLICIES_N + 1
     end
-    POLICIES[s] = p
-    POLICIES_N = POLICIES_N + 1
+    RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = unpack(p.consts)
+    return p
   end
-  RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = unpack(p.consts)
-  return p
 end
 
 ---------------------------------------------------------------- rates (rate.rs)
@@ -415,16 +443,16 @@ local function rate_scaled(r, f)
   return { r[1] * f, r[2], r[3] * f }
 end
 local function rate_interval(r)
-  return math.max(ceil_div(r[2] * 1000, math.max(r[1], 1)), 1)
+  return mmax(ceil_div(r[2] * 1000, mmax(r[1], 1)), 1)
 end
 local function rate_tolerance(r)
-  return rate_interval(r) * math.max(r[3], 1)
+  return rate_interval(r) * mmax(r[3], 1)
 end
 -- true, new_tat | false, wait_us
 local function rate_check(r, tat, now_us)
   local iv = rate_interval(r)
-  local tol = iv * math.max(r[3], 1)
-  local new = math.max(tat, now_us) + iv
+  local tol = iv * mmax(r[3], 1)
+  local new = mmax(tat, now_us) + iv
   local ahead = new - now_us
   if ahead <= tol then return true, new end
   return false, ahead - tol
@@ -432,18 +460,18 @@ end
 -- Rate::left: remaining, reset_s of a key whose TAT an admission has just written
 local function rate_left(r, tat, now_us)
   local iv = rate_interval(r)
-  local tol = iv * math.max(r[3], 1)
-  local slack = math.max(tol - math.max(tat - now_us, 0), 0)
+  local tol = iv * mmax(r[3], 1)
+  local slack = mmax(tol - mmax(tat - now_us, 0), 0)
   local rem = idiv(slack, iv)
   return rem, ceil_div(iv - (slack - rem * iv), 1000000)
 end
 local function rate_get(key)
-  local v = redis.call('ZSCORE', K_RATES, key)
+  local v = rcall('ZSCORE', K_RATES, key)
   if v then return N(v) end
   return 0
 end
 local function wait_secs(wait_us)
-  return math.max(ceil_div(wait_us, 1000000), 1)
+  return mmax(ceil_div(wait_us, 1000000), 1)
 end
 
 ---------------------------------------------------------------- meta
@@ -475,7 +503,7 @@ local function meta_unpack(m)
   if m then
     local cl
     SEQ, MV[1], MV[2], MV[3], MV[4], MV[5], MV[6], MV[7], MV[8], MV[9], MV[10], MV[11], MV[12], MV[13], MV[14], cl =
-      struct.unpack(M_FMT, m)
+      sunpack(M_FMT, m)
     if cl == '' then CUT = false else CUT = cl end
   else
     SEQ = 0
@@ -489,7 +517,7 @@ local function meta_unpack(m)
 end
 -- Every timer is added here, which keeps TN a lower bound.
 local function timer_add(at, member)
-  redis.call('ZADD', K_TIMERS, S(at), member)
+  rcall('ZADD', K_TIMERS, S(at), member)
   if at < TN then TN = at end
 end
 local function bump()
@@ -502,7 +530,7 @@ local function mincr(f, n)
       MV[i] = MV[i] + n
     else
       -- exact: n = dh * 2^32 + dl with 0 <= dl < 2^32
-      local dh = math.floor(n / LIMB)
+      local dh = mfloor(n / LIMB)
       local l = MV[i + 1] + (n - dh * LIMB)
       local h = MV[i] + dh
       if l >= LIMB then
@@ -519,7 +547,7 @@ local function msum(i)
   local h = MV[i]
   if h >= 2097152 then return S(MAX) end
   if h < -2097152 then return S(-MAX) end
-  return S(math.min(h * LIMB + MV[i + 1], MAX))
+  return S(mmin(h * LIMB + MV[i + 1], MAX))
 end
 -- Writes meta (with `clock` the new clock) when anything changed.
 local function meta_flush(clock)
@@ -533,7 +561,7 @@ local function meta_flush(clock)
   end
   if MDIRTY or SEQ ~= SEQ0 then
     local cl = CUT or ''
-    redis.call('HSET', K_META, 'm', struct.pack(M_FMT, SEQ, MV[1], MV[2], MV[3], MV[4], MV[5], MV[6], MV[7], MV[8],
+    rcall('HSET', K_META, 'm', spack(M_FMT, SEQ, MV[1], MV[2], MV[3], MV[4], MV[5], MV[6], MV[7], MV[8],
       MV[9], MV[10], MV[11], MV[12], MV[13], MV[14], #cl, cl))
   end
   -- (the next command of a batch starts from what is written)
@@ -555,7 +583,7 @@ end
 
 local function run_scopes(session, ips, conv)
   local v = { { 'global', '', 1 } }
-  for _, ip in ipairs(ips) do v[#v + 1] = { 'ip', ip[1], math.max(ip[2], 1) } end
+  for _, ip in ipairs(ips) do v[#v + 1] = { 'ip', ip[1], mmax(ip[2], 1) } end
   v[#v + 1] = { 'session', session, 1 }
   v[#v + 1] = { 'conversation', conv, 1 }
   return v
@@ -596,7 +624,7 @@ local RUN_C_LEN = #RUN_C
 local function run_of(e)
   -- (cparts is cached: no string is made for the other counters)
   local w, idx, kind = cparts(e)
-  if kind == 'run' and idx == 0 and w == 'lifetime' then return string.sub(e, RUN_C_LEN + 1) end
+  if kind == 'run' and idx == 0 and w == 'lifetime' then return ssub(e, RUN_C_LEN + 1) end
   return nil
 end
 -- A counter as stored, as five numbers (nil: there is none).
@@ -609,7 +637,7 @@ local function cread(e)
   end
   local s = kv_get(kCounter(e))
   if not s then return nil end
-  local l, u, r, o, a = struct.unpack(COUNTER_FMT, s)
+  local l, u, r, o, a = sunpack(COUNTER_FMT, s)
   return { l, u, r, o, a }
 end
 local function cload(e)
@@ -620,7 +648,7 @@ local function cload(e)
     c = { enc = e, limit = 0, used = 0, reserved = 0, overrun = 0, adjusted = 0, new = true }
   else
     c = { enc = e, limit = f[1], used = f[2], reserved = f[3], overrun = f[4], adjusted = f[5] }
-    c.score = math.min(c.used + c.reserved, MAX)
+    c.score = mmin(c.used + c.reserved, MAX)
   end
   CC[e] = c
   return c
@@ -634,25 +662,25 @@ local function csave(c)
       c.adjusted
     run_put(rid, r)
   else
-    kv_set(kCounter(c.enc), struct.pack(COUNTER_FMT, c.limit, c.used, c.reserved, c.overrun, c.adjusted))
+    kv_set(kCounter(c.enc), spack(COUNTER_FMT, c.limit, c.used, c.reserved, c.overrun, c.adjusted))
   end
   local w, idx, kind = cparts(c.enc)
   if kind == 'global' then
     -- Global counters are few (one per budget window): not ranked, listed from a set.
     if c.new then
-      redis.call('SADD', K_GLOBALS, c.enc)
+      rcall('SADD', K_GLOBALS, c.enc)
       c.new = false
     end
     return
   end
-  local score = math.min(c.used + c.reserved, MAX)
+  local score = mmin(c.used + c.reserved, MAX)
   if score ~= c.score then
-    redis.call('ZADD', K_TOP .. ':' .. kind, S(score), c.enc)
+    rcall('ZADD', K_TOP .. ':' .. kind, S(score), c.enc)
     c.score = score
   end
   if c.new then
     local r = resets_at(w, idx)
-    if r then redis.call('ZADD', K_CWIN, S(r), c.enc) end
+    if r then rcall('ZADD', K_CWIN, S(r), c.enc) end
     c.new = false
   end
 end
@@ -662,15 +690,15 @@ local function cdel(e)
   -- (a run's counter goes with its run record)
   if not run_of(e) then kv_del(kCounter(e)) end
   if kind == 'global' then
-    redis.call('SREM', K_GLOBALS, e)
+    rcall('SREM', K_GLOBALS, e)
     return
   end
-  redis.call('ZREM', K_TOP .. ':' .. kind, e)
-  redis.call('ZREM', K_CWIN, e)
+  rcall('ZREM', K_TOP .. ':' .. kind, e)
+  rcall('ZREM', K_CWIN, e)
 end
 local function remaining(c)
   if c.overrun == 1 then return 0 end
-  return math.max(math.max(c.limit - c.used, 0) - c.reserved, 0)
+  return mmax(mmax(c.limit - c.used, 0) - c.reserved, 0)
 end
 
 -- The budget counters (and limits) of these scopes at `now` (Ledger::budget_counters).
@@ -684,7 +712,7 @@ local function scope_counters(v, kind, id, factor, now)
     for i = 1, #bs do
       local b = bs[i]
       local w, amt = b[1], b[2]
-      if factor ~= 1 then amt = math.min(amt * factor, MAX) end
+      if factor ~= 1 then amt = mmin(amt * factor, MAX) end
       local wi = WIDX[w]
       if not wi or wi[1] ~= now then
         local idx = window_index(w, now)
@@ -705,7 +733,7 @@ end
 local function run_budget_counters(session, ips, conv, now)
   local v = {}
   scope_counters(v, 'global', '', 1, now)
-  for _, ip in ipairs(ips) do scope_counters(v, 'ip', ip[1], math.max(ip[2], 1), now) end
+  for _, ip in ipairs(ips) do scope_counters(v, 'ip', ip[1], mmax(ip[2], 1), now) end
   scope_counters(v, 'session', session, 1, now)
   scope_counters(v, 'conversation', conv, 1, now)
   return v
@@ -742,7 +770,7 @@ local function hold(counters, amount)
   for _, k in ipairs(counters) do
     local c = cload(k.enc)
     c.limit = k.limit
-    c.reserved = math.min(c.reserved + amount, MAX)
+    c.reserved = mmin(c.reserved + amount, MAX)
     if c.used + c.reserved > c.limit and is_dry(k.kind) then c.overrun = 1 end
     csave(c)
   end
@@ -775,13 +803,13 @@ local S_TAIL = 18
 local function res_get(id)
   local s = kv_get(kRes(id))
   if not s then return nil end
-  local state, amount, charged, created, resolved, overrun, tpos = struct.unpack(RES_HEAD, s)
-  local i, run, kind, name, p1, p2, p3, retry, units, maxout, n, pos = struct.unpack(RES_TAIL, s, tpos)
+  local state, amount, charged, created, resolved, overrun, tpos = sunpack(RES_HEAD, s)
+  local i, run, kind, name, p1, p2, p3, retry, units, maxout, n, pos = sunpack(RES_TAIL, s, tpos)
   local cs = {}
-  for j = 1, n do cs[j], pos = struct.unpack('<I2c0', s, pos) end
+  for j = 1, n do cs[j], pos = sunpack('<I2c0', s, pos) end
   if resolved < 0 then resolved = '' end
   return { i, run, kind, name, p1, p2, p3, retry, units, amount, cs, state, charged, created, resolved, maxout, overrun,
-    string.sub(s, tpos) }
+    ssub(s, tpos) }
 end
 local function res_put(id, r)
   local resolved = r[S_RESOLVED]
@@ -789,13 +817,13 @@ local function res_put(id, r)
   local tail = r[S_TAIL]
   if not tail then
     local cs = r[S_COUNTERS]
-    local out = { struct.pack(RES_TAIL, #r[1], r[1], #r[2], r[2], #r[3], r[3], #r[4], r[4], #r[5], r[5], #r[6], r[6],
+    local out = { spack(RES_TAIL, #r[1], r[1], #r[2], r[2], #r[3], r[3], #r[4], r[4], #r[5], r[5], #r[6], r[6],
       #r[7], r[7], #r[8], r[8], #r[9], r[9], #r[16], r[16], #cs) }
-    for j = 1, #cs do out[j + 1] = struct.pack('<I2c0', #cs[j], cs[j]) end
-    tail = table.concat(out)
+    for j = 1, #cs do out[j + 1] = spack('<I2c0', #cs[j], cs[j]) end
+    tail = tconcat(out)
     r[S_TAIL] = tail
   end
-  kv_set(kRes(id), struct.pack(RES_HEAD, #r[S_STATE], r[S_STATE], r[S_AMOUNT], r[S_CHARGED], r[S_CREATED],
+  kv_set(kRes(id), spack(RES_HEAD, #r[S_STATE], r[S_STATE], r[S_AMOUNT], r[S_CHARGED], r[S_CREATED],
     resolved, r[S_OVERRUN]) .. tail)
 end
 
@@ -803,7 +831,7 @@ local function res_remove(id)
   local r = res_get(id)
   if not r then return end
   local state = r[S_STATE]
-  redis.call('ZREM', K_RZ .. ':' .. state, id)
+  rcall('ZREM', K_RZ .. ':' .. state, id)
   mincr(ST_KEY[state], -1)
   mincr('nrec', -1)
   if r[S_KIND] ~= 'hold' then
@@ -820,7 +848,7 @@ local function res_create(id, r, fresh)
   local kind, amount, created = r[S_KIND], r[S_AMOUNT], r[S_CREATED]
   if not fresh and kv_get(kRes(id)) then res_remove(id) end
   res_put(id, r)
-  redis.call('ZADD', K_RZ .. ':held', S(created), id)
+  rcall('ZADD', K_RZ .. ':held', S(created), id)
   mincr('st:held', 1)
   mincr('nrec', 1)
   if kind ~= 'hold' then mincr('held_sum', amount) end
@@ -841,8 +869,8 @@ local function acc_flush(acc)
   for _, e in ipairs(acc.ck) do
     local d = acc.c[e]
     local c = cload(e)
-    c.reserved = math.max(c.reserved - d[1], 0)
-    c.used = math.min(c.used + d[2], MAX)
+    c.reserved = mmax(c.reserved - d[1], 0)
+    c.used = mmin(c.used + d[2], MAX)
     if c.used > c.limit then c.overrun = 1 end
     csave(c)
   end
@@ -868,8 +896,8 @@ local function settle(id, state, charged, now, acc, pre)
   if charged > amount then overrun = 1 end
   f[S_STATE], f[S_CHARGED], f[S_RESOLVED], f[S_OVERRUN] = state, charged, now, overrun
   res_put(id, f)
-  redis.call('ZREM', K_RZ .. ':' .. old, id)
-  redis.call('ZADD', K_RZ .. ':' .. state, S(f[S_CREATED]), id)
+  rcall('ZREM', K_RZ .. ':' .. old, id)
+  rcall('ZADD', K_RZ .. ':' .. state, S(f[S_CREATED]), id)
   macc(a, ST_KEY[old], -1)
   macc(a, ST_KEY[state], 1)
   if kind ~= 'hold' then
@@ -878,7 +906,7 @@ local function settle(id, state, charged, now, acc, pre)
     macc(a, 'overruns', overrun - old_overrun)
     local run = run_get(f[S_RUN])
     if run then
-      run[R_CHARGED] = math.min(run[R_CHARGED] + charged, MAX)
+      run[R_CHARGED] = mmin(run[R_CHARGED] + charged, MAX)
       if old == 'held' then run[R_NHELD] = run[R_NHELD] - 1 end
       run_put(f[S_RUN], run)
     end
@@ -892,11 +920,11 @@ local function settle(id, state, charged, now, acc, pre)
         a.ck[#a.ck + 1] = e
       end
       d[1] = d[1] + amount
-      d[2] = math.min(d[2] + charged, MAX)
+      d[2] = mmin(d[2] + charged, MAX)
     else
       local c = cload(e)
-      c.reserved = math.max(c.reserved - amount, 0)
-      c.used = math.min(c.used + charged, MAX)
+      c.reserved = mmax(c.reserved - amount, 0)
+      c.used = mmin(c.used + charged, MAX)
       if c.used > c.limit then c.overrun = 1 end
       csave(c)
     end
@@ -916,7 +944,7 @@ local function renew(id, now, ttl)
   local r = run_get(id)
   if not r or r[R_STATE] ~= 'active' then return nil end
   local deadline, lease = r[R_DEADLINE], r[R_LEASE]
-  local new = math.max(math.min(now + ttl, deadline), math.min(lease, deadline))
+  local new = mmax(mmin(now + ttl, deadline), mmin(lease, deadline))
   if new ~= lease then
     r[R_LEASE] = new
     run_put(id, r)
@@ -945,19 +973,19 @@ local function end_run(id, now, endstate)
     local amount = 0
     if r then amount = r[S_AMOUNT] end
     if endstate == 'expired' then
-      settle(hid, 'expired', math.max(amount, used), now, nil, r)
+      settle(hid, 'expired', mmax(amount, used), now, nil, r)
     else
       settle(hid, 'committed', used, now, nil, r)
     end
   end
   for _, s in ipairs(imm[R_SLOTS]) do
-    local n = redis.call('HGET', K_SLOTS, s)
+    local n = rcall('HGET', K_SLOTS, s)
     if n then
       n = N(n) - 1
-      if n <= 0 then redis.call('HDEL', K_SLOTS, s) else redis.call('HSET', K_SLOTS, s, S(n)) end
+      if n <= 0 then rcall('HDEL', K_SLOTS, s) else rcall('HSET', K_SLOTS, s, S(n)) end
     end
   end
-  redis.call('ZREM', K_TIMERS, '1|' .. id)
+  rcall('ZREM', K_TIMERS, '1|' .. id)
   timer_add(now + RETENTION, '2|' .. id)
   run[R_STATE] = endstate
   run[R_ENDED] = now
@@ -986,7 +1014,7 @@ local function expire_due(now, max)
   -- What TN becomes: the first score left when none is due, 0 (unknown) when stopped by a bound.
   local next_tn = 0
   while done < max and pops < max * 4 do
-    local t = redis.call('ZRANGE', K_TIMERS, '0', '0', 'WITHSCORES')
+    local t = rcall('ZRANGE', K_TIMERS, '0', '0', 'WITHSCORES')
     if #t == 0 then
       next_tn = MAX
       break
@@ -997,28 +1025,28 @@ local function expire_due(now, max)
       break
     end
     pops = pops + 1
-    local typ, id = string.sub(t[1], 1, 1), string.sub(t[1], 3)
+    local typ, id = ssub(t[1], 1, 1), ssub(t[1], 3)
     local run = typ == '1' and run_get(id)
     if run and run[R_STATE] == 'active' and run[R_LEASE] ~= at then
       -- An early lease timer (renewals do not move it): put it at the lease, where it takes
       -- its place in the order of timers (as the core's), due in this call or not.
-      redis.call('ZADD', K_TIMERS, S(run[R_LEASE]), t[1])
+      rcall('ZADD', K_TIMERS, S(run[R_LEASE]), t[1])
     elseif typ == '1' then
-      redis.call('ZREM', K_TIMERS, t[1])
+      rcall('ZREM', K_TIMERS, t[1])
       if run and run[R_STATE] == 'active' then
         end_run(id, now, 'expired')
         bump()
         done = done + 1
       end
     elseif typ == '2' then
-      redis.call('ZREM', K_TIMERS, t[1])
+      rcall('ZREM', K_TIMERS, t[1])
       purge_run(id)
       done = done + 1
     else
-      redis.call('ZREM', K_TIMERS, t[1])
-      local ex = redis.call('HGET', kIdem(id), 'expires')
+      rcall('ZREM', K_TIMERS, t[1])
+      local ex = rcall('HGET', kIdem(id), 'expires')
       if ex and N(ex) <= now then
-        redis.call('DEL', kIdem(id))
+        rcall('DEL', kIdem(id))
         mincr('nrec', -1)
         done = done + 1
       end
@@ -1034,15 +1062,15 @@ end
 local function recall(key, fp)
   local bad = check_id('idempotency key', key)
   if bad then return nil, { 'invalid', bad } end
-  local f = redis.call('HMGET', kIdem(key), 'fp', 'kind', 'outcome')
+  local f = rcall('HMGET', kIdem(key), 'fp', 'kind', 'outcome')
   if not f[1] then return nil, nil end
   if f[1] ~= fp then return nil, { 'conflict' } end
   return { f[2], dec(f[3]) }, nil
 end
 
 local function remember(key, fp, kind, outcome, now)
-  local expires = now + math.max(IDEM_RETENTION, P.ttl)
-  redis.call('HSET', kIdem(key), 'key', key, 'fp', fp, 'kind', kind, 'outcome', enc(outcome), 'expires', S(expires))
+  local expires = now + mmax(IDEM_RETENTION, P.ttl)
+  rcall('HSET', kIdem(key), 'key', key, 'fp', fp, 'kind', kind, 'outcome', enc(outcome), 'expires', S(expires))
   timer_add(expires, '3|' .. key)
   mincr('nrec', 1)
 end
@@ -1137,9 +1165,9 @@ function OPS.admit_run(now, swept, A)
     for _, s in ipairs(scopes) do
       local kp = P.kinds[s[1]]
       if kp and kp.conc then
-        local cap = math.min(kp.conc * s[3], 4294967295)
+        local cap = mmin(kp.conc * s[3], 4294967295)
         local d = disp(s[1], s[2])
-        local held = N(redis.call('HGET', K_SLOTS, d) or '0')
+        local held = N(rcall('HGET', K_SLOTS, d) or '0')
         if held >= cap then
           local refusal = text_refusal('concurrency_limited', s[1], '1',
             s[1] .. ' already has ' .. S(held) .. ' active run(s) (limit ' .. S(cap) .. ')')
@@ -1165,10 +1193,10 @@ function OPS.admit_run(now, swept, A)
   if not outcome then
     -- apply_run
     admitted = true
-    for _, t in ipairs(tats) do redis.call('ZADD', K_RATES, S(t[2]), t[1]) end
-    for _, d in ipairs(slots) do redis.call('HINCRBY', K_SLOTS, d, '1') end
+    for _, t in ipairs(tats) do rcall('ZADD', K_RATES, S(t[2]), t[1]) end
+    for _, d in ipairs(slots) do rcall('HINCRBY', K_SLOTS, d, '1') end
     local deadline = now + b.secs * 1000
-    local lease = math.min(now + P.ttl, deadline)
+    local lease = mmin(now + P.ttl, deadline)
     local reserved, hid = 0, ''
     if P.mode == 'whole_run' then
       hid = run_id .. '.hold'
@@ -1437,7 +1465,7 @@ function OPS.create_session(now, swept, A)
   local checks = {}
   if P.sc_ip then
     for i = 1, N(A[1]) do
-      local prefix, factor = A[2 * i], math.max(N(A[2 * i + 1]), 1)
+      local prefix, factor = A[2 * i], mmax(N(A[2 * i + 1]), 1)
       local bad = check_id('address prefix', prefix)
       if bad then return err({ 'invalid', bad }) end
       checks[#checks + 1] = { 'create|ip:' .. prefix, rate_scaled(P.sc_ip, factor), 'ip' }
@@ -1456,7 +1484,7 @@ function OPS.create_session(now, swept, A)
         'session creation rate exceeded (' .. c[3] .. ')'))
     end
   end
-  for _, t in ipairs(tats) do redis.call('ZADD', K_RATES, S(t[2]), t[1]) end
+  for _, t in ipairs(tats) do rcall('ZADD', K_RATES, S(t[2]), t[1]) end
   bump()
   return ok(true, { 'session_ok', B01(pressure) })
 end
@@ -1508,9 +1536,9 @@ function OPS.adjust(now, swept, A)
     local c = cload(k.enc)
     c.limit = k.limit
     if amount >= 0 then
-      c.used = math.min(c.used + amount, MAX)
+      c.used = mmin(c.used + amount, MAX)
     else
-      c.used = c.used - math.min(-amount, c.used)
+      c.used = c.used - mmin(-amount, c.used)
     end
     c.adjusted = c.adjusted + amount
     if c.used > c.limit then c.overrun = 1 end
@@ -1520,22 +1548,26 @@ function OPS.adjust(now, swept, A)
   return ok(true, lines(scopes, now))
 end
 
-function OPS.sweep(now, swept, A)
-  local n = expire_due(now, SWEEP_EXPIRIES)
-  local now_us = now * 1000
-  local idle = redis.call('ZRANGEBYSCORE', K_RATES, '-inf', S(now_us), 'LIMIT', '0', S(SWEEP_BATCH))
-  for _, k in ipairs(idle) do redis.call('ZREM', K_RATES, k) end
-  local stale = redis.call('ZRANGEBYSCORE', K_CWIN, '-inf', S(now - RETENTION), 'LIMIT', '0', S(SWEEP_BATCH))
-  for _, e in ipairs(stale) do
-    local f = cread(e)
-    if not f then
-      redis.call('ZREM', K_CWIN, e)
-    elseif f[3] == 0 then
-      cdel(e)
-      n = n + 1
+do
+  local SWEEP_EXPIRIES = 256
+  local SWEEP_BATCH = 1024
+  function OPS.sweep(now, swept, A)
+    local n = expire_due(now, SWEEP_EXPIRIES)
+    local now_us = now * 1000
+    local idle = rcall('ZRANGEBYSCORE', K_RATES, '-inf', S(now_us), 'LIMIT', '0', S(SWEEP_BATCH))
+    for _, k in ipairs(idle) do rcall('ZREM', K_RATES, k) end
+    local stale = rcall('ZRANGEBYSCORE', K_CWIN, '-inf', S(now - RETENTION), 'LIMIT', '0', S(SWEEP_BATCH))
+    for _, e in ipairs(stale) do
+      local f = cread(e)
+      if not f then
+        rcall('ZREM', K_CWIN, e)
+      elseif f[3] == 0 then
+        cdel(e)
+        n = n + 1
+      end
     end
+    return ok(n > 0, { S(n) })
   end
-  return ok(n > 0, { S(n) })
 end
 
 -- args: key ttl_ms (Ledger::consume_once: single-use tokens share the idempotency records)
@@ -1543,10 +1575,10 @@ function OPS.consume_once(now, swept, A)
   local bad = check_id('single-use key', A[1])
   if bad then return err({ 'invalid', bad }) end
   local key = 'once:' .. A[1]
-  if redis.call('EXISTS', kIdem(key)) == 1 then return ok(swept, { '0' }) end
+  if rcall('EXISTS', kIdem(key)) == 1 then return ok(swept, { '0' }) end
   if records_held() >= RECORDS_MAX then return err({ 'full' }) end
   local expires = now + N(A[2])
-  redis.call('HSET', kIdem(key), 'key', key, 'fp', '', 'kind', 'used', 'outcome', '', 'expires', S(expires))
+  rcall('HSET', kIdem(key), 'key', key, 'fp', '', 'kind', 'used', 'outcome', '', 'expires', S(expires))
   timer_add(expires, '3|' .. key)
   mincr('nrec', 1)
   bump()
@@ -1554,109 +1586,112 @@ function OPS.consume_once(now, swept, A)
 end
 
 ---------------------------------------------------------------- reads
+local READS = {}
+do
+  local TIES_MAX = 10000
 
-local function top_with_ties(z, n)
-  if n <= 0 then return {} end
-  local r = redis.call('ZREVRANGE', z, '0', S(n - 1), 'WITHSCORES')
-  local seen, out = {}, {}
-  for i = 1, #r, 2 do
-    seen[r[i]] = true
-    out[#out + 1] = r[i]
-  end
-  if #r / 2 == n then
-    local thr = r[#r]
-    for _, m in ipairs(redis.call('ZRANGEBYSCORE', z, thr, thr, 'LIMIT', '0', S(TIES_MAX))) do
-      if not seen[m] then
-        seen[m] = true
-        out[#out + 1] = m
+  local function top_with_ties(z, n)
+    if n <= 0 then return {} end
+    local r = rcall('ZREVRANGE', z, '0', S(n - 1), 'WITHSCORES')
+    local seen, out = {}, {}
+    for i = 1, #r, 2 do
+      seen[r[i]] = true
+      out[#out + 1] = r[i]
+    end
+    if #r / 2 == n then
+      local thr = r[#r]
+      for _, m in ipairs(rcall('ZRANGEBYSCORE', z, thr, thr, 'LIMIT', '0', S(TIES_MAX))) do
+        if not seen[m] then
+          seen[m] = true
+          out[#out + 1] = m
+        end
       end
     end
+    return out
   end
-  return out
-end
 
--- The n highest of index `base:part` with ties, or with part '' of every such index: there is
--- no index of all parts (it would cost a write per change); the union of each part's top n
--- with ties holds the overall top n with ties, and the caller sorts and truncates.
-local RES_STATES = { 'held', 'committed', 'released', 'unknown', 'expired' }
-local SCOPE_KINDS = { 'global', 'ip', 'session', 'conversation', 'run' }
-local function listing(base, part, parts, n)
-  if part ~= '' then return top_with_ties(base .. ':' .. part, n) end
-  local out = {}
-  for _, p in ipairs(parts) do
-    for _, m in ipairs(top_with_ties(base .. ':' .. p, n)) do out[#out + 1] = m end
-  end
-  return out
-end
--- The top counters of a kind ('' = all kinds): global counters are not ranked (see csave),
--- so all of them are listed (a superset of their top n, which the caller sorts and truncates).
-local function top_listing(part, n)
-  if part == 'global' then
-    if n <= 0 then return {} end
-    return redis.call('SMEMBERS', K_GLOBALS)
-  end
-  if part ~= '' then return top_with_ties(K_TOP .. ':' .. part, n) end
-  local out = top_listing('global', n)
-  for _, p in ipairs(SCOPE_KINDS) do
-    if p ~= 'global' then
-      for _, m in ipairs(top_with_ties(K_TOP .. ':' .. p, n)) do out[#out + 1] = m end
+  -- The n highest of index `base:part` with ties, or with part '' of every such index: there is
+  -- no index of all parts (it would cost a write per change); the union of each part's top n
+  -- with ties holds the overall top n with ties, and the caller sorts and truncates.
+  local RES_STATES = { 'held', 'committed', 'released', 'unknown', 'expired' }
+  local SCOPE_KINDS = { 'global', 'ip', 'session', 'conversation', 'run' }
+  local function listing(base, part, parts, n)
+    if part ~= '' then return top_with_ties(base .. ':' .. part, n) end
+    local out = {}
+    for _, p in ipairs(parts) do
+      for _, m in ipairs(top_with_ties(base .. ':' .. p, n)) do out[#out + 1] = m end
     end
+    return out
   end
-  return out
-end
-
-local READS = {}
-
-function READS.check(now, A)
-  return { 'OK', S(SEQ) }
-end
-
-function READS.usage(now, A)
-  return { 'OK', S(SEQ), lines(scope_args(A, 1), now) }
-end
-
-function READS.summary(now, A)
-  local out = { 'OK', S(SEQ) }
-  if CUT then
-    out[3] = '1'
-    out[4] = CUT
-  else
-    out[3] = '0'
-    out[4] = ''
-  end
-  for i = 3, 8 do out[#out + 1] = S(MV[i]) end
-  out[#out + 1] = msum(11)
-  out[#out + 1] = msum(13)
-  out[#out + 1] = S(MV[9])
-  return out
-end
-
-
--- args: state ('' = all) limit
-function READS.reservations(now, A)
-  local ids = listing(K_RZ, A[1], RES_STATES, N(A[2]))
-  local rows = {}
-  for _, id in ipairs(ids) do
-    local r = res_get(id)
-    if r then
-      local resolved = r[S_RESOLVED]
-      if resolved ~= '' then resolved = S(resolved) end
-      rows[#rows + 1] = { r[S_ID], r[S_RUN], r[S_KIND], r[S_NAME], r[S_P1], r[S_P2], r[S_P3], r[S_RETRY], r[S_UNITS],
-        S(r[S_AMOUNT]), enc(r[S_COUNTERS]), r[S_STATE], S(r[S_CHARGED]), S(r[S_CREATED]), resolved, r[S_MAXOUT],
-        S(r[S_OVERRUN]) }
+  -- The top counters of a kind ('' = all kinds): global counters are not ranked (see csave),
+  -- so all of them are listed (a superset of their top n, which the caller sorts and truncates).
+  local function top_listing(part, n)
+    if part == 'global' then
+      if n <= 0 then return {} end
+      return rcall('SMEMBERS', K_GLOBALS)
     end
+    if part ~= '' then return top_with_ties(K_TOP .. ':' .. part, n) end
+    local out = top_listing('global', n)
+    for _, p in ipairs(SCOPE_KINDS) do
+      if p ~= 'global' then
+        for _, m in ipairs(top_with_ties(K_TOP .. ':' .. p, n)) do out[#out + 1] = m end
+      end
+    end
+    return out
   end
-  return { 'OK', S(SEQ), rows }
-end
 
--- args: kind ('' = all) top
-function READS.top(now, A)
-  local rows = {}
-  for _, e in ipairs(top_listing(A[1], N(A[2]))) do
-    local f = cread(e)
-    if f then rows[#rows + 1] = { e, S(f[1]), S(f[2]), S(f[3]), S(f[4]), S(f[5]) } end
+
+  function READS.check(now, A)
+    return { 'OK', S(SEQ) }
   end
-  return { 'OK', S(SEQ), rows }
+
+  function READS.usage(now, A)
+    return { 'OK', S(SEQ), lines(scope_args(A, 1), now) }
+  end
+
+  function READS.summary(now, A)
+    local out = { 'OK', S(SEQ) }
+    if CUT then
+      out[3] = '1'
+      out[4] = CUT
+    else
+      out[3] = '0'
+      out[4] = ''
+    end
+    for i = 3, 8 do out[#out + 1] = S(MV[i]) end
+    out[#out + 1] = msum(11)
+    out[#out + 1] = msum(13)
+    out[#out + 1] = S(MV[9])
+    return out
+  end
+
+
+  -- args: state ('' = all) limit
+  function READS.reservations(now, A)
+    local ids = listing(K_RZ, A[1], RES_STATES, N(A[2]))
+    local rows = {}
+    for _, id in ipairs(ids) do
+      local r = res_get(id)
+      if r then
+        local resolved = r[S_RESOLVED]
+        if resolved ~= '' then resolved = S(resolved) end
+        rows[#rows + 1] = { r[S_ID], r[S_RUN], r[S_KIND], r[S_NAME], r[S_P1], r[S_P2], r[S_P3], r[S_RETRY], r[S_UNITS],
+          S(r[S_AMOUNT]), enc(r[S_COUNTERS]), r[S_STATE], S(r[S_CHARGED]), S(r[S_CREATED]), resolved, r[S_MAXOUT],
+          S(r[S_OVERRUN]) }
+      end
+    end
+    return { 'OK', S(SEQ), rows }
+  end
+
+  -- args: kind ('' = all) top
+  function READS.top(now, A)
+    local rows = {}
+    for _, e in ipairs(top_listing(A[1], N(A[2]))) do
+      local f = cread(e)
+      if f then rows[#rows + 1] = { e, S(f[1]), S(f[2]), S(f[3]), S(f[4]), S(f[5]) } end
+    end
+    return { 'OK', S(SEQ), rows }
+  end
 end
 
 ---------------------------------------------------------------- dispatch
@@ -1665,7 +1700,7 @@ end
 local function run_op(op, now, A)
   if READS[op] then
     local reply = READS[op](now, A)
-    if next(RC) then RC = {} end
+    RC = clear(RC)
     return reply
   end
   local f = OPS[op]
@@ -1681,48 +1716,51 @@ local function run_op(op, now, A)
 end
 
 local function main(KEYS, ARGV)
+  if not rcall then
+    rcall, spack, sunpack, ssub, sfmt, tconcat = redis.call, struct.pack, struct.unpack, string.sub, string.format,
+      table.concat
+    mfloor, mmin, mmax = math.floor, math.min, math.max
+  end
   set_base(KEYS[1])
   local op = ARGV[1]
   local A = { unpack(ARGV, 6) }
 
   local now
   if ARGV[2] == '' then
-    local t = redis.call('TIME')
+    local t = rcall('TIME')
     now = N(t[1]) * 1000 + idiv(N(t[2]), 1000)
   else
     now = N(ARGV[2])
   end
 
   if op == 'epoch_init' then
-    local f = redis.call('HMGET', K_META, 'epoch', 'epoch_kind', 'm')
+    local f = rcall('HMGET', K_META, 'epoch', 'epoch_kind', 'm')
     local seq = '0'
-    if f[3] then seq = S(struct.unpack('<d', f[3])) end
+    if f[3] then seq = S(sunpack('<d', f[3])) end
     if f[1] then return { 'OK', f[1], f[2] or 'init', seq } end
-    if redis.call('EXISTS', K_META) == 1 then return { 'X', 'epoch_missing' } end
-    redis.call('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'init', 'epoch_at', S(now))
+    if rcall('EXISTS', K_META) == 1 then return { 'X', 'epoch_missing' } end
+    rcall('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'init', 'epoch_at', S(now))
     return { 'OK', A[1], 'init', seq }
   end
   if op == 'epoch_reset' then
-    redis.call('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'reset', 'epoch_at', S(now))
-    local m = redis.call('HGET', K_META, 'm')
+    rcall('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'reset', 'epoch_at', S(now))
+    local m = rcall('HGET', K_META, 'm')
     local seq = '0'
-    if m then seq = S(struct.unpack('<d', m)) end
+    if m then seq = S(sunpack('<d', m)) end
     return { 'OK', A[1], 'reset', seq }
   end
 
   -- The epoch lives in the meta hash: one read checks it and loads the ledger's meta.
-  local meta = redis.call('HMGET', K_META, 'epoch', 'm')
+  local meta = rcall('HMGET', K_META, 'epoch', 'm')
   if not meta[1] then return { 'X', 'epoch_missing' } end
   if meta[1] ~= ARGV[3] then
-    return { 'X', 'epoch_changed', meta[1], redis.call('HGET', K_META, 'epoch_kind') or 'init' }
+    return { 'X', 'epoch_changed', meta[1], rcall('HGET', K_META, 'epoch_kind') or 'init' }
   end
   meta_unpack(meta[2])
   if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
   local clock = MV[1]
   if now < clock then now = clock end
-  if next(CC) then CC = {} end
-  if next(RUNS) then RUNS = {} end
-  if next(RDIRTY) then RDIRTY = {} end
+  CC, RUNS, RDIRTY = clear(CC), clear(RUNS), clear(RDIRTY)
   -- (left over by a call that failed half way)
   if WBN > 0 or next(RC) then RC, WB, WBN = {}, {}, 0 end
 

@@ -1,15 +1,18 @@
 //! Alerts (SPEC §8): a log line and a webhook POST (JSON with a Slack-compatible `text`) when
-//! global spend crosses a configured threshold, once per threshold per window across all
-//! replicas; also on overruns, expired reservations and store outages.
+//! global spend (or, with `alerts.scopes`, any ip, session or conversation's) crosses a
+//! configured threshold, once per scope, threshold and window across all replicas; also on
+//! overruns, expired reservations and store outages.
 //!
 //! "Once across all replicas" uses the store itself: the replica that first marks
-//! `alert:global:WINDOW:THRESHOLD` used (a single-use key, `Command::ConsumeOnce`) sends it;
+//! `alert:global:WINDOW:THRESHOLD` (for another scope `alert:KIND:DIGEST:WINDOW:THRESHOLD`,
+//! DIGEST a hash of the scope's id) used (a single-use key, `Command::ConsumeOnce`) sends it;
 //! the others see the key taken. Overruns and expiries are reported by the replica that saw
 //! them; store outages by each replica (the store cannot arbitrate while it is down), once per
 //! outage.
 
 use serde_json::{json, Value};
-use spendgate_core::{rfc3339, ScopeKey, UsageLine};
+use sha2::{Digest, Sha256};
+use spendgate_core::{rfc3339, ScopeKey, ScopeKind, UsageLine};
 use spendgate_store::Store;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -26,6 +29,13 @@ pub const CHECK_EVERY: Duration = Duration::from_secs(1);
 pub const SUMMARY_EVERY_CHECKS: u64 = 5;
 /// Threshold alerts one replica remembers having sent itself (cleared when full).
 pub const SENT_HERE_MAX: usize = 1024;
+/// Scopes of one kind (the top spenders) checked per check when `alerts.scopes` names it.
+pub const SCOPE_ALERT_TOP: usize = 100;
+/// Threshold alerts on scopes other than global sent per check at most (under an attack
+/// thousands of addresses may cross at once); the rest are sent by later checks.
+pub const SCOPE_ALERTS_PER_CHECK_MAX: usize = 20;
+/// How long past its window's reset a sent alert's key is remembered.
+const ALERT_KEY_GRACE_MS: u64 = 86_400_000;
 
 #[derive(Clone)]
 pub struct Alerts {
@@ -103,23 +113,63 @@ impl Alerts {
 
 /// The thresholds (per mille) that `line` has crossed.
 pub fn crossed(line: &UsageLine, thresholds_permille: &[u32]) -> Vec<u32> {
-    if line.limit.0 == 0 {
+    crossed_amounts(line.used.0, line.limit.0, thresholds_permille)
+}
+
+/// The thresholds (per mille) that `used` of `limit` has crossed (none without a limit).
+pub fn crossed_amounts(used: u64, limit: u64, thresholds_permille: &[u32]) -> Vec<u32> {
+    if limit == 0 {
         return Vec::new();
     }
-    let used = u128::from(line.used.0) * 1000;
+    let used = u128::from(used) * 1000;
     thresholds_permille
         .iter()
         .copied()
-        .filter(|t| used >= u128::from(line.limit.0) * u128::from(*t))
+        .filter(|t| used >= u128::from(limit) * u128::from(*t))
         .collect()
 }
 
-/// Checks global spend against the thresholds every `CHECK_EVERY`; sends each crossing once
-/// per window across replicas.
+/// Whether this replica sends the alert of `key`: once across replicas by the store; but a
+/// dedupe call whose outcome is unknown (a timeout may have consumed the key) must not lose
+/// the alert: this replica sends it then, once, and remembers it locally.
+async fn first_to_send(
+    store: &Arc<dyn Store>,
+    sent_here: &mut std::collections::HashSet<String>,
+    key: String,
+    ttl_ms: u64,
+) -> bool {
+    let send = match store.consume_once(key.clone(), ttl_ms).await {
+        Ok(a) => a.value && !sent_here.contains(&key),
+        Err(e) => {
+            tracing::warn!(error = %e, "alert dedupe failed; sending from this replica");
+            !sent_here.contains(&key)
+        }
+    };
+    if send {
+        if sent_here.len() >= SENT_HERE_MAX {
+            sent_here.clear();
+        }
+        sent_here.insert(key);
+    }
+    send
+}
+
+/// How long a window's alert key must be remembered: past the window's reset.
+fn key_ttl_ms(resets_at: Option<spendgate_core::UnixMs>) -> u64 {
+    resets_at
+        .map(|r| r.0.saturating_sub(now_ms()))
+        .unwrap_or(0)
+        .saturating_add(ALERT_KEY_GRACE_MS)
+}
+
+/// Checks spend against the thresholds every `CHECK_EVERY`: global spend when `scopes` holds
+/// `Global`, and the top spenders of every other kind it holds; sends each crossing once per
+/// scope, threshold and window across replicas.
 pub fn spawn_checker(
     store: Arc<dyn Store>,
     alerts: Alerts,
     thresholds_permille: Vec<u32>,
+    scopes: Vec<ScopeKind>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(CHECK_EVERY);
@@ -154,32 +204,19 @@ pub fn spawn_checker(
                     last_expired = expired;
                 }
             }
+            let lines = if scopes.contains(&ScopeKind::Global) {
+                lines
+            } else {
+                Vec::new()
+            };
             for line in &lines {
                 for t in crossed(line, &thresholds_permille) {
                     let key = format!("alert:global:{}:{t}", line.window);
                     // Remember the key past the window's reset (its id is in the key anyway).
-                    let ttl_ms = line
-                        .resets_at
-                        .map(|r| r.0.saturating_sub(now_ms()))
-                        .unwrap_or(0)
-                        + 86_400_000;
-                    // Once across replicas by the store; but a dedupe call whose outcome is
-                    // unknown (a timeout may have consumed the key) must not lose the alert:
-                    // this replica sends it then, once, and remembers it locally.
-                    let send = match store.consume_once(key.clone(), ttl_ms).await {
-                        Ok(a) => a.value && !sent_here.contains(&key),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "alert dedupe failed; sending from this replica");
-                            !sent_here.contains(&key)
-                        }
-                    };
-                    if !send {
+                    let ttl_ms = key_ttl_ms(line.resets_at);
+                    if !first_to_send(&store, &mut sent_here, key, ttl_ms).await {
                         continue;
                     }
-                    if sent_here.len() >= SENT_HERE_MAX {
-                        sent_here.clear();
-                    }
-                    sent_here.insert(key);
                     alerts.emit(
                         "threshold",
                         format!(
@@ -198,6 +235,48 @@ pub fn spawn_checker(
                             "resets_at": line.resets_at.map(rfc3339),
                         }),
                     );
+                }
+            }
+            let mut sent = 0usize;
+            'kinds: for kind in scopes.iter().filter(|k| **k != ScopeKind::Global) {
+                let Ok(top) = store.top_counters(Some(*kind), SCOPE_ALERT_TOP).await else {
+                    continue;
+                };
+                for (key, counter) in top {
+                    for t in crossed_amounts(counter.used.0, counter.limit.0, &thresholds_permille)
+                    {
+                        if sent >= SCOPE_ALERTS_PER_CHECK_MAX {
+                            break 'kinds;
+                        }
+                        let digest = hex::encode(&Sha256::digest(key.scope.id.as_bytes())[..16]);
+                        let dedupe = format!("alert:{}:{digest}:{}:{t}", kind.name(), key.window);
+                        let ttl_ms = key_ttl_ms(key.window.resets_at());
+                        if !first_to_send(&store, &mut sent_here, dedupe, ttl_ms).await {
+                            continue;
+                        }
+                        sent += 1;
+                        alerts.emit(
+                            "threshold",
+                            format!(
+                                "{} {} spend for {} crossed {}%: {} of {} micros",
+                                kind.name(),
+                                key.scope.id,
+                                key.window,
+                                f64::from(t) / 10.0,
+                                counter.used.0,
+                                counter.limit.0
+                            ),
+                            json!({
+                                "scope": kind.name(),
+                                "id": key.scope.id,
+                                "window": key.window.to_string(),
+                                "threshold": f64::from(t) / 1000.0,
+                                "used_micros": counter.used.0,
+                                "limit_micros": counter.limit.0,
+                                "resets_at": key.window.resets_at().map(rfc3339),
+                            }),
+                        );
+                    }
                 }
             }
         }

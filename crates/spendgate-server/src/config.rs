@@ -36,7 +36,7 @@
 use serde::de::{self, Visitor};
 use serde::Deserialize;
 use spendgate_core::{
-    parse_amount, Budget, Micros, ModelPrice, Policy, Rate, ReservationMode, RunBounds,
+    parse_amount, Budget, Micros, ModelPrice, Policy, Rate, ReservationMode, RunBounds, ScopeKind,
     ScopePolicy, ToolPrice, Window,
 };
 use std::collections::BTreeMap;
@@ -255,6 +255,9 @@ pub struct AlertsConfig {
     pub webhook_url: Option<String>,
     /// Fractions of a budget times 1000 (0.5 → 500), strictly ascending, each in 1..=10000.
     pub thresholds_permille: Vec<u32>,
+    /// Kinds of scope whose budgets are watched: `global` (default), and `ip`, `session`,
+    /// `conversation` (their top spenders, see `alerts::SCOPE_ALERT_TOP`). Distinct.
+    pub scopes: Vec<ScopeKind>,
 }
 
 /// A secret value. `Debug` and `Display` print `***`; [`Secret::expose`] gives the value.
@@ -636,6 +639,7 @@ struct RawUpstream {
 struct RawAlerts {
     webhook_url: String,
     thresholds: Vec<f64>,
+    scopes: Vec<String>,
 }
 
 impl Default for RawAlerts {
@@ -643,6 +647,7 @@ impl Default for RawAlerts {
         RawAlerts {
             webhook_url: String::new(),
             thresholds: vec![0.5, 0.8, 1.0],
+            scopes: vec!["global".into()],
         }
     }
 }
@@ -1786,7 +1791,31 @@ impl Validator<'_, '_> {
             }
             thresholds_permille.push(permille);
         }
+        let sp = p.key("scopes");
+        self.list_len(&sp, raw.scopes.len(), 4)?;
+        let mut scopes = Vec::new();
+        for (i, name) in raw.scopes.iter().enumerate() {
+            let kind = match ScopeKind::parse(name) {
+                Some(
+                    k @ (ScopeKind::Global
+                    | ScopeKind::Ip
+                    | ScopeKind::Session
+                    | ScopeKind::Conversation),
+                ) => k,
+                _ => {
+                    return Err(self.err(
+                        &sp.idx(i),
+                        format!("{name:?} is not one of global, ip, session, conversation"),
+                    ))
+                }
+            };
+            if scopes.contains(&kind) {
+                return Err(self.err(&sp.idx(i), format!("{name:?} is listed twice")));
+            }
+            scopes.push(kind);
+        }
         Ok(AlertsConfig {
+            scopes,
             webhook_url,
             thresholds_permille,
         })
@@ -2124,6 +2153,8 @@ impl Config {
             .map(|p| permille_text(*p))
             .collect();
         o.kv("thresholds", format!("[{}]", th.join(", ")));
+        let sc: Vec<String> = a.scopes.iter().map(|k| toml_str(k.name())).collect();
+        o.kv("scopes", format!("[{}]", sc.join(", ")));
         o.0
     }
 
@@ -2913,5 +2944,17 @@ upstream_model = "meta/llama-3.1"
         let missing = load_file(&dir.join("absent.toml"), &no_env).expect_err("missing");
         assert!(missing.to_string().contains("cannot read"), "{missing}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn alert_scopes() {
+        let c = load("[alerts]\nscopes = [\"global\", \"ip\"]\n", &no_env).expect("valid");
+        assert_eq!(c.alerts.scopes, vec![ScopeKind::Global, ScopeKind::Ip]);
+        let d = load("", &no_env).expect("valid");
+        assert_eq!(d.alerts.scopes, vec![ScopeKind::Global]);
+        let e = load_err("[alerts]\nscopes = [\"ip\", \"run\"]\n");
+        assert_eq!(e.key, "alerts.scopes[1]", "{e}");
+        let e = load_err("[alerts]\nscopes = [\"ip\", \"ip\"]\n");
+        assert_eq!(e.key, "alerts.scopes[1]", "{e}");
     }
 }

@@ -244,6 +244,7 @@ pub async fn serve(
         state.store.clone(),
         state.alerts.clone(),
         state.config.alerts.thresholds_permille.clone(),
+        state.config.alerts.scopes.clone(),
     );
     let app = router(state);
     // Streams are relayed chunk by chunk: do not let Nagle hold a small chunk back.

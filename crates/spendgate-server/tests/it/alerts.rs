@@ -117,3 +117,61 @@ thresholds = [0.5, 1.0]
     assert_eq!(thresholds, vec![0.5, 1.0], "{t:?}");
     task.abort();
 }
+
+/// `alerts.scopes = ["ip"]`: an address prefix crossing a threshold of its own budget alerts
+/// once, naming the prefix; the global budget, not listed, does not alert.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listed_scope_kind_alerts_per_scope() {
+    let (url, got, task) = receiver().await;
+    let server = Server::start(&format!(
+        r#"
+[limits.global]
+budgets = [{{ amount = "0.05", window = "day" }}]
+
+[limits.ip]
+budgets = [{{ amount = "0.05", window = "day" }}]
+
+[run]
+max_tool_calls = 100
+
+[tools.search]
+per_call = "0.01"
+
+[alerts]
+webhook_url = "{url}"
+thresholds = [0.5]
+scopes = ["ip"]
+"#
+    ));
+    let s = server.session().await;
+    let run = server.run(&s, "192.0.2.60", "alerts-ip").await;
+    // Three calls at 0.01: 0.03 of the address's 0.05 (60%), and of the global 0.05 too.
+    for _ in 0..3 {
+        let (st, v) = server
+            .post(
+                &format!("/v1/runs/{run}/steps"),
+                json!({"kind": "tool", "tool": "search"}),
+            )
+            .await;
+        assert_eq!(st, 201, "{v}");
+        let step = v["step_id"].as_str().expect("step");
+        let (st, v) = server
+            .post(&format!("/v1/steps/{step}/commit"), json!({"units": 0}))
+            .await;
+        assert_eq!(st, 200, "{v}");
+    }
+    let until = Instant::now() + Duration::from_secs(15);
+    while events(&got, "threshold").is_empty() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Later checks must not send it again.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let t = events(&got, "threshold");
+    assert_eq!(t.len(), 1, "{t:?}");
+    assert_eq!(t[0]["scope"], "ip");
+    assert_eq!(t[0]["id"], "192.0.2.60/32");
+    assert_eq!(t[0]["threshold"], 0.5);
+    assert_eq!(t[0]["used_micros"], 30_000);
+    assert_eq!(t[0]["limit_micros"], 50_000);
+    task.abort();
+}

@@ -2019,11 +2019,12 @@ impl Ledger {
             .iter()
             .filter(|(k, _)| kind.is_none_or(|kd| k.scope.kind == kd))
             .collect();
-        v.sort_by(|a, b| {
+        let order = |a: &(&CounterKey, &Counter), b: &(&CounterKey, &Counter)| {
             (b.1.used.add_capped(b.1.reserved))
                 .cmp(&a.1.used.add_capped(a.1.reserved))
                 .then_with(|| a.0.cmp(b.0))
-        });
+        };
+        first_in_order(&mut v, top, order);
         v.into_iter()
             .take(top)
             .map(|(k, c)| (k.clone(), *c))
@@ -2156,10 +2157,39 @@ struct StepPlan {
 #[allow(dead_code)]
 fn _policy_type_check(_: &ScopePolicy) {}
 
+/// Leaves in `v` its first `n` elements in `order`, sorted: the selection in linear time,
+/// then only those sorted (the ledger may hold millions of counters, and this runs on a
+/// store's one writer).
+fn first_in_order<T>(v: &mut Vec<T>, n: usize, order: impl Fn(&T, &T) -> std::cmp::Ordering) {
+    if n < v.len() {
+        if n == 0 {
+            v.clear();
+            return;
+        }
+        v.select_nth_unstable_by(n - 1, &order);
+        v.truncate(n);
+    }
+    v.sort_by(&order);
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::rate::Rate;
+
+    #[test]
+    fn first_in_order_selects_and_sorts() {
+        let desc = |a: &u32, b: &u32| b.cmp(a);
+        let all: Vec<u32> = (0..1000).map(|i| (i * 7919) % 1000).collect();
+        for n in [0, 1, 2, 10, 999, 1000, 5000] {
+            let mut v = all.clone();
+            first_in_order(&mut v, n, desc);
+            let mut want = all.clone();
+            want.sort_by(desc);
+            want.truncate(n);
+            assert_eq!(v, want, "n = {n}");
+        }
+    }
 
     fn policy() -> Policy {
         let rate = |count, burst| {

@@ -29,9 +29,12 @@ pub const CHECK_EVERY: Duration = Duration::from_secs(1);
 pub const SUMMARY_EVERY_CHECKS: u64 = 5;
 /// Threshold alerts one replica remembers having sent itself (cleared when full).
 pub const SENT_HERE_MAX: usize = 1024;
-/// Scopes of one kind (the top spenders) checked per check when `alerts.scopes` names it.
+/// Scopes of one kind (the top spenders) checked when `alerts.scopes` names it.
 pub const SCOPE_ALERT_TOP: usize = 100;
-/// Threshold alerts on scopes other than global sent per check at most (under an attack
+/// Scopes other than global are checked every this many checks (finding the top spenders
+/// scans every counter of the kind on the store's writer).
+pub const SCOPE_CHECK_EVERY_CHECKS: u64 = 10;
+/// Threshold alerts on scopes other than global sent per scope check at most (under an attack
 /// thousands of addresses may cross at once); the rest are sent by later checks.
 pub const SCOPE_ALERTS_PER_CHECK_MAX: usize = 20;
 /// How long past its window's reset a sent alert's key is remembered.
@@ -238,7 +241,12 @@ pub fn spawn_checker(
                 }
             }
             let mut sent = 0usize;
-            'kinds: for kind in scopes.iter().filter(|k| **k != ScopeKind::Global) {
+            let others: &[ScopeKind] = if checks % SCOPE_CHECK_EVERY_CHECKS == 0 {
+                &scopes
+            } else {
+                &[]
+            };
+            'kinds: for kind in others.iter().filter(|k| **k != ScopeKind::Global) {
                 let Ok(top) = store.top_counters(Some(*kind), SCOPE_ALERT_TOP).await else {
                     continue;
                 };

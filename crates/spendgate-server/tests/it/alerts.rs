@@ -164,8 +164,8 @@ scopes = ["ip"]
     while events(&got, "threshold").is_empty() && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Later checks must not send it again.
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    // Later checks must not send it again (scopes are checked every 10 s).
+    tokio::time::sleep(Duration::from_millis(10_500)).await;
     let t = events(&got, "threshold");
     assert_eq!(t.len(), 1, "{t:?}");
     assert_eq!(t[0]["scope"], "ip");

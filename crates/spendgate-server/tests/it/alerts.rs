@@ -40,6 +40,14 @@ fn events(got: &Arc<Mutex<Vec<Value>>>, kind: &str) -> Vec<Value> {
         .collect()
 }
 
+/// Waits (up to 15 s) until an event of `kind` arrived.
+async fn wait_for(got: &Arc<Mutex<Vec<Value>>>, kind: &str) {
+    let until = Instant::now() + Duration::from_secs(15);
+    while events(got, kind).is_empty() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn threshold_alerts_fire_once_and_overruns_alert() {
     let (url, got, task) = receiver().await;
@@ -64,23 +72,10 @@ thresholds = [0.5, 1.0]
     let run = server.run(&s, "192.0.2.50", "alerts").await;
     // Three steps reserved at 0.02 (one unit), committed at 0.02: 0.06 of 0.10 = 60%.
     for _ in 0..3 {
-        let (st, v) = server
-            .post(
-                &format!("/v1/runs/{run}/steps"),
-                json!({"kind": "tool", "tool": "search"}),
-            )
-            .await;
-        assert_eq!(st, 201, "{v}");
-        let step = v["step_id"].as_str().expect("step");
-        let (st, v) = server
-            .post(&format!("/v1/steps/{step}/commit"), json!({"units": 1}))
-            .await;
-        assert_eq!(st, 200, "{v}");
+        let step = server.tool_step(&run, "search").await;
+        server.commit_units(&step, 1).await;
     }
-    let until = Instant::now() + Duration::from_secs(15);
-    while events(&got, "threshold").is_empty() && Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for(&got, "threshold").await;
     let t = events(&got, "threshold");
     assert_eq!(t.len(), 1, "{t:?}");
     assert_eq!(t[0]["threshold"], 0.5);
@@ -91,22 +86,12 @@ thresholds = [0.5, 1.0]
     );
 
     // An overrun: reserved at one unit (0.02), committed at three (0.04).
-    let (st, v) = server
-        .post(
-            &format!("/v1/runs/{run}/steps"),
-            json!({"kind": "tool", "tool": "search"}),
-        )
-        .await;
-    assert_eq!(st, 201, "{v}");
-    let step = v["step_id"].as_str().expect("step").to_string();
+    let step = server.tool_step(&run, "search").await;
     let (st, v) = server
         .post(&format!("/v1/steps/{step}/commit"), json!({"units": 3}))
         .await;
     assert_eq!((st, v["overrun"].as_bool()), (200, Some(true)), "{v}");
-    let until = Instant::now() + Duration::from_secs(15);
-    while events(&got, "overrun").is_empty() && Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for(&got, "overrun").await;
     let o = events(&got, "overrun");
     assert_eq!(o.len(), 1, "{o:?}");
     assert_eq!(o[0]["step"], step.as_str());
@@ -147,23 +132,10 @@ scopes = ["ip"]
     let run = server.run(&s, "192.0.2.60", "alerts-ip").await;
     // Three calls at 0.01: 0.03 of the address's 0.05 (60%), and of the global 0.05 too.
     for _ in 0..3 {
-        let (st, v) = server
-            .post(
-                &format!("/v1/runs/{run}/steps"),
-                json!({"kind": "tool", "tool": "search"}),
-            )
-            .await;
-        assert_eq!(st, 201, "{v}");
-        let step = v["step_id"].as_str().expect("step");
-        let (st, v) = server
-            .post(&format!("/v1/steps/{step}/commit"), json!({"units": 0}))
-            .await;
-        assert_eq!(st, 200, "{v}");
+        let step = server.tool_step(&run, "search").await;
+        server.commit_units(&step, 0).await;
     }
-    let until = Instant::now() + Duration::from_secs(15);
-    while events(&got, "threshold").is_empty() && Instant::now() < until {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for(&got, "threshold").await;
     // Later checks must not send it again (scopes are checked every 10 s).
     tokio::time::sleep(Duration::from_millis(10_500)).await;
     let t = events(&got, "threshold");

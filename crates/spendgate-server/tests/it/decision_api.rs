@@ -233,14 +233,7 @@ async fn killed_process_reservations_expire_charged_in_full() {
     let mut server = Server::start(BOUNDS);
     let s = server.session().await;
     let run = server.run(&s, "192.0.2.7", "crash").await;
-    let (status, v) = server
-        .post(
-            &format!("/v1/runs/{run}/steps"),
-            json!({"kind": "tool", "tool": "web_search"}),
-        )
-        .await;
-    assert_eq!(status, 201, "{v}");
-    let step = v["step_id"].as_str().expect("step").to_string();
+    let step = server.tool_step(&run, "web_search").await;
     server.kill();
     server.spawn();
     tokio::time::sleep(std::time::Duration::from_millis(1600)).await;

@@ -279,6 +279,43 @@ impl Server {
         v["run_id"].as_str().expect("run_id").to_string()
     }
 
+    /// Reserves a step of tool `tool` in `run`; panics unless granted. Returns its id.
+    pub async fn tool_step(&self, run: &str, tool: &str) -> String {
+        let (s, v) = self
+            .post(
+                &format!("/v1/runs/{run}/steps"),
+                json!({"kind": "tool", "tool": tool}),
+            )
+            .await;
+        assert_eq!(s, 201, "step refused: {v}");
+        v["step_id"].as_str().expect("step_id").to_string()
+    }
+
+    /// Commits `step` with `units`; panics unless it answers 200. Returns the answer.
+    pub async fn commit_units(&self, step: &str, units: u64) -> Value {
+        let (s, v) = self
+            .post(&format!("/v1/steps/{step}/commit"), json!({"units": units}))
+            .await;
+        assert_eq!(s, 200, "commit failed: {v}");
+        v
+    }
+
+    /// Asserts the server is closed: `/readyz` fails and a run is refused 503
+    /// `store_unavailable` (`session` a valid guest token).
+    pub async fn assert_closed(&self, session: &str, why: &str) {
+        let r = self
+            .http
+            .get(self.url("/readyz"))
+            .send()
+            .await
+            .expect("readyz");
+        assert_eq!(r.status().as_u16(), 503, "{why}: not ready");
+        let (status, v) = self
+            .post("/v1/runs", json!({"session": session, "client_ip": "10.250.0.1", "conversation": "closed", "input_text": "x"}))
+            .await;
+        assert_eq!((status, code(&v)), (503, "store_unavailable"), "{why}: {v}");
+    }
+
     pub async fn global_usage(&self) -> Value {
         let s = self.admin_get("/admin/v1/summary").await;
         s["global"][0].clone()

@@ -230,12 +230,7 @@ async fn empty_redis_needs_accept_reset_and_evicting_redis_is_never_ready() {
     redis.restart().expect("restart empty");
     tokio::time::sleep(Duration::from_millis(300)).await;
     for s in &servers {
-        let (status, v) = s
-            .post("/v1/runs", json!({"session": session, "client_ip": "10.4.0.2", "conversation": "after", "input_text": "x"}))
-            .await;
-        assert_eq!((status, code(&v)), (503, "store_unavailable"), "{v}");
-        let r = s.http.get(s.url("/readyz")).send().await.expect("readyz");
-        assert_eq!(r.status().as_u16(), 503);
+        s.assert_closed(&session, "Redis came back empty").await;
     }
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_spendgate"))
         .args(["store", "accept-reset", "--config"])
@@ -261,16 +256,8 @@ async fn empty_redis_needs_accept_reset_and_evicting_redis_is_never_ready() {
     let s = Server::start_redis(&lru.url(), "lru", TOOL_BUDGET);
     tokio::time::sleep(Duration::from_millis(500)).await;
     for _ in 0..5 {
-        let r = s.http.get(s.url("/readyz")).send().await.expect("readyz");
-        assert_eq!(
-            r.status().as_u16(),
-            503,
-            "an evicting Redis is never a ledger"
-        );
-        let (status, v) = s
-            .post("/v1/runs", json!({"session": session, "client_ip": "10.4.0.9", "conversation": "lru", "input_text": "x"}))
+        s.assert_closed(&session, "an evicting Redis is never a ledger")
             .await;
-        assert_eq!((status, code(&v)), (503, "store_unavailable"), "{v}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -399,22 +386,9 @@ async fn a_replica_reaches_redis_over_tls_and_verifies_its_certificate() {
     wait_ready(&trusting).await;
     let session = trusting.session().await;
     let run = trusting.run(&session, "10.9.0.1", "c-tls").await;
-    let (status, step) = trusting
-        .post(
-            &format!("/v1/runs/{run}/steps"),
-            json!({"kind": "tool", "tool": "web_search"}),
-        )
-        .await;
-    assert_eq!(status, 201, "{step}");
-    let step_id = step["step_id"].as_str().expect("step_id");
-    let (status, done) = trusting
-        .post(&format!("/v1/steps/{step_id}/commit"), json!({"units": 1}))
-        .await;
-    assert_eq!(
-        (status, done["charged_micros"].as_u64()),
-        (200, Some(10_000)),
-        "{done}"
-    );
+    let step = trusting.tool_step(&run, "web_search").await;
+    let done = trusting.commit_units(&step, 1).await;
+    assert_eq!(done["charged_micros"].as_u64(), Some(10_000), "{done}");
     let keys: u64 = redis
         .command(&["DBSIZE"])
         .expect("dbsize")
@@ -430,20 +404,9 @@ async fn a_replica_reaches_redis_over_tls_and_verifies_its_certificate() {
     );
     let until = Instant::now() + Duration::from_secs(2);
     while Instant::now() < until {
-        let r = doubting
-            .http
-            .get(doubting.url("/readyz"))
-            .send()
-            .await
-            .expect("send");
-        assert_eq!(r.status().as_u16(), 503, "an untrusted Redis is not ready");
+        doubting
+            .assert_closed(&session, "an untrusted Redis is not a ledger")
+            .await;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let (status, v) = doubting
-        .post(
-            "/v1/runs",
-            json!({"session": session, "client_ip": "10.9.0.2", "conversation": "c-tls-2", "input_text": "hi"}),
-        )
-        .await;
-    assert_eq!((status, code(&v)), (503, "store_unavailable"), "{v}");
 }

@@ -12,7 +12,7 @@
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use spendgate_core::{rfc3339, ScopeKey, ScopeKind, UsageLine};
+use spendgate_core::{rfc3339, ScopeKey, ScopeKind, UsageLine, WindowId};
 use spendgate_store::Store;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -157,6 +157,68 @@ async fn first_to_send(
     send
 }
 
+/// A scope's spend in a window that crossed a threshold.
+struct Crossing<'a> {
+    scope: &'a ScopeKey,
+    window: WindowId,
+    used: u64,
+    limit: u64,
+    permille: u32,
+}
+
+impl Crossing<'_> {
+    /// Sends the alert unless another replica (or this one) already did for this scope,
+    /// window and threshold; whether it was sent.
+    async fn send_once(
+        &self,
+        store: &Arc<dyn Store>,
+        alerts: &Alerts,
+        sent_here: &mut std::collections::HashSet<String>,
+    ) -> bool {
+        let (kind, t) = (self.scope.kind.name(), self.permille);
+        let key = match self.scope.kind {
+            ScopeKind::Global => format!("alert:global:{}:{t}", self.window),
+            // Outside ids are hashed to a fixed length (a single-use key is bounded).
+            _ => {
+                let digest = hex::encode(&Sha256::digest(self.scope.id.as_bytes())[..16]);
+                format!("alert:{kind}:{digest}:{}:{t}", self.window)
+            }
+        };
+        // Remember the key past the window's reset (the window's id is in the key anyway).
+        let resets_at = self.window.resets_at();
+        if !first_to_send(store, sent_here, key, key_ttl_ms(resets_at)).await {
+            return false;
+        }
+        let who = match self.scope.kind {
+            ScopeKind::Global => kind.to_string(),
+            _ => format!("{kind} {}", self.scope.id),
+        };
+        let mut detail = json!({
+            "scope": kind,
+            "window": self.window.to_string(),
+            "threshold": f64::from(t) / 1000.0,
+            "used_micros": self.used,
+            "limit_micros": self.limit,
+            "resets_at": resets_at.map(rfc3339),
+        });
+        if self.scope.kind != ScopeKind::Global {
+            detail["id"] = json!(self.scope.id);
+        }
+        alerts.emit(
+            "threshold",
+            format!(
+                "{who} spend for {} crossed {}%: {} of {} micros",
+                self.window,
+                f64::from(t) / 10.0,
+                self.used,
+                self.limit
+            ),
+            detail,
+        );
+        true
+    }
+}
+
 /// How long a window's alert key must be remembered: past the window's reset.
 fn key_ttl_ms(resets_at: Option<spendgate_core::UnixMs>) -> u64 {
     resets_at
@@ -207,83 +269,44 @@ pub fn spawn_checker(
                     last_expired = expired;
                 }
             }
-            let lines = if scopes.contains(&ScopeKind::Global) {
-                lines
-            } else {
-                Vec::new()
-            };
-            for line in &lines {
-                for t in crossed(line, &thresholds_permille) {
-                    let key = format!("alert:global:{}:{t}", line.window);
-                    // Remember the key past the window's reset (its id is in the key anyway).
-                    let ttl_ms = key_ttl_ms(line.resets_at);
-                    if !first_to_send(&store, &mut sent_here, key, ttl_ms).await {
-                        continue;
+            if scopes.contains(&ScopeKind::Global) {
+                for line in &lines {
+                    for t in crossed(line, &thresholds_permille) {
+                        let c = Crossing {
+                            scope: &line.scope,
+                            window: line.window,
+                            used: line.used.0,
+                            limit: line.limit.0,
+                            permille: t,
+                        };
+                        c.send_once(&store, &alerts, &mut sent_here).await;
                     }
-                    alerts.emit(
-                        "threshold",
-                        format!(
-                            "global spend for {} crossed {}%: {} of {} micros",
-                            line.window,
-                            f64::from(t) / 10.0,
-                            line.used.0,
-                            line.limit.0
-                        ),
-                        json!({
-                            "scope": "global",
-                            "window": line.window.to_string(),
-                            "threshold": f64::from(t) / 1000.0,
-                            "used_micros": line.used.0,
-                            "limit_micros": line.limit.0,
-                            "resets_at": line.resets_at.map(rfc3339),
-                        }),
-                    );
                 }
             }
+            if checks % SCOPE_CHECK_EVERY_CHECKS != 0 {
+                continue;
+            }
             let mut sent = 0usize;
-            let others: &[ScopeKind] = if checks % SCOPE_CHECK_EVERY_CHECKS == 0 {
-                &scopes
-            } else {
-                &[]
-            };
-            'kinds: for kind in others.iter().filter(|k| **k != ScopeKind::Global) {
+            'kinds: for kind in scopes.iter().filter(|k| **k != ScopeKind::Global) {
                 let Ok(top) = store.top_counters(Some(*kind), SCOPE_ALERT_TOP).await else {
                     continue;
                 };
-                for (key, counter) in top {
+                for (key, counter) in &top {
                     for t in crossed_amounts(counter.used.0, counter.limit.0, &thresholds_permille)
                     {
                         if sent >= SCOPE_ALERTS_PER_CHECK_MAX {
                             break 'kinds;
                         }
-                        let digest = hex::encode(&Sha256::digest(key.scope.id.as_bytes())[..16]);
-                        let dedupe = format!("alert:{}:{digest}:{}:{t}", kind.name(), key.window);
-                        let ttl_ms = key_ttl_ms(key.window.resets_at());
-                        if !first_to_send(&store, &mut sent_here, dedupe, ttl_ms).await {
-                            continue;
+                        let c = Crossing {
+                            scope: &key.scope,
+                            window: key.window,
+                            used: counter.used.0,
+                            limit: counter.limit.0,
+                            permille: t,
+                        };
+                        if c.send_once(&store, &alerts, &mut sent_here).await {
+                            sent += 1;
                         }
-                        sent += 1;
-                        alerts.emit(
-                            "threshold",
-                            format!(
-                                "{} {} spend for {} crossed {}%: {} of {} micros",
-                                kind.name(),
-                                key.scope.id,
-                                key.window,
-                                f64::from(t) / 10.0,
-                                counter.used.0,
-                                counter.limit.0
-                            ),
-                            json!({
-                                "scope": kind.name(),
-                                "id": key.scope.id,
-                                "window": key.window.to_string(),
-                                "threshold": f64::from(t) / 1000.0,
-                                "used_micros": counter.used.0,
-                                "limit_micros": counter.limit.0,
-                                "resets_at": key.window.resets_at().map(rfc3339),
-                            }),
-                        );
                     }
                 }
             }

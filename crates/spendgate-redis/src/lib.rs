@@ -286,22 +286,25 @@ fn node_unusable(e: &redis::RedisError) -> bool {
 struct Node {
     /// `host:port` of a node the cluster redirected to; `None`: the configured node.
     redirected_to: Option<String>,
+    /// The host it is reached at (what an empty host in its own `MOVED` answers means).
+    host: String,
     conn: ConnectionManager,
 }
 
 impl Node {
-    /// The host this node was reached at (`info`: the configured node's).
-    fn host(&self, info: &redis::ConnectionInfo) -> String {
-        if let Some(addr) = &self.redirected_to {
-            if let Ok((host, _)) = redirect_target(addr, "") {
-                return host;
+    /// The node `store.url` names.
+    fn configured(info: &redis::ConnectionInfo, timeout: Duration) -> Result<Node, StoreError> {
+        let host = match info.addr() {
+            redis::ConnectionAddr::Tcp(host, _) | redis::ConnectionAddr::TcpTls { host, .. } => {
+                host.clone()
             }
-        }
-        match info.addr() {
-            redis::ConnectionAddr::Tcp(host, _) => host.clone(),
-            redis::ConnectionAddr::TcpTls { host, .. } => host.clone(),
             _ => String::new(),
-        }
+        };
+        Ok(Node {
+            redirected_to: None,
+            host,
+            conn: connection(info.clone(), timeout)?,
+        })
     }
 }
 
@@ -343,14 +346,11 @@ impl SlotConn {
     fn open(opts: &RedisOptions) -> Result<SlotConn, StoreError> {
         let info = redis::IntoConnectionInfo::into_connection_info(opts.url.as_str())
             .map_err(|e| unavailable(format!("store.url is not a usable redis url: {e}")))?;
-        let conn = connection(info.clone(), opts.timeout)?;
+        let node = Node::configured(&info, opts.timeout)?;
         Ok(SlotConn {
             info,
             timeout: opts.timeout,
-            node: Mutex::new(Arc::new(Node {
-                redirected_to: None,
-                conn,
-            })),
+            node: Mutex::new(Arc::new(node)),
             generation: AtomicU64::new(0),
         })
     }
@@ -379,20 +379,20 @@ impl SlotConn {
 
     /// `MOVED` from `from`: `addr` (`host:port`) serves the slot now.
     fn moved(&self, from: &Arc<Node>, addr: &str) -> Result<(), StoreError> {
-        let (host, port) = redirect_target(addr, &from.host(&self.info))?;
+        let (host, port) = redirect_target(addr, &from.host)?;
         let resolved = if host.contains(':') {
             format!("[{host}]:{port}")
         } else {
             format!("{host}:{port}")
         };
         let to = match self.info.addr() {
-            redis::ConnectionAddr::Tcp(..) => redis::ConnectionAddr::Tcp(host, port),
+            redis::ConnectionAddr::Tcp(..) => redis::ConnectionAddr::Tcp(host.clone(), port),
             redis::ConnectionAddr::TcpTls {
                 insecure,
                 tls_params,
                 ..
             } => redis::ConnectionAddr::TcpTls {
-                host,
+                host: host.clone(),
                 port,
                 insecure: *insecure,
                 tls_params: tls_params.clone(),
@@ -408,6 +408,7 @@ impl SlotConn {
             from,
             Node {
                 redirected_to: Some(resolved),
+                host,
                 conn,
             },
         );
@@ -420,14 +421,8 @@ impl SlotConn {
         if from.redirected_to.is_none() {
             return;
         }
-        match connection(self.info.clone(), self.timeout) {
-            Ok(conn) => self.switch(
-                from,
-                Node {
-                    redirected_to: None,
-                    conn,
-                },
-            ),
+        match Node::configured(&self.info, self.timeout) {
+            Ok(node) => self.switch(from, node),
             Err(e) => tracing::warn!(error = %e, "redis: cannot reconnect to store.url"),
         }
     }

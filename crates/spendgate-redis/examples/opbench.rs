@@ -63,18 +63,7 @@ async fn client(store: Arc<RedisStore>, c: usize, pairs: usize) -> Result<(), St
         }
         let step = ReservationId(format!("{}.{steps}", run.run_id.0));
         steps += 1;
-        let req = StepRequest {
-            run_id: run.run_id.clone(),
-            step_id: step.clone(),
-            kind: StepKind::Tool {
-                tool: "bench_tool".into(),
-                price: ToolPrice {
-                    per_call: Micros(1),
-                    per_unit: Micros::ZERO,
-                },
-                units: 0,
-            },
-        };
+        let req = common::tool_step(&run.run_id, step.clone());
         s.reserve_step(req, None)
             .await
             .map_err(|e| e.to_string())?

@@ -44,21 +44,6 @@ fn run_request(tag: &str, n: usize) -> RunRequest {
     }
 }
 
-fn tool_step(run: &RunId, step: String) -> StepRequest {
-    StepRequest {
-        run_id: run.clone(),
-        step_id: ReservationId(step),
-        kind: StepKind::Tool {
-            tool: "bench_tool".into(),
-            price: ToolPrice {
-                per_call: Micros(1),
-                per_unit: Micros::ZERO,
-            },
-            units: 0,
-        },
-    }
-}
-
 fn model_step(run: &RunId, step: String) -> StepRequest {
     StepRequest {
         run_id: run.clone(),
@@ -171,7 +156,7 @@ async fn main() -> Result<(), String> {
     ph.start()?;
     for k in 0..TOOL_STEPS {
         for id in &ids {
-            let req = tool_step(id, format!("{}.{k}", id.0));
+            let req = common::tool_step(id, ReservationId(format!("{}.{k}", id.0)));
             check(
                 one(Command::ReserveStep { req, idem: None }).await,
                 "reserve",
@@ -216,7 +201,7 @@ async fn main() -> Result<(), String> {
 
     // finish with one step still held (charged as unknown), like a run cut short
     for id in &ids {
-        let req = tool_step(id, format!("{}.h", id.0));
+        let req = common::tool_step(id, ReservationId(format!("{}.h", id.0)));
         check(
             one(Command::ReserveStep { req, idem: None }).await,
             "reserve",

@@ -1,6 +1,8 @@
 //! What the Redis examples (`opbench`, `opcount`) share.
 
-use spendgate_core::{Budget, Micros, Policy, Rate, Window};
+use spendgate_core::{
+    Budget, Micros, Policy, Rate, ReservationId, RunId, StepKind, StepRequest, ToolPrice, Window,
+};
 
 /// The policy of a measurement: limits that never refuse. `full`: every scope keeps its kinds
 /// of limits (five counters a step); `bench`: one global day budget and nothing else.
@@ -44,4 +46,20 @@ pub fn policy(kind: &str) -> Policy {
     p.run.max_seconds = 3600;
     p.run.max_cost = Micros(1_000_000_000_000);
     p
+}
+
+/// The measured step: a tool call of 1 micro.
+pub fn tool_step(run: &RunId, step: ReservationId) -> StepRequest {
+    StepRequest {
+        run_id: run.clone(),
+        step_id: step,
+        kind: StepKind::Tool {
+            tool: "bench_tool".into(),
+            price: ToolPrice {
+                per_call: Micros(1),
+                per_unit: Micros::ZERO,
+            },
+            units: 0,
+        },
+    }
 }

@@ -187,8 +187,43 @@ fn check_priced_as_text(body: &Value) -> ApiResult<()> {
     Ok(())
 }
 
-/// Prompt bound of a request: every message's text, tool calls and names, and the tool
-/// schemas, through the model's tokenizer, plus per-message and per-request overhead.
+/// Top-level request fields that carry no text an upstream bills as prompt tokens. Every
+/// other field is counted as its JSON text: `tools`, `functions`, `response_format`,
+/// `tool_choice`, and any field this list does not know, which an OpenAI-compatible upstream
+/// may put before the model (a field counted needlessly costs a few tokens of headroom; one
+/// not counted would be input nobody reserved).
+const UNBILLED_FIELDS: [&str; 24] = [
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "n",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "seed",
+    "stop",
+    "user",
+    "metadata",
+    "store",
+    "parallel_tool_calls",
+    "service_tier",
+    "reasoning_effort",
+    "modalities",
+    "prompt_cache_key",
+];
+
+/// Prompt bound of a request: the text of every field of every message (its content, tool
+/// calls, the legacy `function_call`, names, and any field not known here), and every
+/// top-level field but [`UNBILLED_FIELDS`], through the model's tokenizer, plus per-message
+/// and per-request overhead. Returns the bound, the largest tool result's bytes and the last
+/// user message's bytes.
 pub fn prompt_tokens(tokenizer: Tokenizer, body: &Value) -> ApiResult<(u64, u64, u64)> {
     let messages = body
         .get("messages")
@@ -204,36 +239,40 @@ pub fn prompt_tokens(tokenizer: Tokenizer, body: &Value) -> ApiResult<(u64, u64,
     let mut largest_tool_result = 0u64;
     let mut last_user_bytes = 0u64;
     for m in messages {
+        let fields = m
+            .as_object()
+            .ok_or_else(|| ApiError::invalid("each message must be a JSON object"))?;
+        let mut content = String::new();
         let mut text = String::new();
-        if let Some(c) = m.get("content") {
-            content_text(c, &mut text)?;
-        }
-        // An earlier audio answer referred to by id is billed as audio input.
-        if m.get("audio").is_some_and(|v| !v.is_null()) {
-            return Err(ApiError::invalid(
-                "messages carrying \"audio\" are charged beyond text tokens and have no price here",
-            ));
+        for (k, v) in fields {
+            match (k.as_str(), v) {
+                (_, Value::Null) => {}
+                ("content", c) => content_text(c, &mut content)?,
+                // An earlier audio answer referred to by id is billed as audio input.
+                ("audio", _) => {
+                    return Err(ApiError::invalid(
+                        "messages carrying \"audio\" are charged beyond text tokens and have no price here",
+                    ))
+                }
+                (_, Value::String(s)) => text.push_str(s),
+                (_, other) => text.push_str(&other.to_string()),
+            }
         }
         let role = m.get("role").and_then(Value::as_str).unwrap_or("");
         if role == "tool" || role == "function" {
-            largest_tool_result = largest_tool_result.max(text.len() as u64);
+            largest_tool_result = largest_tool_result.max(content.len() as u64);
         }
         if role == "user" {
-            last_user_bytes = text.len() as u64;
+            last_user_bytes = content.len() as u64;
         }
-        if let Some(calls) = m.get("tool_calls") {
-            text.push_str(&calls.to_string());
-        }
-        for k in ["name", "tool_call_id", "refusal"] {
-            if let Some(v) = m.get(k).and_then(Value::as_str) {
-                text.push_str(v);
-            }
-        }
-        total += tokens::count(tokenizer, &text) + TOKENS_PER_MESSAGE;
+        content.push_str(&text);
+        total = total
+            .saturating_add(tokens::count(tokenizer, &content))
+            .saturating_add(TOKENS_PER_MESSAGE);
     }
-    for k in ["tools", "functions", "response_format", "tool_choice"] {
-        if let Some(v) = body.get(k) {
-            total += tokens::count(tokenizer, &v.to_string());
+    for (k, v) in body.as_object().into_iter().flatten() {
+        if !v.is_null() && !UNBILLED_FIELDS.contains(&k.as_str()) {
+            total = total.saturating_add(tokens::count(tokenizer, &v.to_string()));
         }
     }
     Ok((total, largest_tool_result, last_user_bytes))
@@ -445,13 +484,23 @@ pub async fn chat_completions(
             }
         }
     }
-    let n_choices = req.get("n").and_then(Value::as_u64).unwrap_or(1);
-    if n_choices != 1 {
-        return Err(ApiError::invalid(
-            "only n = 1 is supported (each choice is paid)",
-        ));
+    // Each choice is paid and one is reserved: any `n` but the integer 1 is refused, also
+    // `2.0` or `"2"`, which an upstream may read as 2.
+    match req.get("n") {
+        None | Some(Value::Null) => {}
+        Some(v) if v.as_u64() == Some(1) => {}
+        Some(_) => {
+            return Err(ApiError::invalid(
+                "only n = 1 is supported (each choice is paid)",
+            ))
+        }
     }
-    let stream = req.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    // A `stream` that is not a boolean would be forwarded as sent, and read here as `false`.
+    let stream = match req.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err(ApiError::invalid("\"stream\" must be true or false")),
+    };
 
     // Open a one-step run unless the call is a step of an existing run.
     let step_id = ReservationId(api::new_id("stp"));
@@ -1212,6 +1261,28 @@ mod tests {
             let (ours, _, _) = prompt_tokens(Tokenizer::Bytes, b).expect("bound");
             assert!(ours >= spendgate_mock_upstream::prompt_tokens_of(b), "{b}");
         }
+        // The legacy `function_call` is billed by the upstream (and the mock) as prompt text,
+        // and so is any message or request field a gateway does not know.
+        let args = format!("{{\"q\":\"{}\"}}", "x".repeat(5000));
+        let legacy = json!({"messages": [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": null, "function_call": {"name": "f", "arguments": args}}]});
+        let (ours, _, _) = prompt_tokens(Tokenizer::Bytes, &legacy).expect("bound");
+        assert!(
+            ours >= spendgate_mock_upstream::prompt_tokens_of(&legacy),
+            "{ours}"
+        );
+        assert!(ours > 5000, "{ours}");
+        let plain = json!({"messages": [{"role": "user", "content": "hi"}], "temperature": 0.5});
+        let (base, _, _) = prompt_tokens(Tokenizer::Bytes, &plain).expect("bound");
+        for extra in [
+            json!({"messages": [{"role": "user", "content": "hi", "context": "y".repeat(3000)}]}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "documents": ["z".repeat(3000)]}),
+        ] {
+            let (ours, _, _) = prompt_tokens(Tokenizer::Bytes, &extra).expect("bound");
+            assert!(ours >= base + 3000, "{extra}: {ours} vs {base}");
+        }
+        let e = prompt_tokens(Tokenizer::Bytes, &json!({"messages": ["hi"]})).expect_err("shape");
+        assert_eq!(e.code, "invalid_request");
         let (_, tool, user) = prompt_tokens(Tokenizer::Bytes, &bodies[2]).expect("bound");
         assert_eq!((tool, user), (6, 6));
         assert!(prompt_tokens(Tokenizer::Bytes, &json!({"messages": []})).is_err());

@@ -591,6 +591,44 @@ async fn over_bound_requests_never_reach_the_upstream() {
             r.text
         );
     }
+    // The same prompt carried by fields a gateway might not count: the legacy
+    // `function_call` (billed as prompt text), a message field, a request field.
+    let big = "x".repeat(2100);
+    for body in [
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": null, "function_call": {"name": "f", "arguments": big}}]}),
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi", "context": big}]}),
+        json!({"model": MODEL, "messages": user("hi"), "documents": [big]}),
+    ] {
+        let r = g.chat("c-ctx", body, &[]).await;
+        assert_eq!(
+            (r.status, r.code()),
+            (400, "context_too_large".into()),
+            "{}",
+            r.text
+        );
+    }
+    // More than one paid choice, however spelled, and a `stream` that is not a boolean.
+    for extra in [
+        json!({"n": 2}),
+        json!({"n": 2.0}),
+        json!({"n": "2"}),
+        json!({"n": 1.0}),
+        json!({"stream": "true"}),
+        json!({"stream": 1}),
+    ] {
+        let mut body = json!({"model": MODEL, "messages": user("hi")});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        let r = g.chat("c-n", body, &[]).await;
+        assert_eq!(
+            (r.status, r.code()),
+            (400, "invalid_request".into()),
+            "{extra}: {}",
+            r.text
+        );
+    }
     // A tool result over max_tool_result_bytes (1000) fed back.
     let r = g
         .chat(
@@ -748,8 +786,8 @@ async fn over_bound_requests_never_reach_the_upstream() {
 /// ground truth), and every refused call gets 429 `budget_exhausted`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_calls_never_overspend_the_global_budget() {
-    // 10 and 30 micros per token: a "hello" call reserves 12 × 10 + 100 × 30 = 3120 (bytes
-    // bound) and the mock reports 9 × 10 + 100 × 30 = 3090.
+    // 10 and 30 micros per token: a "hello" call reserves 16 × 10 + 100 × 30 = 3160 (bytes
+    // bound: 3 + 4 + "user" + "hello") and the mock reports 9 × 10 + 100 × 30 = 3090.
     let prices = Prices {
         input: 10_000_000,
         cached: 10_000_000,
@@ -757,7 +795,7 @@ async fn concurrent_calls_never_overspend_the_global_budget() {
     };
     let g = Arc::new(
         Gateway::start(Opts {
-            global_budget: "0.156", // 50 × 3120
+            global_budget: "0.158", // 50 × 3160
             prices,
             ..Opts::default()
         })
@@ -784,7 +822,7 @@ async fn concurrent_calls_never_overspend_the_global_budget() {
         let r = t.await.expect("task");
         match r.status {
             200 => {
-                assert_eq!(r.reserved(), 3120);
+                assert_eq!(r.reserved(), 3160);
                 served += 1;
             }
             429 => {
@@ -827,7 +865,7 @@ async fn a_budget_in_dry_run_reports_and_forwards() {
         output: 30_000_000,
     };
     let g = Gateway::start(Opts {
-        global_budget: "0.00624", // 2 × 3120: two "hello" calls
+        global_budget: "0.00632", // 2 × 3160: two "hello" calls
         global_dry_run: true,
         prices,
         ..Opts::default()
@@ -844,7 +882,7 @@ async fn a_budget_in_dry_run_reports_and_forwards() {
             )
             .await;
         assert_eq!(r.status, 200, "{}", r.text);
-        assert_eq!(r.reserved(), 3120);
+        assert_eq!(r.reserved(), 3160);
         marks.push(r.header("spendgate-dry-run"));
     }
     assert_eq!(

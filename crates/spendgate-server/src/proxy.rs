@@ -1196,6 +1196,110 @@ mod tests {
         }
     }
 
+    /// One SSE line of a generated stream, and what the tap must make of it.
+    #[derive(Debug, Clone)]
+    enum Line {
+        Delta(String),
+        /// A usage chunk without choices (dropped for clients that did not ask for usage).
+        Usage(TokenUsage),
+        /// A usage on a chunk that also has choices (always passed on).
+        UsageWithChoice(TokenUsage),
+        Done,
+        Blank,
+        /// Anything else: comments, other fields, broken JSON (no quote: never a usage key).
+        Other(String),
+    }
+
+    impl Line {
+        fn text(&self) -> String {
+            let usage = |u: &TokenUsage| {
+                format!(
+                    "{{\"prompt_tokens\":{},\"completion_tokens\":{},\"prompt_tokens_details\":{{\"cached_tokens\":{}}}}}",
+                    u.prompt_tokens, u.completion_tokens, u.cached_tokens
+                )
+            };
+            match self {
+                Line::Delta(t) => format!(
+                    "data: {{\"choices\":[{{\"delta\":{{\"content\":{}}}}}],\"usage\":null}}",
+                    json!(t)
+                ),
+                Line::Usage(u) => format!("data: {{\"choices\":[],\"usage\": {}}}", usage(u)),
+                Line::UsageWithChoice(u) => format!(
+                    "data:{{\"choices\":[{{\"delta\":{{}}}}],\"usage\":{}}}",
+                    usage(u)
+                ),
+                Line::Done => "data: [DONE]".into(),
+                Line::Blank => String::new(),
+                Line::Other(t) => t.clone(),
+            }
+        }
+    }
+
+    fn line_strategy() -> impl proptest::strategy::Strategy<Value = Line> {
+        use proptest::prelude::*;
+        let usage =
+            (0u64..100_000, 0u64..100_000, 0u64..100_000).prop_map(|(p, c, k)| TokenUsage {
+                prompt_tokens: p,
+                completion_tokens: c,
+                cached_tokens: k,
+            });
+        prop_oneof![
+            ".{0,40}".prop_map(Line::Delta),
+            usage.clone().prop_map(Line::Usage),
+            usage.prop_map(Line::UsageWithChoice),
+            Just(Line::Done),
+            Just(Line::Blank),
+            "[a-z0-9 :{}\\[\\],\r]{0,60}".prop_map(Line::Other),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever the lines and wherever the stream is cut: a client that asked for usage
+        /// gets every byte in order; one that did not gets every byte but the usage-only
+        /// lines; the usage read is the last one sent whole, and nothing else.
+        #[test]
+        fn tap_passes_every_byte_and_reads_the_last_usage(
+            lines in proptest::collection::vec(line_strategy(), 0..24),
+            crlf in proptest::bool::ANY,
+            terminated in proptest::bool::ANY,
+            cuts in proptest::collection::vec(0usize..4096, 0..12),
+        ) {
+            let eol = if crlf { "\r\n" } else { "\n" };
+            let mut stream = String::new();
+            let mut stripped = String::new();
+            let mut last_usage = None;
+            for (i, l) in lines.iter().enumerate() {
+                let end = if i + 1 < lines.len() || terminated { eol } else { "" };
+                let text = format!("{}{end}", l.text());
+                stream.push_str(&text);
+                match l {
+                    Line::Usage(u) => last_usage = Some(*u),
+                    Line::UsageWithChoice(u) => {
+                        last_usage = Some(*u);
+                        stripped.push_str(&text);
+                    }
+                    _ => stripped.push_str(&text),
+                }
+            }
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(stream.len())).collect();
+            cuts.sort_unstable();
+            for strip in [false, true] {
+                let mut tap = SseTap::new(strip);
+                let mut out = Vec::new();
+                let mut from = 0;
+                for &to in cuts.iter().chain([stream.len()].iter()) {
+                    out.extend_from_slice(&tap.feed(Bytes::copy_from_slice(&stream.as_bytes()[from..to])));
+                    from = to;
+                }
+                out.extend_from_slice(&tap.finish());
+                let expected = if strip { &stripped } else { &stream };
+                proptest::prop_assert_eq!(String::from_utf8_lossy(&out), expected.as_str());
+                proptest::prop_assert_eq!(tap.usage, last_usage);
+                proptest::prop_assert_eq!(tap.done, lines.iter().any(|l| matches!(l, Line::Done)));
+            }
+        }
+    }
+
     #[test]
     fn tap_does_not_trust_a_cut_usage_line() {
         let cut = STREAM.find("\"completion_tokens\"").expect("in stream");

@@ -363,10 +363,7 @@ pub async fn create_run(
     });
     let mut resp = grant(&state.metrics, "run", out, StatusCode::CREATED, applied.seq);
     if resp.status() == StatusCode::CREATED {
-        rate_limit_policy(&state, &mut resp);
-        if let Some(left) = rate_left {
-            rate_limit(left, &mut resp);
-        }
+        rate_limit_headers(&state, rate_left, resp.headers_mut());
         note_dry_run(&state, "run", dry_run.as_ref(), changed, resp.headers_mut());
     }
     Ok(resp)
@@ -410,7 +407,7 @@ pub fn note_dry_run(
 /// `r=0`, `t` is the `Retry-After` an admission at this moment would be refused with.
 /// The values come from the rate state the admission itself wrote (an idempotent replay
 /// repeats the first answer's values).
-fn rate_limit(left: RateLeft, resp: &mut Response) {
+fn rate_limit(left: RateLeft, headers: &mut HeaderMap) {
     let value = format!(
         "\"{}\";r={};t={}",
         left.scope.name(),
@@ -418,12 +415,21 @@ fn rate_limit(left: RateLeft, resp: &mut Response) {
         left.reset_s
     );
     if let Ok(v) = HeaderValue::from_str(&value) {
-        resp.headers_mut().insert("ratelimit", v);
+        headers.insert("ratelimit", v);
+    }
+}
+
+/// The rate-limit headers of a successful admission (a run through the decision API, or the
+/// one-step run of a proxied call): `RateLimit-Policy`, and `RateLimit` when a rate applies.
+pub fn rate_limit_headers(state: &AppState, left: Option<RateLeft>, headers: &mut HeaderMap) {
+    rate_limit_policy(state, headers);
+    if let Some(left) = left {
+        rate_limit(left, headers);
     }
 }
 
 /// `RateLimit-Policy` (IETF httpapi draft) naming the request-rate policies that apply.
-fn rate_limit_policy(state: &AppState, resp: &mut Response) {
+fn rate_limit_policy(state: &AppState, headers: &mut HeaderMap) {
     let p = &state.config.policy;
     let mut parts = Vec::new();
     for (name, sp) in [
@@ -443,7 +449,7 @@ fn rate_limit_policy(state: &AppState, resp: &mut Response) {
     }
     if let Ok(v) = HeaderValue::from_str(&parts.join(", ")) {
         if !parts.is_empty() {
-            resp.headers_mut().insert("ratelimit-policy", v);
+            headers.insert("ratelimit-policy", v);
         }
     }
 }

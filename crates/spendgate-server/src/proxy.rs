@@ -517,6 +517,8 @@ pub async fn chat_completions(
     };
     // What a limit in dry-run would have refused at the one-step run's admission.
     let mut run_dry_run: Option<Refusal> = None;
+    // What the one-step run's admission left of the tightest request rate.
+    let mut run_rate_left = None;
     let (run_id, own_run, reserved) = match &who.run {
         Some(r) => {
             api::check_id_path("run", r)?;
@@ -568,7 +570,10 @@ pub async fn chat_completions(
                 None => Err(StoreError::Unavailable("no answer".into())),
             };
             match admitted.map(|a| a.value) {
-                Ok(Ok(a)) => run_dry_run = a.dry_run,
+                Ok(Ok(a)) => {
+                    run_dry_run = a.dry_run;
+                    run_rate_left = Some(a.rate_left);
+                }
                 Ok(Err(r)) => {
                     state.metrics.refused("proxy_run", r.code.name(), r.scope);
                     return Err(ApiError::from(&r));
@@ -656,6 +661,10 @@ pub async fn chat_completions(
     }
     if reserved.shrunk {
         extra.insert("spendgate-output-shrunk", HeaderValue::from_static("true"));
+    }
+    // A proxied call that opened its own run is an admission (SPEC §6).
+    if let Some(left) = run_rate_left {
+        api::rate_limit_headers(&state, left, &mut extra);
     }
     // A run's refusal first (it is checked first), else the step's.
     let dry_run = run_dry_run.as_ref().or(reserved.dry_run.as_ref());

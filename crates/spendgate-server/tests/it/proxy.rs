@@ -428,6 +428,11 @@ async fn calls_are_clamped_forwarded_and_charged_at_the_upstreams_usage() {
     assert_eq!(row["charged_micros"], expected);
     assert!(r.reserved() >= expected);
     assert_eq!(row["reserved_micros"], r.reserved());
+    // A call that opened its own run is an admission: it says what the rates leave.
+    let policy = r.header("ratelimit-policy").expect("RateLimit-Policy");
+    assert!(policy.contains("\"session\";q=100000;w=1"), "{policy}");
+    let left = r.header("ratelimit").expect("RateLimit");
+    assert!(left.contains(";r=") && left.contains(";t="), "{left}");
     replies.push(r);
 
     // Absent: the bound is inserted.

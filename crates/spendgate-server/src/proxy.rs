@@ -35,6 +35,8 @@ pub const UPSTREAM_BODY_BYTES_MAX: usize = 16 * 1024 * 1024;
 pub const SSE_LINE_BYTES_MAX: usize = 1024 * 1024;
 /// Messages in one request.
 pub const MESSAGES_MAX: usize = 4096;
+/// The shortest period between two renewals of a proxied run's lease.
+pub const LEASE_RENEWAL_MIN: Duration = Duration::from_millis(100);
 
 /// One configured upstream, resolved at start.
 #[derive(Clone, Debug)]
@@ -281,17 +283,57 @@ pub fn prompt_tokens(tokenizer: Tokenizer, body: &Value) -> ApiResult<(u64, u64,
 /// Resolves a step exactly once; if dropped unresolved (client gone, task cancelled), the
 /// step is resolved from the usage already read whole, else marked `unknown` (charged in
 /// full), and a one-step run is finished. Resolution runs on its own task, so a client going
-/// away while the store answers cannot cut it short.
+/// away while the store answers cannot cut it short. While the step is unresolved, its run's
+/// lease is renewed, so that a call longer than `store.lease_ttl_s` keeps its slots (one
+/// generation per conversation) and is not expired under a live holder; the lease never
+/// outlives the run's deadline, which bounds the call.
 struct StepGuard {
     state: Shared,
     step: Option<ReservationId>,
     run: Option<RunId>,
     /// A usage the proxy finished reading (trusted even if the stream is cut later).
     usage: Option<TokenUsage>,
+    /// The task renewing the run's lease; stopped when the step is resolved.
+    renewal: Option<tokio::task::AbortHandle>,
 }
 
 impl StepGuard {
+    fn new(state: Shared, step: ReservationId, run_id: RunId, own_run: bool) -> StepGuard {
+        // A third of the lease: two renewals may fail or be late before it runs out.
+        let every = (state.config.store.lease_ttl / 3).max(LEASE_RENEWAL_MIN);
+        let renewal = {
+            let state = state.clone();
+            let run_id = run_id.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    match state.store.heartbeat(run_id.clone()).await {
+                        Ok(a) if a.value.lease_until < a.value.deadline => {}
+                        // At its deadline: the lease can grow no more.
+                        Ok(_) => return,
+                        // The run has ended (finished, expired): nothing left to renew.
+                        Err(StoreError::Ledger(_)) => return,
+                        Err(e) => {
+                            tracing::warn!(error = %e, run = %run_id.0, "could not renew a proxied run's lease")
+                        }
+                    }
+                }
+            })
+            .abort_handle()
+        };
+        StepGuard {
+            state,
+            step: Some(step),
+            run: own_run.then_some(run_id),
+            usage: None,
+            renewal: Some(renewal),
+        }
+    }
+
     fn take(&mut self) -> Option<(ReservationId, Option<RunId>)> {
+        if let Some(r) = self.renewal.take() {
+            r.abort();
+        }
         let step = self.step.take()?;
         Some((step, self.run.take()))
     }
@@ -606,12 +648,7 @@ pub async fn chat_completions(
         }
     };
     state.metrics.admitted("proxy_step");
-    let guard = StepGuard {
-        state: state.clone(),
-        step: Some(step_id.clone()),
-        run: own_run.then(|| run_id.clone()),
-        usage: None,
-    };
+    let guard = StepGuard::new(state.clone(), step_id.clone(), run_id.clone(), own_run);
 
     // The forwarded request: exactly one output bound, usage asked for in streams.
     let out = reserved

@@ -105,6 +105,7 @@ struct Opts {
     conversation_budget: &'static str,
     prices: Prices,
     timeout_s: u64,
+    lease_ttl_s: u64,
 }
 
 impl Default for Opts {
@@ -120,13 +121,14 @@ impl Default for Opts {
                 output: 600_000,
             },
             timeout_s: 30,
+            lease_ttl_s: 10,
         }
     }
 }
 
 fn gateway_config(mock_port: u16, o: &Opts) -> String {
     format!(
-        r#"lease_ttl_s = 10
+        r#"lease_ttl_s = {lease_ttl_s}
 
 [limits.global]
 rate = "100000/second"
@@ -198,6 +200,7 @@ base_url = "http://127.0.0.1:{down_port}/v1"
         cached = amount(o.prices.cached),
         output = amount(o.prices.output),
         timeout = o.timeout_s,
+        lease_ttl_s = o.lease_ttl_s,
     )
 }
 
@@ -1411,4 +1414,62 @@ async fn demo_starts_and_a_cookie_call_works() {
         .unwrap_or(0);
     assert!(session_used > 0, "{usage}");
     child.terminate().expect("terminate");
+}
+
+/// A call that outlasts the lease keeps its run alive: the proxy renews the lease while the
+/// upstream works, so the conversation's one generation slot stays taken and the step is
+/// committed at its usage, not expired and charged in full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_call_longer_than_the_lease_keeps_its_slot_and_is_committed() {
+    let g = Arc::new(
+        Gateway::start(Opts {
+            lease_ttl_s: 1,
+            ..Opts::default()
+        })
+        .await,
+    );
+    let mut long = Vec::new();
+    for stream in [true, false] {
+        let g2 = g.clone();
+        let conversation = format!("c-long-{stream}");
+        long.push(tokio::spawn(async move {
+            g2.chat(
+                &conversation,
+                json!({"model": MODEL, "stream": stream, "messages": user("tell me a long story")}),
+                &[
+                    ("x-mock-completion-tokens", "40"),
+                    ("x-mock-tokens-per-second", "10"),
+                ],
+            )
+            .await
+        }));
+    }
+    // Past the lease (1 s) and the sweeper's period, while both calls are still running.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    for stream in [true, false] {
+        let r = g
+            .chat(
+                &format!("c-long-{stream}"),
+                json!({"model": MODEL, "messages": user("hi")}),
+                &[],
+            )
+            .await;
+        assert_eq!(
+            (r.status, r.code()),
+            (429, "concurrency_limited".into()),
+            "stream {stream}: {}",
+            r.text
+        );
+    }
+    for t in long {
+        let r = t.await.expect("task");
+        assert_eq!(r.status, 200, "{}", r.text);
+        let row = g.reservation(&r.step()).await;
+        assert_eq!(row["state"], "committed", "{row}");
+        assert!(
+            row["charged_micros"].as_u64() < Some(r.reserved()),
+            "charged at usage, not in full: {row}"
+        );
+    }
+    assert_eq!(g.global().await["reserved_micros"], 0);
 }

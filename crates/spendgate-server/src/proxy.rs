@@ -417,7 +417,17 @@ fn usage_of(v: &Value) -> Option<TokenUsage> {
         return None;
     }
     let prompt_tokens = u.get("prompt_tokens")?.as_u64()?;
-    let completion_tokens = u.get("completion_tokens")?.as_u64()?;
+    let mut completion_tokens = u.get("completion_tokens")?.as_u64()?;
+    // OpenAI counts reasoning tokens inside `completion_tokens`. A usage that reports more
+    // reasoning than completion tokens cannot be read that way: both are charged.
+    let reasoning = u
+        .get("completion_tokens_details")
+        .and_then(|d| d.get("reasoning_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    if reasoning > completion_tokens {
+        completion_tokens = completion_tokens.saturating_add(reasoning);
+    }
     let cached_tokens = u
         .get("prompt_tokens_details")
         .and_then(|d| d.get("cached_tokens"))
@@ -1371,6 +1381,22 @@ mod tests {
         assert!(out == long.as_bytes(), "passed through whole");
         assert!(tap.usage.is_none(), "an unread usage is not trusted");
         assert!(!tap.mid_line());
+    }
+
+    #[test]
+    fn reasoning_tokens_are_never_charged_below_what_is_reported() {
+        let usage = |details: Value| {
+            usage_of(
+                &json!({"usage": {"prompt_tokens": 10, "completion_tokens": 50,
+                "completion_tokens_details": details}}),
+            )
+            .map(|u| u.completion_tokens)
+        };
+        // Included in completion_tokens, as OpenAI reports them.
+        assert_eq!(usage(json!({"reasoning_tokens": 40})), Some(50));
+        assert_eq!(usage(json!({})), Some(50));
+        // More reasoning than completion: reported beside it, so both are charged.
+        assert_eq!(usage(json!({"reasoning_tokens": 300})), Some(350));
     }
 
     #[test]

@@ -1464,6 +1464,71 @@ mod tests {
         assert!(prompt_tokens(Tokenizer::Bytes, &json!({"messages": []})).is_err());
     }
 
+    fn message_strategy() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let text = ".{0,80}";
+        let content = prop_oneof![
+            text.prop_map(Value::from),
+            Just(Value::Null),
+            proptest::collection::vec(text, 0..4).prop_map(|parts| {
+                Value::Array(
+                    parts
+                        .into_iter()
+                        .map(|t| json!({"type": "text", "text": t}))
+                        .collect(),
+                )
+            }),
+        ];
+        let calls = proptest::collection::vec(text, 0..3).prop_map(|args| {
+            Value::Array(
+                args.into_iter()
+                    .map(|a| json!({"id": "c", "type": "function", "function": {"name": "f", "arguments": a}}))
+                    .collect(),
+            )
+        });
+        (
+            prop_oneof![
+                Just("user"),
+                Just("assistant"),
+                Just("system"),
+                Just("tool")
+            ],
+            content,
+            proptest::option::of(calls),
+            proptest::option::of(text),
+            proptest::option::of(("[a-z_]{1,12}", text)),
+        )
+            .prop_map(|(role, content, calls, legacy, extra)| {
+                let mut m = json!({"role": role, "content": content});
+                if let Some(c) = calls {
+                    m["tool_calls"] = c;
+                }
+                if let Some(a) = legacy {
+                    m["function_call"] = json!({"name": "f", "arguments": a});
+                }
+                if let Some((k, v)) = extra {
+                    if !matches!(k.as_str(), "role" | "content" | "audio") {
+                        m[k] = Value::from(v);
+                    }
+                }
+                m
+            })
+    }
+
+    proptest::proptest! {
+        /// Whatever text a message carries and wherever it carries it, the one-token-per-byte
+        /// bound is never below what the mock upstream bills.
+        #[test]
+        fn the_byte_bound_covers_every_message_shape(
+            messages in proptest::collection::vec(message_strategy(), 1..6),
+        ) {
+            let body = json!({"model": "m", "messages": messages});
+            let (ours, _, _) = prompt_tokens(Tokenizer::Bytes, &body).expect("text only");
+            let billed = spendgate_mock_upstream::prompt_tokens_of(&body);
+            proptest::prop_assert!(ours >= billed, "{} < {}: {}", ours, billed, body);
+        }
+    }
+
     #[test]
     fn what_cannot_be_priced_as_text_is_refused() {
         let user = |content: Value| json!({"messages": [{"role": "user", "content": content}]});

@@ -480,6 +480,23 @@ pub enum Record {
     Idempotency(IdempotencyRecord),
 }
 
+/// A [`Record`] borrowed from the ledger, for writing without cloning: the same variants in
+/// the same order with the same fields, so that it serializes to exactly the bytes of the
+/// owned record (a store decodes what it wrote as a [`Record`]).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub enum RecordRef<'a> {
+    Meta {
+        seq: u64,
+        cutoff: &'a Option<String>,
+        clock: UnixMs,
+    },
+    Counter(&'a CounterKey, &'a Counter),
+    Rate(&'a String, u64),
+    Run(&'a Run),
+    Reservation(&'a Reservation),
+    Idempotency(&'a IdempotencyRecord),
+}
+
 impl Entity {
     /// A stable text key for the entity, unique across kinds.
     pub fn storage_key(&self) -> String {
@@ -626,6 +643,33 @@ impl Ledger {
                 (e, rec)
             })
             .collect()
+    }
+
+    /// The entities changed since the last call (read each with [`Ledger::record_ref`]).
+    pub fn take_dirty(&mut self) -> Vec<Entity> {
+        self.dirty.drain().collect()
+    }
+
+    /// The current record of an entity, borrowed (`None`: it does not exist).
+    pub fn record_ref(&self, e: &Entity) -> Option<RecordRef<'_>> {
+        Some(match e {
+            Entity::Meta => RecordRef::Meta {
+                seq: self.seq,
+                cutoff: &self.cutoff,
+                clock: self.clock,
+            },
+            Entity::Counter(k) => {
+                let (k, c) = self.counters.get_key_value(k)?;
+                RecordRef::Counter(k, c)
+            }
+            Entity::Rate(k) => {
+                let (k, t) = self.rates.get_key_value(k)?;
+                RecordRef::Rate(k, *t)
+            }
+            Entity::Run(id) => RecordRef::Run(self.runs.get(id)?),
+            Entity::Reservation(id) => RecordRef::Reservation(self.reservations.get(id)?),
+            Entity::Idempotency(k) => RecordRef::Idempotency(self.idempotency.get(k)?),
+        })
     }
 
     /// Forgets pending changes (after the store reloaded from disk).

@@ -33,7 +33,7 @@ use crate::{Clock, Store, StoreError};
 use async_trait::async_trait;
 use rusqlite::{Connection, ErrorCode, Transaction, TransactionBehavior};
 use spendgate_core::{
-    Command, Entity, Ledger, Policy, Record, Reply, ReservationId, RunId, ScopeKind,
+    Command, Entity, Ledger, Policy, Record, RecordRef, Reply, ReservationId, RunId, ScopeKind,
 };
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -333,9 +333,13 @@ fn run_prefix(run: &str) -> String {
 
 /// The table key of an entity: [`Entity::storage_key`], except for the rows of one run (the
 /// run, its reservations, its run counter), which share the run's prefix. A reservation's
-/// run comes from its record or, once deleted, from `runs`; `None` when unknown (then it
-/// was never written).
-fn table_key(entity: &Entity, record: Option<&Record>, runs: &ReservationRuns) -> Option<String> {
+/// run comes from its record (`reservation_run`) or, once deleted, from `runs`; `None` when
+/// unknown (then it was never written).
+fn table_key(
+    entity: &Entity,
+    reservation_run: Option<&RunId>,
+    runs: &ReservationRuns,
+) -> Option<String> {
     Some(match entity {
         Entity::Run(id) => run_prefix(&id.0),
         Entity::Counter(k) if k.scope.kind == ScopeKind::Run => format!(
@@ -345,9 +349,9 @@ fn table_key(entity: &Entity, record: Option<&Record>, runs: &ReservationRuns) -
             k.window.index
         ),
         Entity::Reservation(id) => {
-            let run = match record {
-                Some(Record::Reservation(r)) => &r.run_id,
-                _ => runs.get(id)?,
+            let run = match reservation_run {
+                Some(run) => run,
+                None => runs.get(id)?,
             };
             format!("{}|s|{}", run_prefix(&run.0), id.0)
         }
@@ -377,7 +381,11 @@ fn load(conn: &Connection) -> Result<(Ledger, ReservationRuns), String> {
             ));
         }
         let entity = record.entity();
-        if table_key(&entity, Some(&record), &runs).as_deref() != Some(key.as_str()) {
+        let reservation_run = match &record {
+            Record::Reservation(r) => Some(&r.run_id),
+            _ => None,
+        };
+        if table_key(&entity, reservation_run, &runs).as_deref() != Some(key.as_str()) {
             return Err(format!("record {key} is stored under the wrong key"));
         }
         if let Record::Reservation(r) = &record {
@@ -520,7 +528,7 @@ impl Writer {
     /// releases and finishes, whose loss only errs towards charging more (the holds expire and
     /// are charged in full). A crash of the process loses nothing written.
     fn commit(&mut self, durable: bool) -> Result<(), String> {
-        let changes = self.ledger.take_changes();
+        let changes = self.ledger.take_dirty();
         if changes.is_empty() {
             return Ok(());
         }
@@ -531,7 +539,13 @@ impl Writer {
                 .map_err(|e| e.to_string())?;
             self.synced = durable;
         }
-        write_changes(&self.conn, &changes, &mut self.runs, &mut self.buf)
+        write_changes(
+            &self.conn,
+            &self.ledger,
+            &changes,
+            &mut self.runs,
+            &mut self.buf,
+        )
     }
 
     /// Rebuilds the ledger from the file, dropping every change that is not on disk.
@@ -558,9 +572,12 @@ impl Writer {
     }
 }
 
+/// Writes the current record of every changed entity (read from `ledger` without cloning)
+/// in one transaction.
 fn write_changes(
     conn: &Connection,
-    changes: &[(Entity, Option<Record>)],
+    ledger: &Ledger,
+    changes: &[Entity],
     runs: &mut ReservationRuns,
     buf: &mut Vec<u8>,
 ) -> Result<(), String> {
@@ -570,8 +587,13 @@ fn write_changes(
     {
         let mut upsert = tx.prepare_cached(UPSERT_SQL).map_err(e)?;
         let mut delete = tx.prepare_cached(DELETE_SQL).map_err(e)?;
-        for (entity, record) in changes {
-            let Some(key) = table_key(entity, record.as_ref(), runs) else {
+        for entity in changes {
+            let record = ledger.record_ref(entity);
+            let reservation_run = match record {
+                Some(RecordRef::Reservation(r)) => Some(&r.run_id),
+                _ => None,
+            };
+            let Some(key) = table_key(entity, reservation_run, runs) else {
                 // A reservation never written: there is no row to delete.
                 continue;
             };
@@ -579,9 +601,9 @@ fn write_changes(
                 Some(r) => {
                     buf.clear();
                     *buf =
-                        postcard::to_extend(r, std::mem::take(buf)).map_err(|e| e.to_string())?;
+                        postcard::to_extend(&r, std::mem::take(buf)).map_err(|e| e.to_string())?;
                     upsert.execute((key.as_str(), buf.as_slice())).map_err(e)?;
-                    if let Record::Reservation(res) = r {
+                    if let RecordRef::Reservation(res) = r {
                         if !runs.contains_key(&res.id) {
                             runs.insert(res.id.clone(), res.run_id.clone());
                         }
@@ -597,4 +619,99 @@ fn write_changes(
         }
     }
     tx.commit().map_err(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use spendgate_core::{
+        Budget, IdempotencyKey, Micros, Rate, ScopePolicy, StepKind, StepRequest, ToolPrice,
+        UnixMs, Window,
+    };
+
+    /// What the writer encodes from a borrowed record decodes as the owned record, for every
+    /// kind of record a ledger holds.
+    #[test]
+    fn borrowed_records_encode_as_owned_records() {
+        let policy = Policy {
+            global: ScopePolicy {
+                budgets: vec![Budget {
+                    amount: Micros(1_000_000),
+                    window: Window::Day,
+                }],
+                rate: Some(Rate {
+                    count: 10,
+                    period_ms: 1000,
+                    burst: 10,
+                }),
+                concurrency: Some(4),
+                dry_run: false,
+            },
+            ..Policy::default()
+        };
+        let mut l = Ledger::with_change_tracking();
+        let now = UnixMs(1_800_000_000_000);
+        let run = RunId("run-1".into());
+        let req = spendgate_core::RunRequest {
+            run_id: run.clone(),
+            session: "s".into(),
+            ips: vec![spendgate_core::IpScope {
+                prefix: "10.0.0.0/24".into(),
+                factor: 1,
+            }],
+            conversation: "c".into(),
+            input_bytes: 10,
+        };
+        let cmds = [
+            Command::AdmitRun { req, idem: None },
+            Command::ReserveStep {
+                req: StepRequest {
+                    run_id: run,
+                    step_id: ReservationId("step-1".into()),
+                    kind: StepKind::Tool {
+                        tool: "t".into(),
+                        price: ToolPrice {
+                            per_call: Micros(10),
+                            per_unit: Micros(0),
+                        },
+                        units: 1,
+                    },
+                },
+                idem: Some(IdempotencyKey {
+                    key: "step:run-1:k".into(),
+                    fingerprint: "f".into(),
+                }),
+            },
+            Command::SetCutoff {
+                engaged: true,
+                reason: "test".into(),
+            },
+        ];
+        for cmd in &cmds {
+            l.apply(&policy, now, cmd).expect("applied");
+        }
+        let dirty = l.take_dirty();
+        for e in &dirty {
+            let owned = l.record(e).expect("exists");
+            let borrowed = l.record_ref(e).expect("exists");
+            let a = postcard::to_allocvec(&owned).expect("owned");
+            let b = postcard::to_allocvec(&borrowed).expect("borrowed");
+            assert_eq!(a, b, "{e:?}");
+            let (back, rest): (Record, &[u8]) = postcard::take_from_bytes(&b).expect("decodes");
+            assert!(rest.is_empty());
+            assert_eq!(back, owned);
+        }
+        let names: std::collections::BTreeSet<&str> = dirty
+            .iter()
+            .map(|e| match e {
+                Entity::Meta => "meta",
+                Entity::Counter(_) => "counter",
+                Entity::Rate(_) => "rate",
+                Entity::Run(_) => "run",
+                Entity::Reservation(_) => "reservation",
+                Entity::Idempotency(_) => "idempotency",
+            })
+            .collect();
+        assert_eq!(names.len(), 6, "every kind of record is covered: {names:?}");
+    }
 }

@@ -633,18 +633,6 @@ impl Ledger {
         self.cutoff.as_deref()
     }
 
-    /// Entities changed since the last call, with their current record (`None`: deleted).
-    pub fn take_changes(&mut self) -> Vec<(Entity, Option<Record>)> {
-        let dirty: Vec<Entity> = self.dirty.drain().collect();
-        dirty
-            .into_iter()
-            .map(|e| {
-                let rec = self.record(&e);
-                (e, rec)
-            })
-            .collect()
-    }
-
     /// The entities changed since the last call (read each with [`Ledger::record_ref`]).
     pub fn take_dirty(&mut self) -> Vec<Entity> {
         self.dirty.drain().collect()

@@ -194,3 +194,63 @@ pub async fn i6_finish_resolves_held_steps(b: &dyn Backend) {
     admit(&s, w.run("r2")).await;
     check_ledger(&s, &w.scopes()).await;
 }
+
+/// A call on a run whose lease ran out sees the run expired even when more timers are due
+/// than one call processes (`EXPIRIES_PER_CALL_MAX`) and no sweep has run: a late commit is
+/// refused and its step stays charged in full, a late step, heartbeat or finish finds the run
+/// expired, and the run's conversation slot is free.
+pub async fn i6_a_lapsed_lease_is_seen_behind_a_backlog_of_timers(b: &dyn Backend) {
+    let mut p = policy();
+    p.lease_ttl_ms = 10_000;
+    let s = b.open(p, START).await;
+    let who: Vec<Who> = (1..=4)
+        .map(|i| Who::new("s1", &format!("c{i}"), "192.0.2.1/32"))
+        .collect();
+    for (i, w) in who.iter().enumerate() {
+        admit(&s, w.run(&format!("r{}", i + 1))).await;
+    }
+    reserve(&s, micros_step("r1", "h1", 1_000)).await;
+    reserve(&s, micros_step("r4", "h4", 1_000)).await;
+    // Single-use keys due long before the leases: more than four calls' worth of expiries.
+    let keys = EXPIRIES_PER_CALL_MAX * 4 + 8;
+    let cmds = (0..keys)
+        .map(|i| Command::ConsumeOnce {
+            key: format!("backlog-{i}"),
+            ttl_ms: 1,
+        })
+        .collect();
+    for a in s.execute_many(cmds).await {
+        assert!(
+            matches!(&a, Ok(Reply::Consumed(c)) if c.value),
+            "single-use key: {a:?}"
+        );
+    }
+    b.advance(10_001);
+
+    match s.resolve(step_id("h1"), units(1)).await {
+        Err(StoreError::Ledger(LedgerError::Closed {
+            state: ReservationState::Expired,
+            charged,
+        })) => assert_eq!(charged, Micros(1_000)),
+        other => panic!("a commit after its run's lease ran out answered {other:?}"),
+    }
+    let r = reserve_refused(&s, micros_step("r2", "late", 1)).await;
+    assert_eq!(
+        (r.code, r.scope),
+        (RefusalCode::RunBoundExceeded, Some(ScopeKind::Run))
+    );
+    heartbeat_closed(&s, "r3", RunState::Expired).await;
+    finish_expired(&s, "r4", 1_000).await;
+    for id in ["h1", "h4"] {
+        let h = reservation(&s, id).await;
+        assert_eq!(
+            (h.state, h.charged),
+            (ReservationState::Expired, Micros(1_000)),
+            "{id}"
+        );
+    }
+    // r1's conversation slot was freed with its lease.
+    admit(&s, who[0].run("r5")).await;
+    let lines = check_ledger(&s, &who[0].scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (2_000, 0));
+}

@@ -79,6 +79,7 @@ macro_rules! __with_conformance_cases {
             i5_run_max_cost,
             i5_shrink_to_fit,
             i6_expired_lease_charges_and_frees,
+            i6_a_lapsed_lease_is_seen_behind_a_backlog_of_timers,
             i6_heartbeat_extends_lease,
             i6_lease_never_extends_past_deadline,
             i6_finish_resolves_held_steps,

@@ -39,6 +39,9 @@ pub enum Command {
     },
     Adjust {
         scope: ScopeKey,
+        /// The scope's limit factor (an address prefix wider than the configured one is
+        /// limited at this multiple; 1 otherwise), as in [`Command::Usage`].
+        factor: u64,
         amount: i64,
     },
     Summary,
@@ -133,9 +136,11 @@ impl Ledger {
             Command::SetCutoff { engaged, reason } => {
                 Reply::Cutoff(self.set_cutoff(now, *engaged, reason))
             }
-            Command::Adjust { scope, amount } => {
-                Reply::Adjusted(self.adjust(policy, now, scope, *amount)?)
-            }
+            Command::Adjust {
+                scope,
+                factor,
+                amount,
+            } => Reply::Adjusted(self.adjust(policy, now, scope, *factor, *amount)?),
             Command::Summary => Reply::Summary(self.summary(now)),
             Command::Reservations { state, limit } => {
                 Reply::Reservations(self.reservations(*state, *limit))

@@ -597,10 +597,23 @@ pub struct Ledger {
     timers: BTreeSet<(UnixMs, Timer)>,
     track_changes: bool,
     dirty: HashSet<Entity>,
-    /// When idle rate state and stale counters were last dropped (not persisted).
+    /// When idle rate state was last dropped (not persisted).
     compacted: Option<UnixMs>,
+    /// Budget counters of calendar windows (global ones excepted) by the end of their window,
+    /// so that a sweep finds the stale ones without a scan (not persisted; rebuilt on
+    /// restore).
+    ending: BTreeSet<(UnixMs, CounterKey)>,
     /// Derived totals (not persisted; recomputed on restore).
     stats: Stats,
+}
+
+/// When a counter becomes stale (droppable by a sweep once it holds nothing): its window's
+/// end plus `RECORD_RETENTION_MS`; never for global counters and lifetime windows.
+fn stale_from(key: &CounterKey) -> Option<UnixMs> {
+    if key.scope.kind == ScopeKind::Global {
+        return None;
+    }
+    Some(key.window.resets_at()?.plus_ms(RECORD_RETENTION_MS))
 }
 
 fn check_id(what: &str, id: &str) -> Result<(), LedgerError> {
@@ -694,6 +707,9 @@ impl Ledger {
                     l.clock = clock;
                 }
                 Record::Counter(k, c) => {
+                    if let Some(end) = stale_from(&k) {
+                        l.ending.insert((end, k.clone()));
+                    }
                     l.counters.insert(k, c);
                 }
                 Record::Rate(k, t) => {
@@ -790,6 +806,26 @@ impl Ledger {
         (now, changed)
     }
 
+    /// [`Ledger::advance`], then the run the call is about: its lease may have run out behind
+    /// more due timers than one call processes (`EXPIRIES_PER_CALL_MAX`); it expires now,
+    /// before the call looks at it, so no call acts on a run whose lease is over (I6), whatever
+    /// the backlog and whenever the sweeper last ran.
+    fn advance_for(&mut self, now: UnixMs, run_id: Option<&RunId>) -> (UnixMs, bool) {
+        let (now, mut changed) = self.advance(now);
+        if let Some(id) = run_id {
+            let lapsed = self
+                .runs
+                .get(id)
+                .is_some_and(|r| r.state == RunState::Active && r.lease_until <= now);
+            if lapsed {
+                self.end_run(id, now, RunState::Expired);
+                self.bump();
+                changed = true;
+            }
+        }
+        (now, changed)
+    }
+
     /// Processes up to `max` due timers: expires runs whose lease ran out (charging their held
     /// reservations in full and freeing their slots), purges old records.
     fn expire_due(&mut self, now: UnixMs, max: usize) -> usize {
@@ -843,8 +879,30 @@ impl Ledger {
             self.touch(Entity::Meta);
         }
         let mut n = self.expire_due(now, usize::MAX);
-        // Dropping idle rate state and stale counters scans everything: do it at most once
-        // per COMPACT_EVERY_MS so a frequent sweeper does not stall the store.
+        // Counters of windows that ended more than RECORD_RETENTION_MS ago and hold nothing.
+        let mut stale = Vec::new();
+        for (end, key) in &self.ending {
+            if *end > now {
+                break;
+            }
+            if self
+                .counters
+                .get(key)
+                .is_none_or(|c| c.reserved == Micros::ZERO)
+            {
+                stale.push((*end, key.clone()));
+            }
+        }
+        for (end, key) in stale {
+            self.ending.remove(&(end, key.clone()));
+            if self.counters.remove(&key).is_some() {
+                n += 1;
+                self.touch(Entity::Counter(key));
+            }
+        }
+        // Dropping idle rate state scans every rate: at most once per COMPACT_EVERY_MS, so a
+        // frequent sweeper does not stall the store (idle state decides nothing: dropping it
+        // early or late changes no answer).
         if self
             .compacted
             .is_some_and(|c| now.0 < c.0.saturating_add(COMPACT_EVERY_MS))
@@ -866,23 +924,6 @@ impl Ledger {
         for k in idle {
             self.rates.remove(&k);
             self.touch(Entity::Rate(k));
-        }
-        let stale: Vec<CounterKey> = self
-            .counters
-            .iter()
-            .filter(|(k, c)| {
-                c.reserved == Micros::ZERO
-                    && k.scope.kind != ScopeKind::Global
-                    && k.window
-                        .resets_at()
-                        .is_some_and(|r| r.plus_ms(RECORD_RETENTION_MS) <= now)
-            })
-            .map(|(k, _)| k.clone())
-            .collect();
-        n += stale.len();
-        for k in stale {
-            self.counters.remove(&k);
-            self.touch(Entity::Counter(k));
         }
         Applied {
             value: n,
@@ -920,7 +961,13 @@ impl Ledger {
         if self.track_changes {
             self.dirty.insert(Entity::Counter(key.clone()));
         }
-        let c = self.counters.entry(key.clone()).or_default();
+        let ending = &mut self.ending;
+        let c = self.counters.entry(key.clone()).or_insert_with(|| {
+            if let Some(end) = stale_from(key) {
+                ending.insert((end, key.clone()));
+            }
+            Counter::default()
+        });
         c.limit = limit;
         c
     }
@@ -1435,7 +1482,7 @@ impl Ledger {
         req: &StepRequest,
         idem: Option<&IdempotencyKey>,
     ) -> Result<Applied<Result<StepReserved, Refusal>>, LedgerError> {
-        let (now, swept) = self.advance(now);
+        let (now, swept) = self.advance_for(now, Some(&req.run_id));
         match self.recall(idem)? {
             Some(IdempotentOutcome::Step(o)) => return Ok(self.answer(o, swept)),
             Some(_) => return Err(LedgerError::IdempotencyConflict),
@@ -1662,7 +1709,8 @@ impl Ledger {
         step_id: &ReservationId,
         how: Resolution,
     ) -> Result<Applied<Resolved>, LedgerError> {
-        let (now, swept) = self.advance(now);
+        let run_of = self.reservations.get(step_id).map(|r| r.run_id.clone());
+        let (now, swept) = self.advance_for(now, run_of.as_ref());
         let res = self
             .reservations
             .get(step_id)
@@ -1727,7 +1775,7 @@ impl Ledger {
         now: UnixMs,
         run_id: &RunId,
     ) -> Result<Applied<Heartbeat>, LedgerError> {
-        let (now, swept) = self.advance(now);
+        let (now, swept) = self.advance_for(now, Some(run_id));
         let run = self
             .runs
             .get(run_id)
@@ -1765,7 +1813,7 @@ impl Ledger {
         now: UnixMs,
         run_id: &RunId,
     ) -> Result<Applied<RunEnded>, LedgerError> {
-        let (now, swept) = self.advance(now);
+        let (now, swept) = self.advance_for(now, Some(run_id));
         let run = self
             .runs
             .get(run_id)
@@ -1946,6 +1994,7 @@ impl Ledger {
         policy: &Policy,
         now: UnixMs,
         scope: &ScopeKey,
+        factor: u64,
         amount: i64,
     ) -> Result<Applied<Vec<UsageLine>>, LedgerError> {
         let (now, _) = self.advance(now);
@@ -1954,7 +2003,10 @@ impl Ledger {
                 "adjust a run through its steps".into(),
             ));
         }
-        let counters = Self::budget_counters(policy, &[(scope.clone(), 1)], now);
+        // The scope's limits as its admissions see them: a wider address prefix is limited at
+        // `factor` times the configured amounts.
+        let scopes = [(scope.clone(), factor.max(1))];
+        let counters = Self::budget_counters(policy, &scopes, now);
         if counters.is_empty() {
             return Err(LedgerError::Invalid(format!(
                 "no budget applies to {scope}"
@@ -1962,24 +2014,25 @@ impl Ledger {
         }
         for (key, limit) in &counters {
             let c = self.counter_mut(key, *limit);
+            let before = c.used;
             if amount >= 0 {
                 c.used = c.used.add_capped(Micros(amount.unsigned_abs()));
             } else {
                 let credit = Micros(amount.unsigned_abs()).min(c.used);
                 c.used = c.used.saturating_sub(credit);
             }
-            let delta = if amount >= 0 {
-                amount
-            } else {
-                -(amount.unsigned_abs().min(i64::MAX as u64) as i64)
-            };
-            c.adjusted = c.adjusted.saturating_add(delta);
+            // What was applied (a credit stops at zero, a charge at MICROS_MAX), so that
+            // used = charges + adjustments holds (I2).
+            let delta = i128::from(c.used.0) - i128::from(before.0);
+            c.adjusted = c
+                .adjusted
+                .saturating_add(i64::try_from(delta).unwrap_or(i64::MAX));
             if c.used > c.limit {
                 c.overrun = true;
             }
         }
         self.bump();
-        Ok(self.answer(self.usage(policy, now, &[(scope.clone(), 1)]), true))
+        Ok(self.answer(self.usage(policy, now, &scopes), true))
     }
 
     /// Totals of the ledger, from running counts (O(1)).
@@ -2106,11 +2159,12 @@ impl Ledger {
                     c.reserved
                 ));
             }
+            // (a counter saturated at MICROS_MAX no longer adds up)
             let expect = i128::from(charged) + i128::from(c.adjusted);
-            if c.adjusted == 0 && i128::from(c.used.0) != expect {
+            if c.used < MICROS_MAX && i128::from(c.used.0) != expect {
                 return Err(format!(
-                    "I2: used on {k:?} is {} but charges sum to {charged}",
-                    c.used
+                    "I2: used on {k:?} is {} but charges sum to {charged} and adjustments to {}",
+                    c.used, c.adjusted
                 ));
             }
         }
@@ -2208,6 +2262,7 @@ fn first_in_order<T>(v: &mut Vec<T>, n: usize, order: impl Fn(&T, &T) -> std::cm
 mod tests {
     use super::*;
     use crate::rate::Rate;
+    use crate::scope::Budget;
 
     #[test]
     fn first_in_order_selects_and_sorts() {
@@ -2324,5 +2379,55 @@ mod tests {
                 reset_s: 60,
             })
         );
+    }
+
+    /// An operator's adjustment sees a wider address prefix's scaled limit (a credit does not
+    /// close it as overrun), and records what it applied (a credit stops at zero), so that
+    /// used = charges + adjustments holds (I2).
+    #[test]
+    fn adjustments_keep_the_scaled_limit_and_record_what_they_applied() {
+        let mut p = policy();
+        p.ip.budgets = vec![Budget {
+            amount: Micros(1_000_000),
+            window: Window::Day,
+        }];
+        let now = UnixMs(1_700_000_000_000);
+        let wide = ScopeKey::new(ScopeKind::Ip, "2001:db8::/48");
+        let mut l = Ledger::new();
+        // The /48 has spent 2.00 of its 16 × 1.00.
+        let charged = l.adjust(&p, now, &wide, 16, 2_000_000).expect("charge");
+        assert_eq!(charged.value[0].limit, Micros(16_000_000));
+        let credited = l.adjust(&p, now, &wide, 16, -1).expect("credit");
+        let line = &credited.value[0];
+        assert_eq!(
+            (line.limit, line.used, line.overrun),
+            (Micros(16_000_000), Micros(1_999_999), false)
+        );
+        let mut r = req("r1", "c1");
+        r.ips.push(IpScope {
+            prefix: wide.id.clone(),
+            factor: 16,
+        });
+        let admitted = l.admit_run(&p, now, &r, None).expect("valid").value;
+        assert!(admitted.is_ok(), "the /48 still has room: {admitted:?}");
+
+        // A credit larger than what was used takes it to zero and records only that.
+        let session = ScopeKey::new(ScopeKind::Session, "s9");
+        p.session.budgets = p.ip.budgets.clone();
+        l.adjust(&p, now, &session, 1, 300).expect("charge");
+        let line = l
+            .adjust(&p, now, &session, 1, -1_000)
+            .expect("credit")
+            .value[0]
+            .clone();
+        assert_eq!(line.used, Micros(0));
+        let counter = l
+            .counters
+            .iter()
+            .find(|(k, _)| k.scope == session)
+            .map(|(_, c)| *c)
+            .expect("counter");
+        assert_eq!(counter.adjusted, 0, "+300 then -300 applied");
+        l.check_invariants().expect("I1 and I2 hold");
     }
 }

@@ -1235,11 +1235,25 @@ end
 -- args: run_id step_id has_idem idem_key idem_fp kind name ...
 --   model: ip cp op prompt max_out('' = none) retry
 --   tool: pc pu units
+-- (a block: the main chunk's locals are at Lua's limit of 200)
+do
+-- Ledger::advance_for: the run a call is about, when its lease ran out behind more due timers
+-- than one call processes, expires now, before the call looks at it.
+local function lapse(id, now)
+  local r = run_get(id)
+  if r and r[R_STATE] == 'active' and r[R_LEASE] <= now then
+    end_run(id, now, 'expired')
+    bump()
+    return true
+  end
+  return false
+end
 local function bound(msg) return text_refusal('run_bound_exceeded', 'run', '', msg) end
 function OPS.reserve_step(now, swept, A)
   local run_id, step_id = A[1], A[2]
   local has_idem, ikey, ifp = A[3] == '1', A[4], A[5]
   local kind, name = A[6], A[7]
+  if lapse(run_id, now) then swept = true end
   if has_idem then
     local rec, e = recall(ikey, ifp)
     if e then return err(e) end
@@ -1383,6 +1397,10 @@ end
 function OPS.resolve(now, swept, A)
   local id, how = A[1], A[2]
   local f = res_get(id)
+  if f and lapse(f[S_RUN], now) then
+    swept = true
+    f = res_get(id)
+  end
   if not f or f[S_KIND] == 'hold' then return err({ 'notfound', 'step ' .. id }) end
   local state, kind, amount = f[S_STATE], f[S_KIND], f[S_AMOUNT]
   if state == 'held' then
@@ -1434,6 +1452,7 @@ end
 
 function OPS.heartbeat(now, swept, A)
   local id = A[1]
+  if lapse(id, now) then swept = true end
   local run = run_get(id)
   if not run then return err({ 'notfound', 'run ' .. id }) end
   if run[R_STATE] ~= 'active' then return err({ 'runclosed', run[R_STATE] }) end
@@ -1446,6 +1465,7 @@ end
 
 function OPS.finish(now, swept, A)
   local id = A[1]
+  if lapse(id, now) then swept = true end
   local run = run_get(id)
   if not run then return err({ 'notfound', 'run ' .. id }) end
   local state = run[R_STATE]
@@ -1457,6 +1477,7 @@ function OPS.finish(now, swept, A)
     state = 'finished'
   end
   return ok(swept or not repeated, { state, run[R_CHARGED], run[R_NSTEPS], I01(repeated) })
+end
 end
 
 -- args: n (prefix factor)*
@@ -1526,21 +1547,24 @@ function OPS.set_cutoff(now, swept, A)
 end
 
 -- args: kind id amount
+-- args: kind id amount factor (a wider address prefix's limit factor)
 function OPS.adjust(now, swept, A)
   local kind, id, amount = A[1], A[2], N(A[3])
   if kind == 'run' then return err({ 'invalid', 'adjust a run through its steps' }) end
-  local scopes = { { kind, id, 1 } }
+  local scopes = { { kind, id, mmax(N(A[4]) or 1, 1) } }
   local counters = budget_counters(scopes, now)
   if #counters == 0 then return err({ 'invalid', 'no budget applies to ' .. disp(kind, id) }) end
   for _, k in ipairs(counters) do
     local c = cload(k.enc)
     c.limit = k.limit
+    local before = c.used
     if amount >= 0 then
       c.used = mmin(c.used + amount, MAX)
     else
       c.used = c.used - mmin(-amount, c.used)
     end
-    c.adjusted = c.adjusted + amount
+    -- what was applied (a credit stops at zero), so that used = charges + adjustments
+    c.adjusted = c.adjusted + (c.used - before)
     if c.used > c.limit then c.overrun = 1 end
     csave(c)
   end

@@ -147,12 +147,17 @@ pub fn encode(cmd: &Command) -> Call {
         Command::SetCutoff { engaged, reason } => {
             write("set_cutoff", vec![b01(*engaged), reason.clone()])
         }
-        Command::Adjust { scope, amount } => write(
+        Command::Adjust {
+            scope,
+            factor,
+            amount,
+        } => write(
             "adjust",
             vec![
                 scope.kind.name().to_string(),
                 scope.id.clone(),
                 amount.to_string(),
+                factor.to_string(),
             ],
         ),
         Command::Summary => read("summary", vec![]),

@@ -183,7 +183,15 @@ pub async fn adjust(
         )));
     }
     tracing::warn!(scope = %scope, amount = b.amount_micros, reason = %b.reason, "ledger adjustment");
-    let applied = state.store.adjust(scope, b.amount_micros).await?;
+    // A wider address prefix is limited at a multiple of the configured amounts.
+    let factor = match scope.kind {
+        ScopeKind::Ip => {
+            let id = &state.config.identity;
+            crate::identity::prefix_factor(&scope.id, id.ipv6_prefix, &id.ipv6_wider)
+        }
+        _ => 1,
+    };
+    let applied = state.store.adjust(scope, factor, b.amount_micros).await?;
     let mut body = usage_json(&applied.value);
     body["ledger_seq"] = json!(applied.seq);
     Ok(Json(body).into_response())

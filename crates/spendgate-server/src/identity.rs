@@ -84,6 +84,18 @@ pub fn ip_scopes(ip: IpAddr, v4: u8, v6: u8, v6_wider: &[(u8, u64)]) -> Vec<IpSc
     }
 }
 
+/// The limit factor of an address prefix (`ip` scope id) as [`ip_scopes`] gives it: an IPv6
+/// prefix at one of the wider lengths has that length's factor; any other prefix 1.
+pub fn prefix_factor(prefix: &str, v6: u8, v6_wider: &[(u8, u64)]) -> u64 {
+    match prefix.parse::<IpNet>() {
+        Ok(IpNet::V6(n)) => v6_wider
+            .iter()
+            .find(|(bits, _)| *bits == n.prefix_len() && *bits < v6)
+            .map_or(1, |(_, factor)| *factor),
+        _ => 1,
+    }
+}
+
 /// Signs and verifies guest session tokens: `v1.KID.ID.EXP.MAC`, where ID is a random 128-bit
 /// id, EXP the expiry in Unix seconds, KID names the key, MAC is HMAC-SHA256 over the rest.
 /// The first key signs; every key verifies (rotation).
@@ -252,6 +264,11 @@ mod tests {
                 ("2001:db8:1::/48", 16)
             ]
         );
+        // An operator's adjustment of a prefix sees the factor its admissions see.
+        for s in v4.iter().chain(&v6) {
+            assert_eq!(prefix_factor(&s.prefix, 64, &[(56, 4), (48, 16)]), s.factor);
+        }
+        assert_eq!(prefix_factor("not a prefix", 64, &[(48, 16)]), 1);
     }
 
     #[test]

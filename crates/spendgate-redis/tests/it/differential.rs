@@ -330,6 +330,7 @@ impl Gen {
             },
             84..=86 => Command::Adjust {
                 scope: scope(r),
+                factor: [1, 1, 4, 16][r.below(4) as usize],
                 amount: r.below(6000) as i64 - 3000,
             },
             87 => Command::Summary,
@@ -763,6 +764,7 @@ async fn calendar_windows_match_the_core_across_centuries() {
         if i % 3 == 0 {
             cmds.push(Command::Adjust {
                 scope: ScopeKey::new(ScopeKind::Session, "s"),
+                factor: 1,
                 amount: 5,
             });
         }

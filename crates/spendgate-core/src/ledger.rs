@@ -31,6 +31,13 @@ pub const LIFETIME_RETRY_AFTER_S: u64 = 86_400;
 pub const COMPACT_EVERY_MS: u64 = 30_000;
 /// Expired timers processed by one call; the rest wait for the next call or the sweeper.
 pub const EXPIRIES_PER_CALL_MAX: usize = 256;
+/// Address prefixes one request is limited by at most (the client's prefix and the wider
+/// IPv6 ones); `ledger.lua` holds the same bound.
+pub const IP_SCOPES_MAX: usize = 4;
+const _: () = assert!(
+    IP_SCOPES_MAX == 4,
+    "the refusal's text and ledger.lua say four"
+);
 
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -1268,7 +1275,7 @@ impl Ledger {
         check_id("run id", &req.run_id.0)?;
         check_id("session", &req.session)?;
         check_id("conversation", &req.conversation)?;
-        if req.ips.is_empty() || req.ips.len() > 4 {
+        if req.ips.is_empty() || req.ips.len() > IP_SCOPES_MAX {
             return Err(LedgerError::Invalid("one to four address prefixes".into()));
         }
         for (i, ip) in req.ips.iter().enumerate() {

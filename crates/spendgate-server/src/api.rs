@@ -141,8 +141,22 @@ pub fn session_from_cookie(state: &AppState, headers: &HeaderMap) -> Option<Stri
 }
 
 pub fn client_ip_of(state: &AppState, peer: SocketAddr, headers: &HeaderMap) -> IpAddr {
-    let xff = headers.get("x-forwarded-for").and_then(|v| v.to_str().ok());
-    identity::client_addr(peer, xff, &state.config.server.trusted_proxies)
+    let xff = forwarded_for(headers);
+    identity::client_addr(peer, xff.as_deref(), &state.config.server.trusted_proxies)
+}
+
+/// Every `X-Forwarded-For` line, in order, as one list (RFC 9110 §5.3): a proxy may add a
+/// line of its own instead of appending to the one the client sent, and the client's line
+/// must not be read as the proxy's. A line that is not text counts as one unreadable hop.
+fn forwarded_for(headers: &HeaderMap) -> Option<String> {
+    let mut lines = headers.get_all("x-forwarded-for").iter().peekable();
+    lines.peek()?;
+    Some(
+        lines
+            .map(|v| v.to_str().unwrap_or("?"))
+            .collect::<Vec<_>>()
+            .join(","),
+    )
 }
 
 pub fn ip_scopes(state: &AppState, ip: IpAddr) -> Vec<IpScope> {

@@ -81,8 +81,9 @@ pub const BURST_MAX: u64 = 1_000_000;
 pub const CONCURRENCY_MAX: u64 = 1_000_000;
 /// Largest alert threshold, as a fraction times 1000 (10 = 1000% of a budget).
 pub const THRESHOLD_PERMILLE_MAX: u32 = 10_000;
-/// Most wider IPv6 prefixes.
-pub const IPV6_WIDER_MAX: usize = 8;
+/// Most wider IPv6 prefixes: with the client's own prefix, what the ledger limits one request
+/// by (a longer list would pass here and refuse every IPv6 client).
+pub const IPV6_WIDER_MAX: usize = spendgate_core::IP_SCOPES_MAX - 1;
 /// Run bounds ranges.
 pub const RUN_BYTES_MAX: u64 = 1 << 30;
 pub const RUN_TOKENS_MAX: u64 = 100_000_000;
@@ -2597,6 +2598,9 @@ thresholds = [0.5, 0.8, 1.0]
         assert_eq!(e.key(), "identity.ipv6_prefix");
         let e = load_err("[identity]\nipv6_wider_prefixes = [48, 56]\n");
         assert_eq!(e.key(), "identity.ipv6_wider_prefixes[1]");
+        // The client's prefix and three wider ones are what the ledger limits a request by.
+        let e = load_err("[identity]\nipv6_wider_prefixes = [60, 56, 52, 48]\n");
+        assert_eq!(e.key(), "identity.ipv6_wider_prefixes");
         let e = load_err("[sessions]\nchallenge_bits = 33\n");
         assert_eq!(e.key(), "sessions.challenge_bits");
         let e = load_err("[sessions]\nchallenge = \"sometimes\"\n");

@@ -225,3 +225,31 @@ async fn adaptive_challenge_starts_under_pressure() {
     .await;
     assert_eq!(status, 201, "{v}");
 }
+
+/// A proxy may add its own `X-Forwarded-For` line after one the client wrote: the lines are
+/// one list, walked from the right, so the client's line cannot choose the address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_written_forwarded_for_line_does_not_choose_the_address() {
+    let server = Server::start_with_sessions(
+        "create_rate_per_ip = \"2/hour\"\ncreate_rate_global = \"1000/hour\"",
+        "",
+    );
+    for attempt in 1..=3 {
+        let r = server
+            .http
+            .post(server.url("/v1/sessions"))
+            .header("x-forwarded-for", format!("192.0.2.{attempt}"))
+            .header("x-forwarded-for", "198.51.100.7")
+            .send()
+            .await
+            .expect("send");
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        if attempt <= 2 {
+            assert_eq!(status, 201, "{v}");
+        } else {
+            assert_eq!((status, code(&v)), (429, "rate_limited"), "{v}");
+            assert_eq!(v["error"]["scope"], "ip", "{v}");
+        }
+    }
+}

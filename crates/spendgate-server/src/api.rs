@@ -501,9 +501,16 @@ pub fn step_kind(config: &Config, body: &StepBody) -> ApiResult<StepKind> {
             let prompt_tokens = match (prompt_tokens, prompt_text) {
                 (Some(n), None) => *n,
                 (None, Some(t)) => {
-                    crate::tokens::count(m.tokenizer, t)
-                        + crate::tokens::TOKENS_PER_MESSAGE
-                        + crate::tokens::TOKENS_PER_REQUEST
+                    let overhead =
+                        crate::tokens::TOKENS_PER_MESSAGE + crate::tokens::TOKENS_PER_REQUEST;
+                    // More text than the context bound can hold is not counted: the ledger
+                    // refuses it as over the bound (`context_too_large`) all the same.
+                    let max = config.policy.run.max_context_tokens;
+                    if crate::tokens::over_countable(t.len() as u64, max) {
+                        (t.len() as u64).saturating_add(overhead)
+                    } else {
+                        crate::tokens::count(m.tokenizer, t) + overhead
+                    }
                 }
                 _ => {
                     return Err(ApiError::invalid(

@@ -227,6 +227,28 @@ const UNBILLED_FIELDS: [&str; 24] = [
 /// and per-request overhead. Returns the bound, the largest tool result's bytes and the last
 /// user message's bytes.
 pub fn prompt_tokens(tokenizer: Tokenizer, body: &Value) -> ApiResult<(u64, u64, u64)> {
+    let p = prompt_texts(body)?;
+    let tokens = p.texts.iter().fold(p.overhead, |n, t| {
+        n.saturating_add(tokens::count(tokenizer, t))
+    });
+    Ok((tokens, p.largest_tool_result, p.last_user_bytes))
+}
+
+/// The billed text of a request, to be counted: the pieces [`prompt_tokens`] counts.
+pub struct PromptTexts {
+    /// Each message's text, then each billed request field's.
+    pub texts: Vec<String>,
+    /// Tokens added for the request and its messages.
+    pub overhead: u64,
+    /// Bytes of every text together.
+    pub bytes: u64,
+    pub largest_tool_result: u64,
+    pub last_user_bytes: u64,
+}
+
+/// The texts of [`prompt_tokens`], not yet counted (counting a large prompt is expensive:
+/// [`tokens::count_all`]).
+pub fn prompt_texts(body: &Value) -> ApiResult<PromptTexts> {
     let messages = body
         .get("messages")
         .and_then(Value::as_array)
@@ -237,7 +259,8 @@ pub fn prompt_tokens(tokenizer: Tokenizer, body: &Value) -> ApiResult<(u64, u64,
         )));
     }
     check_priced_as_text(body)?;
-    let mut total = TOKENS_PER_REQUEST;
+    let mut texts = Vec::with_capacity(messages.len() + 1);
+    let mut overhead = TOKENS_PER_REQUEST;
     let mut largest_tool_result = 0u64;
     let mut last_user_bytes = 0u64;
     for m in messages {
@@ -268,16 +291,22 @@ pub fn prompt_tokens(tokenizer: Tokenizer, body: &Value) -> ApiResult<(u64, u64,
             last_user_bytes = content.len() as u64;
         }
         content.push_str(&text);
-        total = total
-            .saturating_add(tokens::count(tokenizer, &content))
-            .saturating_add(TOKENS_PER_MESSAGE);
+        texts.push(content);
+        overhead = overhead.saturating_add(TOKENS_PER_MESSAGE);
     }
     for (k, v) in body.as_object().into_iter().flatten() {
         if !v.is_null() && !UNBILLED_FIELDS.contains(&k.as_str()) {
-            total = total.saturating_add(tokens::count(tokenizer, &v.to_string()));
+            texts.push(v.to_string());
         }
     }
-    Ok((total, largest_tool_result, last_user_bytes))
+    let bytes = texts.iter().map(|t| t.len() as u64).sum();
+    Ok(PromptTexts {
+        texts,
+        overhead,
+        bytes,
+        largest_tool_result,
+        last_user_bytes,
+    })
 }
 
 /// Resolves a step exactly once; if dropped unresolved (client gone, task cancelled), the
@@ -499,7 +528,8 @@ pub async fn chat_completions(
         })?
         .clone();
     let bounds = state.config.policy.run;
-    let (prompt, largest_tool_result, input_bytes) = prompt_tokens(model.tokenizer, &req)?;
+    let texts = prompt_texts(&req)?;
+    let (largest_tool_result, input_bytes) = (texts.largest_tool_result, texts.last_user_bytes);
     if largest_tool_result > bounds.max_tool_result_bytes {
         return Err(ApiError::from(&Refusal {
             code: RefusalCode::RunBoundExceeded,
@@ -511,17 +541,31 @@ pub async fn chat_completions(
             ),
         }));
     }
-    // Refused before any store call: the prompt bound alone is over the context limit.
-    if prompt > bounds.max_context_tokens {
-        return Err(ApiError::from(&Refusal {
+    let context_too_large = |what: String| {
+        ApiError::from(&Refusal {
             code: RefusalCode::ContextTooLarge,
             scope: Some(ScopeKind::Run),
             retry_after_s: None,
             message: format!(
-                "prompt of {prompt} tokens is over the context limit of {} tokens",
+                "{what} is over the context limit of {} tokens",
                 bounds.max_context_tokens
             ),
-        }));
+        })
+    };
+    // Refused before it is counted: more text than the context limit can hold.
+    if tokens::over_countable(texts.bytes, bounds.max_context_tokens) {
+        return Err(context_too_large(format!(
+            "a prompt of {} bytes (more than {} bytes per token)",
+            texts.bytes,
+            tokens::BYTES_PER_TOKEN_MAX
+        )));
+    }
+    let prompt = texts
+        .overhead
+        .saturating_add(tokens::count_all(model.tokenizer, texts.texts).await);
+    // Refused before any store call: the prompt bound alone is over the context limit.
+    if prompt > bounds.max_context_tokens {
+        return Err(context_too_large(format!("prompt of {prompt} tokens")));
     }
     // The effective output bound: the smallest of every alias the request carries and ours.
     let mut requested: Option<u64> = None;

@@ -173,6 +173,12 @@ base_url = "http://127.0.0.1:{mock_port}/v1"
 api_key = "{UPSTREAM_KEY}"
 timeout_s = {timeout}
 
+[models.bpe-model]
+upstream = "up"
+input_per_million = "1"
+output_per_million = "1"
+tokenizer = "o200k_base"
+
 [models.refused-key]
 upstream = "refusing"
 input_per_million = "1"
@@ -614,6 +620,37 @@ async fn over_bound_requests_never_reach_the_upstream() {
             (400, "context_too_large".into()),
             "{}",
             r.text
+        );
+    }
+    // With a BPE tokenizer: more text than 16 bytes a token of the context bound is refused
+    // before it is counted (a million spaces would cost the tokenizer seconds, and crash
+    // it); a long prompt under that bound is counted off the async workers, and refused.
+    for (what, text) in [
+        ("spaces", " ".repeat(1_000_000)),
+        (
+            "prose",
+            "the quick brown fox jumps over the lazy dog ".repeat(600),
+        ),
+    ] {
+        let started = std::time::Instant::now();
+        let r = g
+            .chat(
+                "c-bpe",
+                json!({"model": "bpe-model", "messages": [
+                    {"role": "system", "content": text}, {"role": "user", "content": "hi"}]}),
+                &[],
+            )
+            .await;
+        assert_eq!(
+            (r.status, r.code()),
+            (400, "context_too_large".into()),
+            "{what}: {}",
+            r.text
+        );
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(2),
+            "{what}: refused in {:?}",
+            started.elapsed()
         );
     }
     // A tool result over max_tool_result_bytes (1000) fed back.

@@ -324,25 +324,59 @@ struct StepGuard {
     usage: Option<TokenUsage>,
     /// The task renewing the run's lease; stopped when the step is resolved.
     renewal: Option<tokio::task::AbortHandle>,
+    /// When the call must stop ([`StepGuard::stopped`]): the run's deadline once known, or
+    /// the moment the run was found ended under the call.
+    stop: tokio::sync::watch::Receiver<Option<tokio::time::Instant>>,
+}
+
+/// The local instant of a store time (the store's clock is this machine's, or Redis's).
+fn instant_of(at: UnixMs) -> tokio::time::Instant {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    tokio::time::Instant::now() + Duration::from_millis(at.0.saturating_sub(now_ms))
 }
 
 impl StepGuard {
-    fn new(state: Shared, step: ReservationId, run_id: RunId, own_run: bool) -> StepGuard {
+    /// `deadline`: the run's, when the caller knows it (a run the proxy opened); else the
+    /// first renewal, at once, learns it.
+    fn new(
+        state: Shared,
+        step: ReservationId,
+        run_id: RunId,
+        own_run: bool,
+        deadline: Option<UnixMs>,
+    ) -> StepGuard {
         // A third of the lease: two renewals may fail or be late before it runs out.
         let every = (state.config.store.lease_ttl / 3).max(LEASE_RENEWAL_MIN);
+        let (stop_tx, stop) = tokio::sync::watch::channel(deadline.map(instant_of));
         let renewal = {
             let state = state.clone();
             let run_id = run_id.clone();
             tokio::spawn(async move {
+                let mut known = deadline.is_some();
                 loop {
-                    tokio::time::sleep(every).await;
+                    if known {
+                        tokio::time::sleep(every).await;
+                    }
                     match state.store.heartbeat(run_id.clone()).await {
-                        Ok(a) if a.value.lease_until < a.value.deadline => {}
-                        // At its deadline: the lease can grow no more.
-                        Ok(_) => return,
-                        // The run has ended (finished, expired): nothing left to renew.
-                        Err(StoreError::Ledger(_)) => return,
+                        Ok(a) => {
+                            known = true;
+                            let _ = stop_tx.send(Some(instant_of(a.value.deadline)));
+                            // At its deadline: the lease can grow no more.
+                            if a.value.lease_until >= a.value.deadline {
+                                return;
+                            }
+                        }
+                        // The run has ended (finished, expired): its holds were settled
+                        // without this call, which must stop now.
+                        Err(StoreError::Ledger(e)) => {
+                            tracing::warn!(error = %e, run = %run_id.0, "a proxied call's run ended under it; stopping the call");
+                            let _ = stop_tx.send(Some(tokio::time::Instant::now()));
+                            return;
+                        }
                         Err(e) => {
+                            known = true;
                             tracing::warn!(error = %e, run = %run_id.0, "could not renew a proxied run's lease")
                         }
                     }
@@ -356,6 +390,34 @@ impl StepGuard {
             run: own_run.then_some(run_id),
             usage: None,
             renewal: Some(renewal),
+            stop,
+        }
+    }
+
+    /// Completes when the call must stop: at the run's deadline (a run never exceeds its
+    /// seconds, I5; past it, its lease is over and its holds are charged, so paid work must
+    /// not go on), or when the run ended under the call.
+    fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.stop.clone();
+        async move {
+            loop {
+                let at = *rx.borrow_and_update();
+                let changed = async {
+                    if rx.changed().await.is_err() {
+                        // No more news: the last word stands.
+                        std::future::pending::<()>().await;
+                    }
+                };
+                match at {
+                    Some(at) => {
+                        tokio::select! {
+                            _ = tokio::time::sleep_until(at) => return,
+                            _ = changed => {}
+                        }
+                    }
+                    None => changed.await,
+                }
+            }
         }
     }
 
@@ -615,6 +677,8 @@ pub async fn chat_completions(
     let mut run_dry_run: Option<Refusal> = None;
     // What the one-step run's admission left of the tightest request rate.
     let mut run_rate_left = None;
+    // The one-step run's deadline (a step of the caller's run learns its run's at once).
+    let mut run_deadline = None;
     let (run_id, own_run, reserved) = match &who.run {
         Some(r) => {
             api::check_id_path("run", r)?;
@@ -669,6 +733,7 @@ pub async fn chat_completions(
                 Ok(Ok(a)) => {
                     run_dry_run = a.dry_run;
                     run_rate_left = Some(a.rate_left);
+                    run_deadline = Some(a.deadline);
                 }
                 Ok(Err(r)) => {
                     state.metrics.refused("proxy_run", r.code.name(), r.scope);
@@ -702,7 +767,13 @@ pub async fn chat_completions(
         }
     };
     state.metrics.admitted("proxy_step");
-    let guard = StepGuard::new(state.clone(), step_id.clone(), run_id.clone(), own_run);
+    let guard = StepGuard::new(
+        state.clone(),
+        step_id.clone(),
+        run_id.clone(),
+        own_run,
+        run_deadline,
+    );
 
     // The forwarded request: exactly one output bound, usage asked for in streams.
     let out = reserved
@@ -779,7 +850,22 @@ pub async fn chat_completions(
     let before_forwarding = started.duration_since(entered);
     // One deadline for the answer's head (and, when not streaming, its whole body).
     let deadline = tokio::time::Instant::now() + upstream.timeout;
-    let resp = match tokio::time::timeout_at(deadline, builder.send()).await {
+    let head = tokio::select! {
+        head = tokio::time::timeout_at(deadline, builder.send()) => head,
+        _ = guard.stopped() => {
+            tracing::warn!(run = %run_id.0, "the run's deadline passed before the upstream answered; charging the step in full");
+            return Ok(fail(
+                guard,
+                Resolution::Unknown,
+                extra,
+                StatusCode::GATEWAY_TIMEOUT,
+                "run_deadline_exceeded",
+                "the run's deadline passed before the upstream answered; the call was charged in full",
+            )
+            .await);
+        }
+    };
+    let resp = match head {
         Ok(Ok(r)) => r,
         Ok(Err(e)) if e.is_connect() => {
             // The request never left: no paid work started.
@@ -826,7 +912,7 @@ pub async fn chat_completions(
 
     if !status.is_success() {
         // An error answer: by default no paid work started.
-        let bytes = read_capped(resp, deadline).await;
+        let bytes = read_capped(resp, deadline, guard.stopped()).await;
         state.metrics.upstream_call(started.elapsed());
         let how = if upstream.release_on_error && bytes.is_some() {
             Resolution::Release
@@ -856,7 +942,7 @@ pub async fn chat_completions(
     }
 
     if !stream {
-        let Some(bytes) = read_capped(resp, deadline).await else {
+        let Some(bytes) = read_capped(resp, deadline, guard.stopped()).await else {
             return Ok(fail(
                 guard,
                 Resolution::Unknown,
@@ -895,9 +981,11 @@ pub async fn chat_completions(
 
     state.metrics.proxy_overhead(before_forwarding);
     // Streaming: pass every chunk through as it arrives; watch for the usage chunk.
+    let stop = guard.stopped();
     let body_stream = relay(
         resp.bytes_stream(),
         guard,
+        stop,
         upstream.timeout,
         !client_wants_usage,
         started,
@@ -990,11 +1078,20 @@ fn note_resolution(a: &Applied<Resolved>, headers: &mut HeaderMap) {
 
 /// Reads a whole body of at most [`UPSTREAM_BODY_BYTES_MAX`] by `deadline`; `None` when it
 /// is cut off, too large or too slow.
-async fn read_capped(resp: reqwest::Response, deadline: tokio::time::Instant) -> Option<Bytes> {
+async fn read_capped(
+    resp: reqwest::Response,
+    deadline: tokio::time::Instant,
+    stop: impl std::future::Future<Output = ()>,
+) -> Option<Bytes> {
     let mut s = resp.bytes_stream();
     let mut buf = Vec::new();
+    tokio::pin!(stop);
     loop {
-        match tokio::time::timeout_at(deadline, s.next()).await {
+        let next = tokio::select! {
+            next = tokio::time::timeout_at(deadline, s.next()) => next,
+            _ = &mut stop => return None,
+        };
+        match next {
             Ok(Some(Ok(chunk))) => {
                 if buf.len() + chunk.len() > UPSTREAM_BODY_BYTES_MAX {
                     return None;
@@ -1165,6 +1262,7 @@ fn sse_error(code: &str, message: &str, mid_line: bool) -> Bytes {
 fn relay(
     upstream: impl futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
     guard: StepGuard,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
     idle: Duration,
     strip_usage: bool,
     started: Instant,
@@ -1172,6 +1270,7 @@ fn relay(
     struct S<U> {
         upstream: U,
         guard: Option<StepGuard>,
+        stop: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
         tap: SseTap,
         idle: Duration,
         started: Instant,
@@ -1179,6 +1278,7 @@ fn relay(
     let s = S {
         upstream,
         guard: Some(guard),
+        stop: Box::pin(stop),
         tap: SseTap::new(strip_usage),
         idle,
         started,
@@ -1186,7 +1286,27 @@ fn relay(
     futures::stream::unfold(s, |mut s| async move {
         loop {
             let mut guard = s.guard.take()?;
-            match tokio::time::timeout(s.idle, s.upstream.next()).await {
+            let next = tokio::select! {
+                next = tokio::time::timeout(s.idle, s.upstream.next()) => next,
+                _ = &mut s.stop => {
+                    // The run's time is up (or it ended): the upstream connection is dropped
+                    // with the stream, and the step is charged in full unless its usage was
+                    // read whole.
+                    let how = match s.tap.usage {
+                        Some(u) => Resolution::Commit(Settlement::Tokens(u)),
+                        None => Resolution::Unknown,
+                    };
+                    tracing::warn!(usage_read = s.tap.usage.is_some(), "a proxied stream reached its run's deadline; cutting it");
+                    let _ = guard.resolve(how).await;
+                    let event = sse_error(
+                        "run_deadline_exceeded",
+                        "the run's deadline passed; the stream was cut (charged in full unless its usage had arrived)",
+                        s.tap.mid_line(),
+                    );
+                    return Some((Ok(event), s));
+                }
+            };
+            match next {
                 Ok(Some(Ok(chunk))) => {
                     let out = s.tap.feed(chunk);
                     guard.usage = s.tap.usage;

@@ -106,6 +106,8 @@ struct Opts {
     prices: Prices,
     timeout_s: u64,
     lease_ttl_s: u64,
+    /// `run.max_seconds`
+    max_seconds: u64,
 }
 
 impl Default for Opts {
@@ -122,6 +124,7 @@ impl Default for Opts {
             },
             timeout_s: 30,
             lease_ttl_s: 10,
+            max_seconds: 120,
         }
     }
 }
@@ -154,6 +157,7 @@ concurrency = 1
 budgets = [{{ amount = "{conv}", window = "day" }}]
 
 [run]
+max_seconds = {max_seconds}
 max_context_tokens = 2000
 max_output_tokens = 100
 max_tool_result_bytes = 1000
@@ -199,6 +203,7 @@ tokenizer = "bytes"
 base_url = "http://127.0.0.1:{down_port}/v1"
 "#,
         down_port = free_port(),
+        max_seconds = o.max_seconds,
         global = o.global_budget,
         global_dry_run = o.global_dry_run,
         conv = o.conversation_budget,
@@ -1492,6 +1497,79 @@ async fn a_call_longer_than_the_lease_keeps_its_slot_and_is_committed() {
         assert!(
             row["charged_micros"].as_u64() < Some(r.reserved()),
             "charged at usage, not in full: {row}"
+        );
+    }
+    assert_eq!(g.global().await["reserved_micros"], 0);
+}
+
+/// A run never exceeds its seconds (I5): a proxied call still running at its run's deadline
+/// is cut there, streamed or not, and charged in full (its lease ends with the deadline, so
+/// its usage could no longer be committed); the run's conversation is free again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_past_its_runs_deadline_is_cut_and_charged_in_full() {
+    let g = Arc::new(
+        Gateway::start(Opts {
+            max_seconds: 2,
+            ..Opts::default()
+        })
+        .await,
+    );
+    let mut calls = Vec::new();
+    for stream in [true, false] {
+        let g2 = g.clone();
+        calls.push(tokio::spawn(async move {
+            let started = std::time::Instant::now();
+            let r = g2
+                .chat(
+                    &format!("c-late-{stream}"),
+                    json!({"model": MODEL, "stream": stream, "messages": user("tell me a long story")}),
+                    &[
+                        ("x-mock-completion-tokens", "60"),
+                        ("x-mock-tokens-per-second", "10"),
+                    ],
+                )
+                .await;
+            (stream, r, started.elapsed())
+        }));
+    }
+    for c in calls {
+        let (stream, r, took) = c.await.expect("task");
+        assert!(
+            took < Duration::from_millis(4_000),
+            "stream {stream}: the 6 s call ended after {took:?}, past the 2 s deadline"
+        );
+        if stream {
+            assert_eq!(r.status, 200, "{}", r.text);
+            assert!(
+                r.text.contains("run_deadline_exceeded"),
+                "the stream ends with the reason: {}",
+                r.text
+            );
+        } else {
+            assert!([502, 504].contains(&r.status), "{} {}", r.status, r.text);
+        }
+        let row = g.reservation(&r.step()).await;
+        // `unknown` when the cut's resolution came first, `expired` when the lease's end at
+        // the deadline did: charged in full either way.
+        assert!(
+            row["state"] == "unknown" || row["state"] == "expired",
+            "stream {stream}: {row}"
+        );
+        assert_eq!(
+            row["charged_micros"], row["reserved_micros"],
+            "stream {stream}: charged in full: {row}"
+        );
+        let again = g
+            .chat(
+                &format!("c-late-{stream}"),
+                json!({"model": MODEL, "messages": user("hi")}),
+                &[],
+            )
+            .await;
+        assert_eq!(
+            again.status, 200,
+            "the conversation is free: {}",
+            again.text
         );
     }
     assert_eq!(g.global().await["reserved_micros"], 0);

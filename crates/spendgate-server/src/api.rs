@@ -170,6 +170,16 @@ pub fn parse_ip(s: &str) -> ApiResult<IpAddr> {
         .map_err(|_| ApiError::invalid(format!("client_ip {s:?} is not an IP address")))
 }
 
+/// The conversation scope of a conversation a guest names itself (browser-direct, or usage
+/// read with its cookie): its own, never another guest's. The id it sends is namespaced by
+/// its session (the id hashed to a fixed length), so guests who pick the same id (`chat-1`)
+/// neither share a conversation's budget nor take its one generation slot from each other.
+/// Ids the operator's backend sends with a service token are its own namespace, as given.
+pub fn guest_conversation(session_id: &str, conversation: &str) -> String {
+    let digest = Sha256::digest(conversation.as_bytes());
+    format!("{session_id}:{}", hex::encode(&digest[..12]))
+}
+
 pub fn check_conversation(c: &str) -> ApiResult<()> {
     if c.is_empty() || c.len() > CONVERSATION_ID_BYTES_MAX || c.chars().any(char::is_control) {
         return Err(ApiError::invalid(format!(
@@ -786,27 +796,28 @@ pub async fn usage(
     headers: HeaderMap,
     Query(q): Query<UsageQuery>,
 ) -> ApiResult<Response> {
-    let (token, ip, conversation) = if bearer(&headers).is_some() {
+    let service = bearer(&headers).is_some();
+    let (token, ip) = if service {
         require_service(&state, &headers)?;
         let token = q
             .session
             .clone()
             .ok_or_else(|| ApiError::invalid("?session= is required with a service token"))?;
         let ip = q.client_ip.as_deref().map(parse_ip).transpose()?;
-        (token, ip, q.conversation.clone())
+        (token, ip)
     } else {
         let token = session_from_cookie(&state, &headers)
             .ok_or_else(|| ApiError::unauthorized("no session cookie and no service token"))?;
-        (
-            token,
-            Some(client_ip_of(&state, peer, &headers)),
-            q.conversation.clone(),
-        )
+        (token, Some(client_ip_of(&state, peer, &headers)))
     };
-    if let Some(c) = &conversation {
+    if let Some(c) = &q.conversation {
         check_conversation(c)?;
     }
     let session = state.keys.verify(&token, now_unix())?;
+    let conversation = match &q.conversation {
+        Some(c) if !service => Some(guest_conversation(&session.id, c)),
+        other => other.clone(),
+    };
     let ips = ip.map(|ip| ip_scopes(&state, ip)).unwrap_or_default();
     let scopes = Ledger::request_scopes(&session.id, &ips, conversation.as_deref());
     let lines = state.store.usage(scopes).await?;

@@ -103,10 +103,15 @@ fn caller(state: &api::AppState, peer: SocketAddr, headers: &HeaderMap) -> ApiRe
     }
     let session = state.keys.verify(&token, api::now_unix())?;
     let ip = api::client_ip_of(state, peer, headers);
-    let conversation = header_str(headers, "spendgate-conversation")
-        .unwrap_or(&session.id)
-        .to_string();
-    api::check_conversation(&conversation)?;
+    // A guest's conversation is its own (see `api::guest_conversation`); without one named,
+    // the session is the conversation.
+    let conversation = match header_str(headers, "spendgate-conversation") {
+        Some(c) => {
+            api::check_conversation(c)?;
+            api::guest_conversation(&session.id, c)
+        }
+        None => session.id.clone(),
+    };
     Ok(Caller {
         session: session.id,
         ips: api::ip_scopes(state, ip),

@@ -93,6 +93,17 @@ pub const DEFAULT_SESSIONS: &str =
     "create_rate_per_ip = \"100000/second\"\ncreate_rate_global = \"100000/second\"";
 
 pub fn config_text_with_sessions(port: u16, store: &str, sessions: &str, extra: &str) -> String {
+    config_text_full(port, "", store, sessions, extra)
+}
+
+/// [`config_text_with_sessions`] with more `[server]` keys.
+pub fn config_text_full(
+    port: u16,
+    server: &str,
+    store: &str,
+    sessions: &str,
+    extra: &str,
+) -> String {
     format!(
         r#"
 [server]
@@ -100,6 +111,7 @@ listen = "127.0.0.1:{port}"
 service_tokens = ["{SERVICE}"]
 admin_tokens = ["{ADMIN}"]
 trusted_proxies = ["127.0.0.1/32"]
+{server}
 
 [sessions]
 keys = ["{SESSION_KEY}"]
@@ -163,6 +175,27 @@ impl Server {
         Server::start_full(dir, &store, sessions, extra, Vec::new())
     }
 
+    /// A server on sqlite whose `/v1/chat/completions` also takes a guest's cookie alone
+    /// (`server.browser_direct = true`).
+    pub fn start_browser_direct(extra: &str) -> Server {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = dir.path().join("spendgate.db");
+        let store = format!(
+            "kind = \"sqlite\"\npath = \"{}\"\ntimeout_ms = {SQLITE_TEST_TIMEOUT_MS}",
+            db.display()
+        );
+        let config = |port| {
+            config_text_full(
+                port,
+                "browser_direct = true",
+                &store,
+                DEFAULT_SESSIONS,
+                extra,
+            )
+        };
+        Server::start_config(dir, config, Vec::new())
+    }
+
     fn start_in(dir: tempfile::TempDir, store: &str, extra: &str) -> Server {
         Server::start_full(dir, store, DEFAULT_SESSIONS, extra, Vec::new())
     }
@@ -174,13 +207,18 @@ impl Server {
         extra: &str,
         env: Vec<(String, String)>,
     ) -> Server {
+        let config = |port| config_text_with_sessions(port, store, sessions, extra);
+        Server::start_config(dir, config, env)
+    }
+
+    fn start_config(
+        dir: tempfile::TempDir,
+        config_text: impl FnOnce(u16) -> String,
+        env: Vec<(String, String)>,
+    ) -> Server {
         let port = free_port();
         let config = dir.path().join("spendgate.toml");
-        std::fs::write(
-            &config,
-            config_text_with_sessions(port, store, sessions, extra),
-        )
-        .expect("write config");
+        std::fs::write(&config, config_text(port)).expect("write config");
         spendgate_server::install_crypto();
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(20))

@@ -108,6 +108,8 @@ struct Opts {
     lease_ttl_s: u64,
     /// `run.max_seconds`
     max_seconds: u64,
+    /// `server.browser_direct`
+    browser_direct: bool,
 }
 
 impl Default for Opts {
@@ -125,6 +127,7 @@ impl Default for Opts {
             timeout_s: 30,
             lease_ttl_s: 10,
             max_seconds: 120,
+            browser_direct: false,
         }
     }
 }
@@ -275,7 +278,12 @@ impl Reply {
 impl Gateway {
     async fn start(opts: Opts) -> Gateway {
         let mock = Mock::start().await;
-        let server = Server::start(&gateway_config(mock.port, &opts));
+        let config = gateway_config(mock.port, &opts);
+        let server = if opts.browser_direct {
+            Server::start_browser_direct(&config)
+        } else {
+            Server::start(&config)
+        };
         let session = server.session().await;
         Gateway {
             server,
@@ -1573,4 +1581,92 @@ async fn a_call_past_its_runs_deadline_is_cut_and_charged_in_full() {
         );
     }
     assert_eq!(g.global().await["reserved_micros"], 0);
+}
+
+/// Browser-direct: a guest names its conversation freely, and gets its own. Another guest
+/// naming the same id neither takes its one generation slot nor reads or spends its
+/// conversation budget; the same guest naming it again is one conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guests_conversation_is_its_own() {
+    let g = Arc::new(
+        Gateway::start(Opts {
+            browser_direct: true,
+            ..Opts::default()
+        })
+        .await,
+    );
+    let guest = |token: String, conversation: &'static str, body: Value, slow: bool| {
+        let g = g.clone();
+        async move {
+            let mut req = g
+                .server
+                .http
+                .post(g.server.url("/v1/chat/completions"))
+                .header("cookie", format!("spendgate_session={token}"))
+                .header("spendgate-conversation", conversation)
+                .json(&body);
+            if slow {
+                req = req
+                    .header("x-mock-completion-tokens", "20")
+                    .header("x-mock-tokens-per-second", "10");
+            }
+            let r = req.send().await.expect("send");
+            let status = r.status().as_u16();
+            let headers = r.headers().clone();
+            let text = r.text().await.expect("body");
+            Reply {
+                status,
+                headers,
+                text,
+            }
+        }
+    };
+    let a = g.server.session().await;
+    let b = g.server.session().await;
+    let slow = json!({"model": MODEL, "stream": true, "messages": user("a long story")});
+    let long = tokio::spawn(guest(a.clone(), "chat-1", slow.clone(), true));
+    // (the mock streams 20 tokens at 10 a second: two seconds of generation)
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let hi = json!({"model": MODEL, "messages": user("hi")});
+    let r = guest(b.clone(), "chat-1", hi.clone(), false).await;
+    assert_eq!(
+        r.status, 200,
+        "another guest's chat-1 is another conversation: {}",
+        r.text
+    );
+    let r = guest(a.clone(), "chat-1", hi.clone(), false).await;
+    assert_eq!(
+        (r.status, r.code()),
+        (429, "concurrency_limited".into()),
+        "the same guest's chat-1 is busy: {}",
+        r.text
+    );
+    let r = long.await.expect("task");
+    assert_eq!(r.status, 200, "{}", r.text);
+    // Each guest's usage of chat-1 is its own conversation's.
+    for token in [&a, &b] {
+        let v: Value = g
+            .server
+            .http
+            .get(g.server.url("/v1/usage?conversation=chat-1"))
+            .header("cookie", format!("spendgate_session={token}"))
+            .send()
+            .await
+            .expect("usage")
+            .json()
+            .await
+            .expect("json");
+        let conv: Vec<&Value> = v["scopes"]
+            .as_array()
+            .expect("scopes")
+            .iter()
+            .filter(|s| s["kind"] == "conversation")
+            .collect();
+        assert!(!conv.is_empty(), "{v}");
+        assert!(
+            conv.iter()
+                .all(|s| s["id"] != "chat-1" && s["used_micros"].as_u64() > Some(0)),
+            "a namespaced conversation with this guest's spend: {v}"
+        );
+    }
 }

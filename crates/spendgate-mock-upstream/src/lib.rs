@@ -53,6 +53,9 @@
 //!   (`type: "rate_limit_error"`, `code: "rate_limit_exceeded"`). No usage counted.
 //! - `http_500`: status 500 with an OpenAI-shaped error (`type: "server_error"`). No usage
 //!   counted.
+//! - `http_504`: the work is done (its full usage is counted, as a non-streaming answer
+//!   would count it) and then answered with status 504, as a gateway in front of a provider
+//!   that timed out after the provider had generated.
 //! - `drop_mid_stream`: streaming: send the first 2 content chunks (fewer if the answer is
 //!   shorter), then abort the connection without a finish chunk, usage or `[DONE]`.
 //!   Non-streaming: abort the connection without a complete response.
@@ -85,6 +88,7 @@
 //!     emitted before the end;
 //!   - `hang` and the non-streaming `drop_mid_stream` count the full prompt (and cached) tokens
 //!     and no completion tokens: they emit none;
+//!   - `http_504` counts the full usage of the answer it did not deliver;
 //!   - `http_429`, `http_500` and refused requests count nothing; neither does a request whose
 //!     client went away during the latency wait.
 //! - `max_tokens_seen`: for each accepted request, the smaller of `max_tokens` /
@@ -339,10 +343,11 @@ pub(crate) enum Fault {
     NoUsage,
     UsageOver,
     ToolCall,
+    Http504,
 }
 
 impl Fault {
-    const ALL: [Fault; 8] = [
+    const ALL: [Fault; 9] = [
         Fault::None,
         Fault::Http429,
         Fault::Http500,
@@ -351,6 +356,7 @@ impl Fault {
         Fault::NoUsage,
         Fault::UsageOver,
         Fault::ToolCall,
+        Fault::Http504,
     ];
 
     fn name(self) -> &'static str {
@@ -363,6 +369,7 @@ impl Fault {
             Fault::NoUsage => "no_usage",
             Fault::UsageOver => "usage_over",
             Fault::ToolCall => "tool_call",
+            Fault::Http504 => "http_504",
         }
     }
 
@@ -644,6 +651,16 @@ async fn chat_completions(
             None,
             "mock upstream: internal error (fault http_500)",
         ),
+        Fault::Http504 => {
+            mock.count_prompt(plan.prompt_tokens, plan.cached_tokens);
+            mock.count_completion(plan.completion_tokens);
+            error_response(
+                StatusCode::GATEWAY_TIMEOUT,
+                "server_error",
+                None,
+                "mock upstream: gateway timeout after the work was done (fault http_504)",
+            )
+        }
         Fault::Hang => {
             mock.count_prompt(plan.prompt_tokens, plan.cached_tokens);
             tokio::time::sleep(MAX_WAIT).await;

@@ -24,7 +24,8 @@
 //!   k-th one at the `ip` limits multiplied by 4^k.
 //! - `models.NAME.upstream_model`: the model name sent upstream (default: NAME).
 //! - `upstreams.NAME.release_on_error` (default `true`): an upstream error response that shows
-//!   no work was done releases the reservation instead of charging it.
+//!   no work was done (`proxy::NO_WORK_STATUSES`) releases the reservation instead of
+//!   charging it.
 //! - In `[limits.X]`, `rate = "off"` and `concurrency = "off"` switch that limit off; absent keys
 //!   keep their default.
 //! - `limits.X.dry_run` (default `false`): that scope's limits in dry-run (SPEC §8 "per

@@ -4,8 +4,9 @@
 //!
 //! Terminal states:
 //! - upstream answered with usage (streamed or not) → `committed` at the observed usage;
-//! - upstream answered an error status and the upstream is configured `release_on_error` →
-//!   `released` (no paid work started);
+//! - upstream answered an error status that says no work was done ([`NO_WORK_STATUSES`]: a
+//!   refusal, 500, 503) and the upstream is configured `release_on_error` → `released`; any
+//!   other error status (a gateway's 502 or 504, which may follow the work) → `unknown`;
 //! - connection lost, timeout, client gone mid-stream, an answer without usage → `unknown`,
 //!   charged in full; unless a usage chunk had already been read whole, which is trusted.
 
@@ -37,6 +38,11 @@ pub const SSE_LINE_BYTES_MAX: usize = 1024 * 1024;
 pub const MESSAGES_MAX: usize = 4096;
 /// The shortest period between two renewals of a proxied run's lease.
 pub const LEASE_RENEWAL_MIN: Duration = Duration::from_millis(100);
+/// Error statuses by which the upstream itself says it did no paid work: the request was
+/// refused (bad, unauthorized, not found, too large, rate limited) or failed in the server
+/// (500, 503). Any other error status (a 502 or 504 of a gateway in front of the provider, a
+/// 408 or a CDN's 52x) may come after the work was done: charged in full.
+pub const NO_WORK_STATUSES: [u16; 11] = [400, 401, 403, 404, 409, 413, 415, 422, 429, 500, 503];
 
 /// One configured upstream, resolved at start.
 #[derive(Clone, Debug)]
@@ -919,7 +925,10 @@ pub async fn chat_completions(
         // An error answer: by default no paid work started.
         let bytes = read_capped(resp, deadline, guard.stopped()).await;
         state.metrics.upstream_call(started.elapsed());
-        let how = if upstream.release_on_error && bytes.is_some() {
+        let how = if upstream.release_on_error
+            && bytes.is_some()
+            && NO_WORK_STATUSES.contains(&status.as_u16())
+        {
             Resolution::Release
         } else {
             Resolution::Unknown

@@ -63,6 +63,9 @@ pub fn now_unix() -> u64 {
         .unwrap_or(0)
 }
 
+/// Time a request body may take to arrive whole.
+pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// A JSON body parsed strictly; its rejections are `ApiError`s. Keeps the raw bytes, whose
 /// digest fingerprints the request when it carries an `Idempotency-Key`.
 pub struct Body<T> {
@@ -73,13 +76,27 @@ pub struct Body<T> {
 impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
     type Rejection = ApiError;
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
-            if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::payload_too_large("request body is too large")
-            } else {
-                ApiError::invalid(format!("could not read the request body: {e}"))
-            }
-        })?;
+        // A body sent slowly holds a request slot: it gets BODY_READ_TIMEOUT in all.
+        let read = tokio::time::timeout(BODY_READ_TIMEOUT, Bytes::from_request(req, state));
+        let bytes = read
+            .await
+            .map_err(|_| {
+                ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "request_timeout",
+                    format!(
+                        "the request body did not arrive within {} s",
+                        BODY_READ_TIMEOUT.as_secs()
+                    ),
+                )
+            })?
+            .map_err(|e| {
+                if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    ApiError::payload_too_large("request body is too large")
+                } else {
+                    ApiError::invalid(format!("could not read the request body: {e}"))
+                }
+            })?;
         let value = if bytes.is_empty() {
             serde_json::from_slice(b"{}")
         } else {

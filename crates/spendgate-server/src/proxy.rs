@@ -571,11 +571,16 @@ fn pass_headers(from: &reqwest::header::HeaderMap, to: &mut HeaderMap) {
 pub async fn chat_completions(
     State(state): State<Shared>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-    body: api::Body<Value>,
+    request: axum::extract::Request,
 ) -> ApiResult<Response> {
     let entered = Instant::now();
+    // Who is calling, from the headers alone: a caller without credentials is refused before
+    // its body is read.
+    let headers = request.headers().clone();
     let who = caller(&state, peer, &headers)?;
+    let body =
+        <api::Body<Value> as axum::extract::FromRequest<Shared>>::from_request(request, &state)
+            .await?;
     let mut req = body.value;
     if !req.is_object() {
         return Err(ApiError::invalid("the request body must be a JSON object"));

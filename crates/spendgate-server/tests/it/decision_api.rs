@@ -738,3 +738,67 @@ async fn a_limit_in_dry_run_reports_and_admits() {
     assert_eq!(status, 429, "{v}");
     assert_eq!(code(&v), "concurrency_limited");
 }
+
+/// Sends the head of a POST with a body of `Content-Length: 1000` of which only `{` arrives,
+/// and returns the status line answered within `within` (None: no answer in time).
+async fn half_sent(
+    port: u16,
+    path: &str,
+    headers: &str,
+    within: std::time::Duration,
+) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let head = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}Content-Length: 1000\r\n\r\n{{"
+    );
+    tcp.write_all(head.as_bytes()).await.expect("write");
+    let mut buf = vec![0u8; 512];
+    let n = tokio::time::timeout(within, tcp.read(&mut buf))
+        .await
+        .ok()?
+        .expect("read");
+    let text = String::from_utf8_lossy(&buf[..n]).to_string();
+    text.lines().next().map(str::to_string)
+}
+
+/// A caller without credentials is refused from its headers, before its body arrives (it
+/// holds no request slot while it trickles one in); a body that does not arrive whole in
+/// time is answered 408, on the proxy route too (it has no overall timeout: streams are long).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn credentials_are_checked_before_the_body_and_a_slow_body_times_out() {
+    let server = Server::start(ROOMY);
+    let quick = std::time::Duration::from_secs(2);
+    for path in [
+        "/v1/runs",
+        "/v1/runs/r1/steps",
+        "/v1/steps/s1/commit",
+        "/admin/v1/adjustments",
+        "/v1/chat/completions",
+    ] {
+        let status = half_sent(server.port, path, "", quick).await;
+        assert!(
+            status.as_deref().is_some_and(|s| s.contains(" 401 ")),
+            "{path}: {status:?}"
+        );
+    }
+    let session = server.session().await;
+    let headers = format!(
+        "Authorization: Bearer {SERVICE}\r\nSpendgate-Session: {session}\r\nSpendgate-Client-Ip: 192.0.2.1\r\nSpendgate-Conversation: c1\r\n"
+    );
+    let started = std::time::Instant::now();
+    let status = half_sent(
+        server.port,
+        "/v1/chat/completions",
+        &headers,
+        std::time::Duration::from_secs(15),
+    )
+    .await;
+    assert!(
+        status.as_deref().is_some_and(|s| s.contains(" 408 ")),
+        "{status:?} after {:?}",
+        started.elapsed()
+    );
+}

@@ -135,6 +135,18 @@ pub async fn i5_run_max_cost(b: &dyn Backend) {
     assert_eq!(f.charged, Micros(10_000));
     let lines = check_ledger(&s, &w.scopes()).await;
     assert_eq!(ur(&lines, ScopeKind::Global), (10_000, 0));
+
+    // A step no run can fit is over the run's bound (400, never retried), even when it is
+    // also larger than a scope's whole budget: that budget is not spent (nothing to wait for).
+    let mut p = policy();
+    p.run.max_cost = Micros(10_000);
+    p.session.budgets = vec![day(50_000)];
+    let s = b.open(p, START).await;
+    admit(&s, w.run("r2")).await;
+    let r = reserve_refused(&s, micros_step("r2", "huge", 60_000)).await;
+    run_bound(&r);
+    assert_eq!(r.retry_after_s, None);
+    check_ledger(&s, &w.scopes()).await;
 }
 
 /// With `shrink_to_fit`, a model step whose full output bound does not fit gets the largest

@@ -474,7 +474,9 @@ impl Model {
             }
         };
         let d = day_of(self.now);
-        let keys = vec![Key::Global(d), Key::Session(r.session, d), Key::Run(run)];
+        // The run's own bound is checked first (a step it can never fit is over the run's
+        // bound, not a spent budget).
+        let keys = vec![Key::Run(run), Key::Global(d), Key::Session(r.session, d)];
         let dry = match self.check(&keys, amount) {
             Ok(dry) => dry,
             Err(refusal) => return refusal,

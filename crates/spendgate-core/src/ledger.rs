@@ -1584,11 +1584,13 @@ impl Ledger {
                 (price.cost(*units), None, StepCounter::Tool)
             }
         };
+        // The run's own cost bound first: a step it can never fit is refused as over the
+        // run's bound (400), not as a spent scope budget to retry after its window.
         let run_counter = (run.counter_key(), b.max_cost);
         let counters = match run.mode {
             ReservationMode::PerStep => {
-                let mut c = Self::budget_counters(policy, &run.scope_keys(), now);
-                c.push(run_counter);
+                let mut c = vec![run_counter];
+                c.extend(Self::budget_counters(policy, &run.scope_keys(), now));
                 c
             }
             ReservationMode::WholeRun => vec![run_counter],

@@ -1322,7 +1322,8 @@ function OPS.reserve_step(now, swept, A)
     else
       counters = {}
     end
-    counters[#counters + 1] = run_counter(run_id, imm[R_B_COST])
+    -- (the run's own bound first, as the core: a step it can never fit is over the run's bound)
+    table.insert(counters, 1, run_counter(run_id, imm[R_B_COST]))
     local refusal, dry = check_budgets(counters, amount, now)
     if not refusal then
       plan = { amount = amount, max_out = max_out, shrunk = false, dry = dry }

@@ -194,6 +194,49 @@ async fn admin_first(
     }
 }
 
+/// Bytes of a plain-text error body kept as the message of its JSON form.
+const PLAIN_ERROR_BYTES_MAX: usize = 1024;
+
+/// Every error answer of the decision and admin API in OpenAI's shape: the framework's own
+/// refusals (a path or query that does not parse, a method the route does not take) come as
+/// plain text or empty, which OpenAI-style clients cannot read.
+async fn json_errors(req: Request, next: Next) -> Response {
+    let res = next.run(req).await;
+    let status = res.status();
+    let json = res
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/json"));
+    if json || !(status.is_client_error() || status.is_server_error()) {
+        return res;
+    }
+    let (parts, body) = res.into_parts();
+    let text = axum::body::to_bytes(body, PLAIN_ERROR_BYTES_MAX)
+        .await
+        .unwrap_or_default();
+    let text = String::from_utf8_lossy(&text).trim().to_string();
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        text
+    };
+    let code = match status.as_u16() {
+        401 => "unauthorized",
+        404 => "not_found",
+        413 => "payload_too_large",
+        s if s >= 500 => "internal_error",
+        _ => "invalid_request",
+    };
+    let mut r = error::ApiError::new(status, code, message).into_response();
+    for name in [axum::http::header::ALLOW, axum::http::header::RETRY_AFTER] {
+        if let Some(v) = parts.headers.get(&name) {
+            r.headers_mut().insert(name, v.clone());
+        }
+    }
+    r
+}
+
 async fn shed(err: tower::BoxError) -> Response {
     if err.is::<tower::timeout::error::Elapsed>() {
         error::ApiError::new(
@@ -237,6 +280,7 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/usage", get(api::usage))
         .merge(service)
         .merge(admin)
+        .layer(middleware::from_fn(json_errors))
         .layer(DefaultBodyLimit::max(api_limit))
         .layer(
             ServiceBuilder::new()

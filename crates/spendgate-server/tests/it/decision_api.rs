@@ -802,3 +802,38 @@ async fn credentials_are_checked_before_the_body_and_a_slow_body_times_out() {
         started.elapsed()
     );
 }
+
+/// The framework's own refusals (a path or query that does not parse, a method a route does
+/// not take) come in OpenAI's error shape like every other error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn framework_refusals_are_openai_shaped() {
+    let server = Server::start(ROOMY);
+    let cases = [
+        ("POST", "/v1/steps/%FF/commit", 400, "invalid_request"),
+        ("GET", "/v1/usage?session=x&bogus=1", 400, "invalid_request"),
+        ("GET", "/v1/runs", 405, "invalid_request"),
+    ];
+    for (method, path, status, code) in cases {
+        let r = server
+            .http
+            .request(method.parse().expect("method"), server.url(path))
+            .bearer_auth(SERVICE)
+            .json(&json!({}))
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status().as_u16(), status, "{method} {path}");
+        let allow = r.headers().get("allow").is_some();
+        let v: Value = r.json().await.unwrap_or(Value::Null);
+        assert_eq!(v["error"]["code"], code, "{method} {path}: {v}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{v}"
+        );
+        if status == 405 {
+            assert!(allow, "{method} {path}: Allow kept");
+        }
+    }
+}

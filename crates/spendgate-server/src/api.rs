@@ -308,7 +308,7 @@ pub async fn create_session(
 ) -> ApiResult<Response> {
     let ip = client_ip_of(&state, peer, &headers);
     let ips = ip_scopes(&state, ip);
-    crate::challenge::check(&state, &ips, &body.value).await?;
+    crate::challenge::check(&state, ip, &body.value).await?;
     let started = Instant::now();
     let applied = state.store.create_session(ips).await;
     state.metrics.store_call(started.elapsed());

@@ -15,7 +15,7 @@ use base64::Engine;
 use hmac::{Hmac, Mac};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use spendgate_core::IpScope;
+use std::net::IpAddr;
 
 /// How long a puzzle may be solved.
 pub const CHALLENGE_TTL_S: u64 = 300;
@@ -86,7 +86,7 @@ fn external_required(message: &str) -> ApiError {
 async fn check_external(
     state: &AppState,
     url: &str,
-    ips: &[IpScope],
+    client: IpAddr,
     body: &CreateSessionBody,
 ) -> Result<(), ApiError> {
     let Some(token) = body
@@ -105,10 +105,8 @@ async fn check_external(
         .as_ref()
         .map(|s| s.expose().to_string())
         .unwrap_or_default();
-    let remoteip = ips
-        .first()
-        .map(|i| i.prefix.split('/').next().unwrap_or("").to_string())
-        .unwrap_or_default();
+    // The visitor's own address (not its prefix's network address), as verifiers expect.
+    let remoteip = client.to_string();
     let form = [
         ("secret", secret.as_str()),
         ("response", token),
@@ -158,7 +156,7 @@ fn required(code_msg: &str, state: &AppState) -> ApiError {
 /// Checks the challenge when one is required. `Ok` means session creation may go on.
 pub async fn check(
     state: &AppState,
-    ips: &[IpScope],
+    client: IpAddr,
     body: &CreateSessionBody,
 ) -> Result<(), ApiError> {
     let mode = state.config.sessions.challenge;
@@ -171,7 +169,7 @@ pub async fn check(
         return Ok(());
     }
     if let Some(url) = &state.config.sessions.verifier_url {
-        return check_external(state, url, ips, body).await;
+        return check_external(state, url, client, body).await;
     }
     let (Some(ch), Some(solution)) = (&body.challenge, &body.solution) else {
         return Err(required(

@@ -173,6 +173,22 @@ async fn external_verifier_checks_tokens_once_and_fails_closed() {
             Some("198.51.100.7")
         );
     }
+    // The verifier gets the visitor's own address, not its /64's network address.
+    let (status, _, v) = create(
+        &server,
+        "2001:db8:1:2::77",
+        Some(json!({"solution": "good-token-2"})),
+    )
+    .await;
+    assert_eq!(status, 201, "{v}");
+    {
+        let seen = seen.lock().expect("lock");
+        let last = seen.last().expect("the verifier was called");
+        assert_eq!(
+            last.get("remoteip").map(String::as_str),
+            Some("2001:db8:1:2::77")
+        );
+    }
     task.abort();
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let (status, _, v) = create(

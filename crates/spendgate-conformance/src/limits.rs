@@ -257,6 +257,19 @@ pub async fn ledger_seq(b: &dyn Backend) {
     req.input_bytes = u64::MAX;
     admit_refused(&s, req).await;
     assert_eq!(seq(&s).await, last, "refusals change nothing");
+
+    // Dropping records (a finished run past its retention, with its steps) is a change too:
+    // an answer that says it changed the ledger carries a seq that moved.
+    // r1 finished 1 s after the start; r3 finishes 30 s later.
+    b.advance(30_000);
+    admit(&s, w.run("r3")).await;
+    let keep = finish(&s, "r3").await.seq;
+    b.advance(RECORD_RETENTION_MS - 30_000 + 1);
+    let again = finish(&s, "r3").await;
+    assert!(again.value.repeated);
+    assert!(again.changed, "r1's records were dropped: {again:?}");
+    assert!(again.seq > keep, "{again:?} after {keep}");
+    assert_eq!(again.seq, seq(&s).await);
 }
 
 fn hold_of<'a>(all: &'a [Reservation], run: &str) -> &'a Reservation {

@@ -859,14 +859,17 @@ impl Ledger {
                         done += 1;
                     }
                 }
+                // Dropping records is a change of the ledger too: `ledger_seq` moves with it.
                 Timer::Purge(run_id) => {
                     self.purge_run(&run_id);
+                    self.bump();
                     done += 1;
                 }
                 Timer::Idempotency(key) => {
                     if self.idempotency.get(&key).is_some_and(|r| r.expires <= now) {
                         self.idempotency.remove(&key);
                         self.touch(Entity::Idempotency(key));
+                        self.bump();
                         done += 1;
                     }
                 }

@@ -1039,8 +1039,10 @@ local function expire_due(now, max)
         done = done + 1
       end
     elseif typ == '2' then
+      -- (dropping records is a change: ledger_seq moves, as in the core)
       rcall('ZREM', K_TIMERS, t[1])
       purge_run(id)
+      bump()
       done = done + 1
     else
       rcall('ZREM', K_TIMERS, t[1])
@@ -1048,6 +1050,7 @@ local function expire_due(now, max)
       if ex and N(ex) <= now then
         rcall('DEL', kIdem(id))
         mincr('nrec', -1)
+        bump()
         done = done + 1
       end
     end

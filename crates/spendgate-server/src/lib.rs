@@ -8,6 +8,7 @@ pub mod challenge;
 pub mod config;
 pub mod error;
 pub mod identity;
+pub mod listener;
 pub mod metrics;
 pub mod ops;
 pub mod pace;
@@ -321,10 +322,21 @@ pub async fn serve(
         state.config.alerts.thresholds_permille.clone(),
         state.config.alerts.scopes.clone(),
     );
+    let longest_upstream = state
+        .upstreams
+        .values()
+        .map(|u| u.timeout)
+        .max()
+        .unwrap_or_default();
     let app = router(state);
+    let listener = listener::Bounded::new(
+        listener,
+        listener::CONNECTIONS_MAX,
+        listener::idle_time(longest_upstream),
+    );
     // Streams are relayed chunk by chunk: do not let Nagle hold a small chunk back.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
+    let listener = axum::serve::ListenerExt::tap_io(listener, |io| {
+        let _ = io.set_nodelay(true);
     });
     let result = axum::serve(
         listener,

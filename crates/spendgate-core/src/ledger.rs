@@ -817,20 +817,22 @@ impl Ledger {
     /// more due timers than one call processes (`EXPIRIES_PER_CALL_MAX`); it expires now,
     /// before the call looks at it, so no call acts on a run whose lease is over (I6), whatever
     /// the backlog and whenever the sweeper last ran.
-    fn advance_for(&mut self, now: UnixMs, run_id: Option<&RunId>) -> (UnixMs, bool) {
-        let (now, mut changed) = self.advance(now);
-        if let Some(id) = run_id {
-            let lapsed = self
-                .runs
-                .get(id)
-                .is_some_and(|r| r.state == RunState::Active && r.lease_until <= now);
-            if lapsed {
-                self.end_run(id, now, RunState::Expired);
-                self.bump();
-                changed = true;
-            }
+    fn advance_for(&mut self, now: UnixMs, run_id: &RunId) -> (UnixMs, bool) {
+        let (now, changed) = self.advance(now);
+        (now, self.lapse(run_id, now) || changed)
+    }
+
+    /// Expires `run_id` when it is active and its lease is over; whether it did.
+    fn lapse(&mut self, run_id: &RunId, now: UnixMs) -> bool {
+        let lapsed = self
+            .runs
+            .get(run_id)
+            .is_some_and(|r| r.state == RunState::Active && r.lease_until <= now);
+        if lapsed {
+            self.end_run(run_id, now, RunState::Expired);
+            self.bump();
         }
-        (now, changed)
+        lapsed
     }
 
     /// Processes up to `max` due timers: expires runs whose lease ran out (charging their held
@@ -1492,7 +1494,7 @@ impl Ledger {
         req: &StepRequest,
         idem: Option<&IdempotencyKey>,
     ) -> Result<Applied<Result<StepReserved, Refusal>>, LedgerError> {
-        let (now, swept) = self.advance_for(now, Some(&req.run_id));
+        let (now, swept) = self.advance_for(now, &req.run_id);
         match self.recall(idem)? {
             Some(IdempotentOutcome::Step(o)) => return Ok(self.answer(o, swept)),
             Some(_) => return Err(LedgerError::IdempotencyConflict),
@@ -1721,8 +1723,17 @@ impl Ledger {
         step_id: &ReservationId,
         how: Resolution,
     ) -> Result<Applied<Resolved>, LedgerError> {
-        let run_of = self.reservations.get(step_id).map(|r| r.run_id.clone());
-        let (now, swept) = self.advance_for(now, run_of.as_ref());
+        let (now, mut swept) = self.advance(now);
+        // (the run's id is cloned only when its lease is over, not on every commit)
+        let lapsed = self.reservations.get(step_id).and_then(|r| {
+            self.runs
+                .get(&r.run_id)
+                .filter(|run| run.state == RunState::Active && run.lease_until <= now)
+                .map(|_| r.run_id.clone())
+        });
+        if let Some(run_id) = lapsed {
+            swept |= self.lapse(&run_id, now);
+        }
         let res = self
             .reservations
             .get(step_id)
@@ -1787,7 +1798,7 @@ impl Ledger {
         now: UnixMs,
         run_id: &RunId,
     ) -> Result<Applied<Heartbeat>, LedgerError> {
-        let (now, swept) = self.advance_for(now, Some(run_id));
+        let (now, swept) = self.advance_for(now, run_id);
         let run = self
             .runs
             .get(run_id)
@@ -1825,7 +1836,7 @@ impl Ledger {
         now: UnixMs,
         run_id: &RunId,
     ) -> Result<Applied<RunEnded>, LedgerError> {
-        let (now, swept) = self.advance_for(now, Some(run_id));
+        let (now, swept) = self.advance_for(now, run_id);
         let run = self
             .runs
             .get(run_id)

@@ -1401,14 +1401,8 @@ end
 function OPS.resolve(now, swept, A)
   local id, how = A[1], A[2]
   local f = res_get(id)
-  if f and lapse(f[S_RUN], now) then
-    swept = true
-    f = res_get(id)
-  end
-  if not f or f[S_KIND] == 'hold' then return err({ 'notfound', 'step ' .. id }) end
-  local state, kind, amount = f[S_STATE], f[S_KIND], f[S_AMOUNT]
-  if state == 'held' then
-    -- its run and counters, in one read
+  if f and f[S_STATE] == 'held' then
+    -- its run and counters, in one read (the lapse check below reads the run from it)
     local keys = { kRun(f[S_RUN]) }
     local cs = f[S_COUNTERS]
     for i = 1, #cs do
@@ -1416,6 +1410,12 @@ function OPS.resolve(now, swept, A)
     end
     kv_prefetch(keys)
   end
+  if f and lapse(f[S_RUN], now) then
+    swept = true
+    f = res_get(id)
+  end
+  if not f or f[S_KIND] == 'hold' then return err({ 'notfound', 'step ' .. id }) end
+  local state, kind, amount = f[S_STATE], f[S_KIND], f[S_AMOUNT]
   local too_large = false
   if how == 'bytes' then
     local run = run_get(f[S_RUN])

@@ -170,26 +170,19 @@ async fn limit_headers(req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-/// Service routes check the service token before their body is read: a caller without
+/// Service and admin routes check their token before the body is read: a caller without
 /// credentials holds no request slot while it sends one. (The handlers check again.)
-async fn service_first(
+async fn credentials_first(
     axum::extract::State(state): axum::extract::State<Shared>,
     req: Request,
     next: Next,
 ) -> Response {
-    match api::require_service(&state, req.headers()) {
-        Ok(()) => next.run(req).await,
-        Err(e) => e.into_response(),
-    }
-}
-
-/// [`service_first`] for the admin routes and the admin token.
-async fn admin_first(
-    axum::extract::State(state): axum::extract::State<Shared>,
-    req: Request,
-    next: Next,
-) -> Response {
-    match api::require_admin(&state, req.headers()) {
+    let checked = if req.uri().path().starts_with("/admin/") {
+        api::require_admin(&state, req.headers())
+    } else {
+        api::require_service(&state, req.headers())
+    };
+    match checked {
         Ok(()) => next.run(req).await,
         Err(e) => e.into_response(),
     }
@@ -260,7 +253,7 @@ pub fn router(state: Shared) -> Router {
     use tower::ServiceBuilder;
     let api_limit =
         api::API_BODY_BYTES_MAX.max(state.config.policy.run.max_input_bytes as usize * 2 + 4096);
-    let service = Router::new()
+    let credentialed = Router::new()
         .route("/v1/runs", post(api::create_run))
         .route("/v1/runs/{run_id}/steps", post(api::create_step))
         .route("/v1/runs/{run_id}/heartbeat", post(api::heartbeat))
@@ -268,19 +261,19 @@ pub fn router(state: Shared) -> Router {
         .route("/v1/steps/{step_id}/commit", post(api::commit_step))
         .route("/v1/steps/{step_id}/release", post(api::release_step))
         .route("/v1/steps/{step_id}/unknown", post(api::unknown_step))
-        .route_layer(middleware::from_fn_with_state(state.clone(), service_first));
-    let admin = Router::new()
         .route("/admin/v1/summary", get(admin::summary))
         .route("/admin/v1/scopes", get(admin::scopes))
         .route("/admin/v1/reservations", get(admin::reservations))
         .route("/admin/v1/cutoff", put(admin::cutoff))
         .route("/admin/v1/adjustments", post(admin::adjust))
-        .route_layer(middleware::from_fn_with_state(state.clone(), admin_first));
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            credentials_first,
+        ));
     let decision = Router::new()
         .route("/v1/sessions", post(api::create_session))
         .route("/v1/usage", get(api::usage))
-        .merge(service)
-        .merge(admin)
+        .merge(credentialed)
         .layer(middleware::from_fn(json_errors))
         .layer(DefaultBodyLimit::max(api_limit))
         .layer(

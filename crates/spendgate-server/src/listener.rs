@@ -95,6 +95,23 @@ impl IdleIo {
         self.tcp.set_nodelay(on)
     }
 
+    /// The outcome of a write: bytes written are activity; a pending write may have idled.
+    fn wrote(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<io::Result<usize>>,
+    ) -> Poll<io::Result<usize>> {
+        match r {
+            Poll::Ready(r) => {
+                if matches!(r, Ok(n) if n > 0) {
+                    self.last = Instant::now();
+                }
+                Poll::Ready(r)
+            }
+            Poll::Pending => self.idle_check(cx).map(Err),
+        }
+    }
+
     /// After an operation that is pending: an error once the connection has been idle for
     /// its idle time, else pending (with the timer's wake-up registered).
     fn idle_check(&mut self, cx: &mut Context<'_>) -> Poll<io::Error> {
@@ -141,15 +158,8 @@ impl AsyncWrite for IdleIo {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.tcp).poll_write(cx, buf) {
-            Poll::Ready(r) => {
-                if matches!(r, Ok(n) if n > 0) {
-                    this.last = Instant::now();
-                }
-                Poll::Ready(r)
-            }
-            Poll::Pending => this.idle_check(cx).map(Err),
-        }
+        let r = Pin::new(&mut this.tcp).poll_write(cx, buf);
+        this.wrote(cx, r)
     }
 
     fn poll_write_vectored(
@@ -158,15 +168,8 @@ impl AsyncWrite for IdleIo {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.tcp).poll_write_vectored(cx, bufs) {
-            Poll::Ready(r) => {
-                if matches!(r, Ok(n) if n > 0) {
-                    this.last = Instant::now();
-                }
-                Poll::Ready(r)
-            }
-            Poll::Pending => this.idle_check(cx).map(Err),
-        }
+        let r = Pin::new(&mut this.tcp).poll_write_vectored(cx, bufs);
+        this.wrote(cx, r)
     }
 
     fn is_write_vectored(&self) -> bool {

@@ -576,8 +576,10 @@ pub async fn chat_completions(
     let entered = Instant::now();
     // Who is calling, from the headers alone: a caller without credentials is refused before
     // its body is read.
-    let headers = request.headers().clone();
+    let (mut parts, body) = request.into_parts();
+    let headers = std::mem::take(&mut parts.headers);
     let who = caller(&state, peer, &headers)?;
+    let request = axum::extract::Request::from_parts(parts, body);
     let body =
         <api::Body<Value> as axum::extract::FromRequest<Shared>>::from_request(request, &state)
             .await?;
@@ -1000,11 +1002,9 @@ pub async fn chat_completions(
 
     state.metrics.proxy_overhead(before_forwarding);
     // Streaming: pass every chunk through as it arrives; watch for the usage chunk.
-    let stop = guard.stopped();
     let body_stream = relay(
         resp.bytes_stream(),
         guard,
-        stop,
         upstream.timeout,
         !client_wants_usage,
         started,
@@ -1281,7 +1281,6 @@ fn sse_error(code: &str, message: &str, mid_line: bool) -> Bytes {
 fn relay(
     upstream: impl futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
     guard: StepGuard,
-    stop: impl std::future::Future<Output = ()> + Send + 'static,
     idle: Duration,
     strip_usage: bool,
     started: Instant,
@@ -1296,8 +1295,8 @@ fn relay(
     }
     let s = S {
         upstream,
+        stop: Box::pin(guard.stopped()),
         guard: Some(guard),
-        stop: Box::pin(stop),
         tap: SseTap::new(strip_usage),
         idle,
         started,

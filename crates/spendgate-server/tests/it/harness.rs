@@ -130,16 +130,21 @@ secure_cookie = false
 /// default (100 ms) then refuses with 503 `store_unavailable`, as designed.
 const SQLITE_TEST_TIMEOUT_MS: u64 = 5_000;
 
+/// A fresh directory and the `[store]` keys of a sqlite file in it.
+fn sqlite_dir() -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = format!(
+        "kind = \"sqlite\"\npath = \"{}\"\ntimeout_ms = {SQLITE_TEST_TIMEOUT_MS}",
+        dir.path().join("spendgate.db").display()
+    );
+    (dir, store)
+}
+
 impl Server {
     /// `extra` is appended to the config: `[limits.*]`, `[run]`, `[tools.*]` sections and a
     /// `lease_ttl_s = N` line that belongs to `[store]` (put it first).
     pub fn start(extra: &str) -> Server {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let db = dir.path().join("spendgate.db");
-        let store = format!(
-            "kind = \"sqlite\"\npath = \"{}\"\ntimeout_ms = {SQLITE_TEST_TIMEOUT_MS}",
-            db.display()
-        );
+        let (dir, store) = sqlite_dir();
         Server::start_in(dir, &store, extra)
     }
 
@@ -166,24 +171,14 @@ impl Server {
 
     /// A server on sqlite with its own `[sessions]` settings.
     pub fn start_with_sessions(sessions: &str, extra: &str) -> Server {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let db = dir.path().join("spendgate.db");
-        let store = format!(
-            "kind = \"sqlite\"\npath = \"{}\"\ntimeout_ms = {SQLITE_TEST_TIMEOUT_MS}",
-            db.display()
-        );
+        let (dir, store) = sqlite_dir();
         Server::start_full(dir, &store, sessions, extra, Vec::new())
     }
 
     /// A server on sqlite whose `/v1/chat/completions` also takes a guest's cookie alone
     /// (`server.browser_direct = true`).
     pub fn start_browser_direct(extra: &str) -> Server {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let db = dir.path().join("spendgate.db");
-        let store = format!(
-            "kind = \"sqlite\"\npath = \"{}\"\ntimeout_ms = {SQLITE_TEST_TIMEOUT_MS}",
-            db.display()
-        );
+        let (dir, store) = sqlite_dir();
         let config = |port| {
             config_text_full(
                 port,

@@ -309,6 +309,11 @@ impl Gateway {
         for (k, v) in headers {
             b = b.header(*k, *v);
         }
+        Self::send(b).await
+    }
+
+    /// Sends a request and reads its whole answer.
+    async fn send(b: reqwest::RequestBuilder) -> Reply {
         let r = b.send().await.expect("send");
         let status = r.status().as_u16();
         let headers = r.headers().clone();
@@ -1456,6 +1461,36 @@ async fn demo_starts_and_a_cookie_call_works() {
     child.terminate().expect("terminate");
 }
 
+/// Starts a slow call (`tokens` at 10 a second) streamed and one not, on conversations
+/// `{prefix}-true` and `{prefix}-false`; each task answers (streamed, reply, time taken).
+fn long_calls(
+    g: &Arc<Gateway>,
+    prefix: &str,
+    tokens: &'static str,
+) -> Vec<tokio::task::JoinHandle<(bool, Reply, Duration)>> {
+    [true, false]
+        .into_iter()
+        .map(|stream| {
+            let g = g.clone();
+            let conversation = format!("{prefix}-{stream}");
+            tokio::spawn(async move {
+                let started = std::time::Instant::now();
+                let r = g
+                    .chat(
+                        &conversation,
+                        json!({"model": MODEL, "stream": stream, "messages": user("tell me a long story")}),
+                        &[
+                            ("x-mock-completion-tokens", tokens),
+                            ("x-mock-tokens-per-second", "10"),
+                        ],
+                    )
+                    .await;
+                (stream, r, started.elapsed())
+            })
+        })
+        .collect()
+}
+
 /// A call that outlasts the lease keeps its run alive: the proxy renews the lease while the
 /// upstream works, so the conversation's one generation slot stays taken and the step is
 /// committed at its usage, not expired and charged in full.
@@ -1468,22 +1503,8 @@ async fn a_call_longer_than_the_lease_keeps_its_slot_and_is_committed() {
         })
         .await,
     );
-    let mut long = Vec::new();
-    for stream in [true, false] {
-        let g2 = g.clone();
-        let conversation = format!("c-long-{stream}");
-        long.push(tokio::spawn(async move {
-            g2.chat(
-                &conversation,
-                json!({"model": MODEL, "stream": stream, "messages": user("tell me a long story")}),
-                &[
-                    ("x-mock-completion-tokens", "40"),
-                    ("x-mock-tokens-per-second", "10"),
-                ],
-            )
-            .await
-        }));
-    }
+    // (40 tokens at 10 a second: 4 s of generation)
+    let long = long_calls(&g, "c-long", "40");
     // Past the lease (1 s) and the sweeper's period, while both calls are still running.
     tokio::time::sleep(Duration::from_millis(2500)).await;
     for stream in [true, false] {
@@ -1502,7 +1523,7 @@ async fn a_call_longer_than_the_lease_keeps_its_slot_and_is_committed() {
         );
     }
     for t in long {
-        let r = t.await.expect("task");
+        let (_, r, _) = t.await.expect("task");
         assert_eq!(r.status, 200, "{}", r.text);
         let row = g.reservation(&r.step()).await;
         assert_eq!(row["state"], "committed", "{row}");
@@ -1526,25 +1547,8 @@ async fn a_call_past_its_runs_deadline_is_cut_and_charged_in_full() {
         })
         .await,
     );
-    let mut calls = Vec::new();
-    for stream in [true, false] {
-        let g2 = g.clone();
-        calls.push(tokio::spawn(async move {
-            let started = std::time::Instant::now();
-            let r = g2
-                .chat(
-                    &format!("c-late-{stream}"),
-                    json!({"model": MODEL, "stream": stream, "messages": user("tell me a long story")}),
-                    &[
-                        ("x-mock-completion-tokens", "60"),
-                        ("x-mock-tokens-per-second", "10"),
-                    ],
-                )
-                .await;
-            (stream, r, started.elapsed())
-        }));
-    }
-    for c in calls {
+    // (60 tokens at 10 a second: 6 s of generation)
+    for c in long_calls(&g, "c-late", "60") {
         let (stream, r, took) = c.await.expect("task");
         assert!(
             took < Duration::from_millis(4_000),
@@ -1614,15 +1618,7 @@ async fn a_guests_conversation_is_its_own() {
                     .header("x-mock-completion-tokens", "20")
                     .header("x-mock-tokens-per-second", "10");
             }
-            let r = req.send().await.expect("send");
-            let status = r.status().as_u16();
-            let headers = r.headers().clone();
-            let text = r.text().await.expect("body");
-            Reply {
-                status,
-                headers,
-                text,
-            }
+            Gateway::send(req).await
         }
     };
     let a = g.server.session().await;

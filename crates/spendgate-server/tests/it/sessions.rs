@@ -110,8 +110,14 @@ async fn external_verifier_checks_tokens_once_and_fails_closed() {
     use axum::{Form, Json, Router};
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex};
-    let seen = Arc::new(Mutex::new(Vec::new()));
+    let seen: Arc<Mutex<Vec<HashMap<String, String>>>> = Arc::new(Mutex::new(Vec::new()));
     let sink = seen.clone();
+    // The address the verifier was last given.
+    let last_remoteip = || {
+        let seen = seen.lock().expect("lock");
+        let last = seen.last().expect("the verifier was called");
+        last.get("remoteip").cloned()
+    };
     let app = Router::new().route(
         "/siteverify",
         post(move |Form(f): Form<HashMap<String, String>>| {
@@ -165,14 +171,7 @@ async fn external_verifier_checks_tokens_once_and_fails_closed() {
         (403, "challenge_required"),
         "a token opens one session: {v}"
     );
-    {
-        let seen = seen.lock().expect("lock");
-        let last = seen.last().expect("the verifier was called");
-        assert_eq!(
-            last.get("remoteip").map(String::as_str),
-            Some("198.51.100.7")
-        );
-    }
+    assert_eq!(last_remoteip().as_deref(), Some("198.51.100.7"));
     // The verifier gets the visitor's own address, not its /64's network address.
     let (status, _, v) = create(
         &server,
@@ -181,14 +180,7 @@ async fn external_verifier_checks_tokens_once_and_fails_closed() {
     )
     .await;
     assert_eq!(status, 201, "{v}");
-    {
-        let seen = seen.lock().expect("lock");
-        let last = seen.last().expect("the verifier was called");
-        assert_eq!(
-            last.get("remoteip").map(String::as_str),
-            Some("2001:db8:1:2::77")
-        );
-    }
+    assert_eq!(last_remoteip().as_deref(), Some("2001:db8:1:2::77"));
     task.abort();
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let (status, _, v) = create(

@@ -13,8 +13,8 @@ use axum::Json;
 use serde_json::json;
 use spendgate_mock_upstream::{MockConfig, MockUpstream};
 use spendgate_server::config::{self, MOCK_UPSTREAM};
+use spendgate_server::listener;
 use spendgate_server::proxy::Upstream;
-use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
@@ -167,16 +167,10 @@ pub async fn run(
     println!("  ledger: {}", db_path.display());
     tracing::info!(%addr, %mock_addr, "spendgate demo listening");
 
-    // Streams are relayed chunk by chunk: do not let Nagle hold a small chunk back.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        let _ = tcp.set_nodelay(true);
-    });
-    let result = axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await;
+    let idle = listener::idle_time(MOCK_TIMEOUT);
+    let listener = listener::Bounded::new(listener, listener::CONNECTIONS_MAX, idle);
+    let result =
+        listener::serve(listener, app, shutdown, listener::HEADER_READ_TIMEOUT, idle).await;
     sweeper.abort();
     mock_task.abort();
     result.context("serving the demo")

@@ -206,6 +206,47 @@ pub async fn i2_expired_reservations_are_closed(b: &dyn Backend) {
     assert_eq!(sum.reservations.get("committed").copied(), Some(1));
 }
 
+/// A tool result's size is judged once, at the first commit: a retried commit answers
+/// `result_too_large` as the first did, whatever size it carries, and the flag is kept on the
+/// reservation.
+pub async fn i2_a_repeated_commit_keeps_its_result_size_verdict(b: &dyn Backend) {
+    let bytes = |n: u64| Resolution::Commit(Settlement::ResultBytes(n));
+    let s = b.open(policy(), START).await;
+    let w = Who::new("s1", "c1", "192.0.2.1/32");
+    admit(&s, w.run("r1")).await;
+    let max = policy().run.max_tool_result_bytes;
+    reserve(&s, tool_step("r1", "big", TOOL_PER_CALL, 0)).await;
+    reserve(&s, tool_step("r1", "small", TOOL_PER_CALL, 0)).await;
+
+    let first = resolve(&s, "big", bytes(max + 1)).await.value;
+    assert_eq!(
+        (first.charged, first.result_too_large, first.repeated),
+        (Micros(10_000), true, false),
+        "charged as reserved, flagged"
+    );
+    let again = resolve(&s, "big", bytes(1)).await.value;
+    assert_eq!(
+        again,
+        Resolved {
+            repeated: true,
+            ..first
+        }
+    );
+    assert!(reservation(&s, "big").await.result_too_large);
+
+    let first = resolve(&s, "small", bytes(max)).await.value;
+    assert!(!first.result_too_large, "at the bound is within it");
+    let again = resolve(&s, "small", bytes(max + 1)).await.value;
+    assert_eq!(
+        again,
+        Resolved {
+            repeated: true,
+            ..first
+        }
+    );
+    assert!(!reservation(&s, "small").await.result_too_large);
+}
+
 /// A durable backend keeps everything it answered across a crash: counters, reservations,
 /// runs and their slots, idempotency records and the sequence; afterwards the ledger goes on
 /// where it stopped (leases still expire and charge). Backends that are not durable have

@@ -70,6 +70,8 @@ macro_rules! __with_conformance_cases {
             i1_overrun_is_charged_and_blocks_until_next_window,
             i2_each_reservation_ends_once,
             i2_expired_reservations_are_closed,
+            i2_a_repeated_commit_keeps_its_result_size_verdict,
+            session_creation_rates,
             many_commands_apply_in_order,
             durable_reopen_keeps_the_ledger,
             i5_rounds_tools_and_retries,

@@ -50,6 +50,87 @@ pub async fn concurrency_caps(b: &dyn Backend) {
     assert_eq!(summary(&s).await.runs_active, 4);
 }
 
+/// Session creation is limited per address prefix (a wider prefix by its factor) and
+/// globally; a dry creation answers the same and applies nothing; pressure (more than half a
+/// burst in use) is told for the prefixes of the request and the global bucket only.
+pub async fn session_creation_rates(b: &dyn Backend) {
+    let mut p = policy();
+    p.session_create_per_ip = Some(Rate {
+        count: 4,
+        period_ms: 3_600_000,
+        burst: 4,
+    });
+    p.session_create_global = Some(Rate {
+        count: 10,
+        period_ms: 3_600_000,
+        burst: 10,
+    });
+    let s = b.open(p, START).await;
+    let ip = |prefix: &str| {
+        vec![IpScope {
+            prefix: prefix.into(),
+            factor: 1,
+        }]
+    };
+    let create = |prefix: &'static str, dry: bool| {
+        let s = s.clone();
+        async move {
+            s.create_session(ip(prefix), dry)
+                .await
+                .expect("store answers")
+        }
+    };
+    // Dry asks change nothing, however many.
+    let before = seq(&s).await;
+    for _ in 0..10 {
+        let a = create("192.0.2.1/32", true).await;
+        assert_eq!(a.value, Ok(SessionGrant { pressure: false }));
+        assert!(!a.changed);
+    }
+    assert_eq!(seq(&s).await, before, "a dry creation applies nothing");
+
+    // Four from one address: the third and fourth are past half its burst.
+    let mut pressure = Vec::new();
+    for _ in 0..4 {
+        let a = create("192.0.2.1/32", false).await;
+        assert!(a.changed);
+        pressure.push(a.value.expect("granted").pressure);
+    }
+    assert_eq!(pressure, [false, false, true, true]);
+    for dry in [true, false] {
+        let r = create("192.0.2.1/32", dry)
+            .await
+            .value
+            .expect_err("limited");
+        refusal(&r, RefusalCode::RateLimited, ScopeKind::Ip);
+        assert!(r.retry_after_s.is_some_and(|s| s >= 1), "{r:?}");
+    }
+    // Another address is not under the first one's pressure (global: 4 of 10 used).
+    let a = create("192.0.2.2/32", true).await;
+    assert_eq!(a.value, Ok(SessionGrant { pressure: false }));
+    // A wider prefix with factor 2 has twice the room.
+    let wide = vec![IpScope {
+        prefix: "2001:db8::/56".into(),
+        factor: 2,
+    }];
+    for _ in 0..5 {
+        s.create_session(wide.clone(), false)
+            .await
+            .expect("store answers")
+            .value
+            .expect("within 8");
+    }
+    // Global: 9 of 10 used, so the next creation anywhere is under pressure, the one after
+    // that is refused globally.
+    let a = create("192.0.2.3/32", false).await;
+    assert_eq!(a.value, Ok(SessionGrant { pressure: true }));
+    let r = create("192.0.2.4/32", false)
+        .await
+        .value
+        .expect_err("global");
+    refusal(&r, RefusalCode::RateLimited, ScopeKind::Global);
+}
+
 /// GCRA per session, address and globally, each with its burst; refusals say when to retry
 /// and consume nothing.
 pub async fn rate_limits_gcra(b: &dyn Backend) {

@@ -27,8 +27,12 @@ pub enum Command {
     Finish {
         run: RunId,
     },
+    /// With `dry`, only asks: would a creation be admitted now, and under pressure? Nothing
+    /// is applied (what a creation that follows must do is decided on that answer: refuse
+    /// early, or ask for a challenge, before a challenge is spent).
     CreateSession {
         ips: Vec<IpScope>,
+        dry: bool,
     },
     Usage {
         scopes: Vec<(ScopeKey, u64)>,
@@ -72,7 +76,7 @@ impl Command {
             self,
             Command::AdmitRun { .. }
                 | Command::ReserveStep { .. }
-                | Command::CreateSession { .. }
+                | Command::CreateSession { dry: false, .. }
                 | Command::SetCutoff { .. }
                 | Command::Adjust { .. }
                 | Command::ConsumeOnce { .. }
@@ -129,8 +133,8 @@ impl Ledger {
             }
             Command::Heartbeat { run } => Reply::Heartbeat(self.heartbeat(policy, now, run)?),
             Command::Finish { run } => Reply::Finished(self.finish(policy, now, run)?),
-            Command::CreateSession { ips } => {
-                Reply::Session(self.create_session(policy, now, ips)?)
+            Command::CreateSession { ips, dry } => {
+                Reply::Session(self.create_session(policy, now, ips, *dry)?)
             }
             Command::Usage { scopes } => Reply::Usage(self.usage(policy, now, scopes)),
             Command::SetCutoff { engaged, reason } => {

@@ -140,6 +140,9 @@ pub struct Reservation {
     pub resolved_at: Option<UnixMs>,
     pub max_output_tokens: Option<u64>,
     pub overrun: bool,
+    /// Committed with a tool result above its run's `max_tool_result_bytes` (kept so that a
+    /// repeated commit answers what the first one did).
+    pub result_too_large: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -1466,6 +1469,7 @@ impl Ledger {
                 resolved_at: None,
                 max_output_tokens: None,
                 overrun: false,
+                result_too_large: false,
             });
             self.touch(Entity::Reservation(id.clone()));
             run.hold = Some(id);
@@ -1691,6 +1695,7 @@ impl Ledger {
             resolved_at: None,
             max_output_tokens: plan.max_out,
             overrun: false,
+            result_too_large: false,
         });
         self.touch(Entity::Reservation(req.step_id.clone()));
         if let Some(run) = self.runs.get_mut(&req.run_id) {
@@ -1739,12 +1744,6 @@ impl Ledger {
             .get(step_id)
             .filter(|r| r.kind != ReservationKind::RunHold)
             .ok_or_else(|| LedgerError::NotFound(format!("step {}", step_id.0)))?;
-        let result_too_large = |run: Option<&Run>| match how {
-            Resolution::Commit(Settlement::ResultBytes(b)) => {
-                run.is_some_and(|r| b > r.bounds.max_tool_result_bytes)
-            }
-            _ => false,
-        };
         if res.state != ReservationState::Held {
             let same = matches!(
                 (res.state, how),
@@ -1758,14 +1757,13 @@ impl Ledger {
                     charged: res.charged,
                 });
             }
-            let too_large = result_too_large(self.runs.get(&res.run_id));
             let value = Resolved {
                 state: res.state,
                 charged: res.charged,
                 reserved: res.amount,
                 overrun: res.overrun,
                 repeated: true,
-                result_too_large: too_large,
+                result_too_large: res.result_too_large,
             };
             return Ok(self.answer(value, swept));
         }
@@ -1775,8 +1773,19 @@ impl Ledger {
             Resolution::Unknown => (ReservationState::Unknown, res.amount),
         };
         let (run_id, amount) = (res.run_id.clone(), res.amount);
-        let too_large = result_too_large(self.runs.get(&run_id));
+        let too_large = match how {
+            Resolution::Commit(Settlement::ResultBytes(b)) => self
+                .runs
+                .get(&run_id)
+                .is_some_and(|r| b > r.bounds.max_tool_result_bytes),
+            _ => false,
+        };
         self.settle(step_id, state, charged, now);
+        if too_large {
+            if let Some(res) = self.reservations.get_mut(step_id) {
+                res.result_too_large = true;
+            }
+        }
         self.renew(&run_id, now, policy.lease_ttl_ms);
         self.bump();
         let value = Resolved {
@@ -1870,12 +1879,14 @@ impl Ledger {
             .fold(Micros::ZERO, |a, r| a.add_capped(r.charged))
     }
 
-    /// Rate-limits guest session creation per address prefix and globally.
+    /// Rate-limits guest session creation per address prefix and globally. `dry`: answers
+    /// what a creation would, applying nothing.
     pub fn create_session(
         &mut self,
         policy: &Policy,
         now: UnixMs,
         ips: &[IpScope],
+        dry: bool,
     ) -> Result<Applied<Result<SessionGrant, Refusal>>, LedgerError> {
         let (now, swept) = self.advance(now);
         let now_us = now.0.saturating_mul(1000);
@@ -1919,6 +1930,12 @@ impl Ledger {
                     return Ok(self.answer(Err(r), swept));
                 }
             }
+        }
+        if dry {
+            if swept {
+                self.bump();
+            }
+            return Ok(self.answer(Ok(SessionGrant { pressure }), swept));
         }
         for (k, t) in tats {
             self.rates.insert(k.clone(), t);

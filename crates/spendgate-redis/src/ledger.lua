@@ -696,9 +696,10 @@ local function cdel(e)
   rcall('ZREM', K_TOP .. ':' .. kind, e)
   rcall('ZREM', K_CWIN, e)
 end
-local function remaining(c)
+-- What counter c has left under `limit` (the limit the request's policy gives it now).
+local function remaining(c, limit)
   if c.overrun == 1 then return 0 end
-  return mmax(mmax(c.limit - c.used, 0) - c.reserved, 0)
+  return mmax(mmax(limit - c.used, 0) - c.reserved, 0)
 end
 
 -- The budget counters (and limits) of these scopes at `now` (Ledger::budget_counters).
@@ -755,8 +756,9 @@ end
 local function check_budgets(counters, amount, now)
   local dry = nil
   for _, k in ipairs(counters) do
+    -- (a check writes nothing, not even into the cached counter: a refused command must
+    -- leave the limit a later command of the same batch sees as it was)
     local c = cload(k.enc)
-    c.limit = k.limit
     if not (c.overrun == 0 and c.used + c.reserved + amount <= k.limit) then
       if not is_dry(k.kind) then return budget_refusal(k, c, now) end
       if not dry then dry = budget_refusal(k, c, now) end
@@ -793,23 +795,24 @@ end
 -- overrun are numbers, counters a list of counter encodings, the rest strings.
 local S_ID, S_RUN, S_KIND, S_NAME, S_P1, S_P2, S_P3, S_RETRY, S_UNITS, S_AMOUNT, S_COUNTERS = 1, 2, 3, 4, 5, 6, 7,
   8, 9, 10, 11
-local S_STATE, S_CHARGED, S_CREATED, S_RESOLVED, S_MAXOUT, S_OVERRUN = 12, 13, 14, 15, 16, 17
+local S_STATE, S_CHARGED, S_CREATED, S_RESOLVED, S_MAXOUT, S_OVERRUN, S_BIG = 12, 13, 14, 15, 16, 17, 18
 -- Stored as RES_HEAD (what a settlement changes, and amount; resolved -1 while there is
 -- none), then RES_TAIL (packed once, when the reservation is made) and each counter encoding.
 -- The record read keeps its tail (at S_TAIL), which a settlement writes back as it was.
-local RES_HEAD = '<I1c0ddddd' -- state amount charged created resolved overrun
+-- (big: 1 when committed with a tool result above the run's max_tool_result_bytes)
+local RES_HEAD = '<I1c0dddddI1' -- state amount charged created resolved overrun big
 local RES_TAIL = '<I2c0I2c0I1c0I4c0I2c0I2c0I2c0I1c0I2c0I2c0I1' -- id run kind name p1 p2 p3 retry units maxout n
-local S_TAIL = 18
+local S_TAIL = 19
 local function res_get(id)
   local s = kv_get(kRes(id))
   if not s then return nil end
-  local state, amount, charged, created, resolved, overrun, tpos = sunpack(RES_HEAD, s)
+  local state, amount, charged, created, resolved, overrun, big, tpos = sunpack(RES_HEAD, s)
   local i, run, kind, name, p1, p2, p3, retry, units, maxout, n, pos = sunpack(RES_TAIL, s, tpos)
   local cs = {}
   for j = 1, n do cs[j], pos = sunpack('<I2c0', s, pos) end
   if resolved < 0 then resolved = '' end
   return { i, run, kind, name, p1, p2, p3, retry, units, amount, cs, state, charged, created, resolved, maxout, overrun,
-    ssub(s, tpos) }
+    big, ssub(s, tpos) }
 end
 local function res_put(id, r)
   local resolved = r[S_RESOLVED]
@@ -824,7 +827,7 @@ local function res_put(id, r)
     r[S_TAIL] = tail
   end
   kv_set(kRes(id), spack(RES_HEAD, #r[S_STATE], r[S_STATE], r[S_AMOUNT], r[S_CHARGED], r[S_CREATED],
-    resolved, r[S_OVERRUN]) .. tail)
+    resolved, r[S_OVERRUN], r[S_BIG] or 0) .. tail)
 end
 
 local function res_remove(id)
@@ -1336,9 +1339,7 @@ function OPS.reserve_step(now, swept, A)
         local room = nil
         for _, k in ipairs(counters) do
           if not is_dry(k.kind) then
-            local c = cload(k.enc)
-            c.limit = k.limit
-            local r = remaining(c)
+            local r = remaining(cload(k.enc), k.limit)
             if room == nil or r < room then room = r end
           end
         end
@@ -1416,17 +1417,17 @@ function OPS.resolve(now, swept, A)
   end
   if not f or f[S_KIND] == 'hold' then return err({ 'notfound', 'step ' .. id }) end
   local state, kind, amount = f[S_STATE], f[S_KIND], f[S_AMOUNT]
-  local too_large = false
-  if how == 'bytes' then
-    local run = run_get(f[S_RUN])
-    too_large = run and N(A[3]) > run_imm(run, false)[R_B_TRB] or false
-  end
   if state ~= 'held' then
     local commit = how == 'tokens' or how == 'units' or how == 'bytes'
     local same = (state == 'committed' and commit) or (state == 'released' and how == 'release')
       or (state == 'unknown' and how == 'unknown')
     if not same then return err({ 'closed', state, S(f[S_CHARGED]) }) end
-    return ok(swept, { state, f[S_CHARGED], amount, f[S_OVERRUN], 1, I01(too_large) })
+    return ok(swept, { state, f[S_CHARGED], amount, f[S_OVERRUN], 1, f[S_BIG] })
+  end
+  local too_large = false
+  if how == 'bytes' then
+    local run = run_get(f[S_RUN])
+    too_large = run and N(A[3]) > run_imm(run, false)[R_B_TRB] or false
   end
   local new, charged
   if how == 'release' then
@@ -1448,10 +1449,11 @@ function OPS.resolve(now, swept, A)
       end
     end
   end
+  f[S_BIG] = I01(too_large)
   settle(id, new, charged, now, nil, f)
   renew(f[S_RUN], now, P.ttl)
   bump()
-  return ok(true, { new, charged, amount, I01(charged > amount), 0, I01(too_large) })
+  return ok(true, { new, charged, amount, I01(charged > amount), 0, f[S_BIG] })
 end
 
 function OPS.heartbeat(now, swept, A)
@@ -1508,6 +1510,11 @@ function OPS.create_session(now, swept, A)
       return ok(swept, text_refusal('rate_limited', c[3], S(wait_secs(v)),
         'session creation rate exceeded (' .. c[3] .. ')'))
     end
+  end
+  -- dry: only the answer a creation would get (the flag follows the address prefixes)
+  if A[2 * N(A[1]) + 2] == '1' then
+    if swept then bump() end
+    return ok(swept, { 'session_ok', B01(pressure) })
   end
   for _, t in ipairs(tats) do rcall('ZADD', K_RATES, S(t[2]), t[1]) end
   bump()
@@ -1705,7 +1712,7 @@ do
         if resolved ~= '' then resolved = S(resolved) end
         rows[#rows + 1] = { r[S_ID], r[S_RUN], r[S_KIND], r[S_NAME], r[S_P1], r[S_P2], r[S_P3], r[S_RETRY], r[S_UNITS],
           S(r[S_AMOUNT]), enc(r[S_COUNTERS]), r[S_STATE], S(r[S_CHARGED]), S(r[S_CREATED]), resolved, r[S_MAXOUT],
-          S(r[S_OVERRUN]) }
+          S(r[S_OVERRUN]), S(r[S_BIG]) }
       end
     end
     return { 'OK', S(SEQ), rows }

@@ -550,7 +550,7 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
 /// The layout of what the ledger script stores (keys, packed records, meta fields). Every
 /// epoch id starts with it, so a deployment whose data was written in another layout is
 /// refused rather than misread. Bump it with any change of the stored layout.
-pub const LEDGER_FORMAT: &str = "f5";
+pub const LEDGER_FORMAT: &str = "f6";
 
 /// Refuses an epoch written by a build with another stored layout ([`LEDGER_FORMAT`]).
 fn check_format(epoch: &str, prefix: &str) -> Result<(), StoreError> {

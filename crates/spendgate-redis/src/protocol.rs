@@ -132,9 +132,10 @@ pub fn encode(cmd: &Command) -> Call {
         }
         Command::Heartbeat { run } => write("heartbeat", vec![run.0.clone()]),
         Command::Finish { run } => write("finish", vec![run.0.clone()]),
-        Command::CreateSession { ips } => {
+        Command::CreateSession { ips, dry } => {
             let mut a = Vec::new();
             push_ips(&mut a, ips);
+            a.push(if *dry { "1" } else { "0" }.into());
             write("create_session", a)
         }
         Command::Usage { scopes } => {
@@ -546,6 +547,7 @@ fn reservation(row: &[Item]) -> Result<Reservation, StoreError> {
         resolved_at: f.opt_u()?.map(UnixMs),
         max_output_tokens: f.opt_u()?,
         overrun: f.b()?,
+        result_too_large: f.b()?,
     })
 }
 

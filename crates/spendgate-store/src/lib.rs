@@ -91,8 +91,8 @@ impl dyn Store {
         Command::Resolve { step, how }, Resolved);
     typed!(heartbeat(run: RunId) -> Applied<Heartbeat>, Command::Heartbeat { run }, Heartbeat);
     typed!(finish(run: RunId) -> Applied<RunEnded>, Command::Finish { run }, Finished);
-    typed!(create_session(ips: Vec<IpScope>) -> Applied<Result<SessionGrant, Refusal>>,
-        Command::CreateSession { ips }, Session);
+    typed!(create_session(ips: Vec<IpScope>, dry: bool) -> Applied<Result<SessionGrant, Refusal>>,
+        Command::CreateSession { ips, dry }, Session);
     typed!(usage(scopes: Vec<(ScopeKey, u64)>) -> Vec<UsageLine>, Command::Usage { scopes }, Usage);
     typed!(set_cutoff(engaged: bool, reason: String) -> Applied<bool>,
         Command::SetCutoff { engaged, reason }, Cutoff);
@@ -193,10 +193,13 @@ mod tests {
         let timed: Arc<dyn Store> = Arc::new(Timed::new(slow, Duration::from_millis(50)));
         let started = std::time::Instant::now();
         let err = timed
-            .create_session(vec![IpScope {
-                prefix: "192.0.2.1/32".into(),
-                factor: 1,
-            }])
+            .create_session(
+                vec![IpScope {
+                    prefix: "192.0.2.1/32".into(),
+                    factor: 1,
+                }],
+                false,
+            )
             .await
             .expect_err("past the timeout the call fails");
         assert!(err.is_unavailable(), "{err:?}");

@@ -52,7 +52,7 @@ pub const BATCH_MAX: usize = 512;
 pub const LOCK_WAIT_MS_DEFAULT: u64 = 250;
 /// The layout version kept in `PRAGMA user_version`: the table, the keys, and the postcard
 /// layout of [`Record`].
-pub const SCHEMA_VERSION: i64 = 3;
+pub const SCHEMA_VERSION: i64 = 4;
 /// WAL pages between automatic checkpoints (SQLite's default is 1000). Larger means fewer,
 /// longer checkpoints and a larger WAL file between them.
 pub const WAL_AUTOCHECKPOINT_PAGES: u32 = 4000;

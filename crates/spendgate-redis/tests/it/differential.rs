@@ -317,7 +317,10 @@ impl Gen {
             }
             65..=69 => Command::Heartbeat { run: self.run() },
             70..=74 => Command::Finish { run: self.run() },
-            75..=78 => Command::CreateSession { ips: ips(r) },
+            75..=78 => Command::CreateSession {
+                ips: ips(r),
+                dry: r.below(2) == 0,
+            },
             79..=81 => {
                 let n = r.below(4);
                 Command::Usage {

@@ -38,8 +38,6 @@ pub struct AppState {
     /// Upstreams by name, resolved at start (the demo adds its built-in mock).
     pub upstreams: std::collections::BTreeMap<String, crate::proxy::Upstream>,
     pub alerts: crate::alerts::Alerts,
-    /// Session creation was busy at the last creation (adaptive challenges apply).
-    pub pressure: std::sync::atomic::AtomicBool,
 }
 
 impl AppState {
@@ -164,13 +162,19 @@ pub fn client_ip_of(state: &AppState, peer: SocketAddr, headers: &HeaderMap) -> 
 
 /// Every `X-Forwarded-For` line, in order, as one list (RFC 9110 §5.3): a proxy may add a
 /// line of its own instead of appending to the one the client sent, and the client's line
-/// must not be read as the proxy's. A line that is not text counts as one unreadable hop.
+/// must not be read as the proxy's. An entry that is not text counts as one unreadable hop
+/// (only that entry: a proxy that appends to the client's line puts the client's bytes and
+/// the address it saw on one line, and that address must still be read).
 fn forwarded_for(headers: &HeaderMap) -> Option<String> {
     let mut lines = headers.get_all("x-forwarded-for").iter().peekable();
     lines.peek()?;
     Some(
         lines
-            .map(|v| v.to_str().unwrap_or("?"))
+            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+            .map(|entry| match std::str::from_utf8(entry) {
+                Ok(text) if !text.contains(|c: char| c.is_control()) => text,
+                _ => "?",
+            })
             .collect::<Vec<_>>()
             .join(","),
     )
@@ -224,10 +228,14 @@ pub fn idempotency(
     }
     // Hash the key so that the stored key length is fixed whatever the client sends.
     let h = hex::encode(&Sha256::digest(format!("{namespace}\n{k}"))[..16]);
+    // The body as data, not as bytes: the same request serialised again (other spacing, other
+    // key order) is the same request. Digested only when a key is given: most carry none.
+    let canonical = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| serde_json::to_vec(&v).ok());
     Ok(Some(IdempotencyKey {
         key: format!("{namespace}:{h}"),
-        // Digested only when a key is given: most requests carry none.
-        fingerprint: hex::encode(Sha256::digest(body)),
+        fingerprint: hex::encode(Sha256::digest(canonical.as_deref().unwrap_or(body))),
     }))
 }
 
@@ -269,9 +277,7 @@ fn grant(
         }
         Err(r) => {
             metrics.refused(what, r.code.name(), r.scope);
-            let mut resp = ApiError::from(&r).into_response();
-            seq_header(&mut resp, seq);
-            resp
+            ApiError::from(&r).with_ledger_seq(seq).into_response()
         }
     }
 }
@@ -308,21 +314,33 @@ pub async fn create_session(
 ) -> ApiResult<Response> {
     let ip = client_ip_of(&state, peer, &headers);
     let ips = ip_scopes(&state, ip);
-    crate::challenge::check(&state, ip, &body.value).await?;
+    let refused = |r: &Refusal, seq: u64| {
+        state.metrics.refused("session", r.code.name(), r.scope);
+        ApiError::from(r).with_ledger_seq(seq)
+    };
+    let mode = state.config.sessions.challenge;
+    if mode != crate::config::ChallengeMode::Off {
+        // Ask first, applying nothing: a creation that its rate would refuse is refused
+        // before a challenge is checked (no verifier call, no solution used up), and whether
+        // one is needed follows this client's own prefixes and the global bucket.
+        let started = Instant::now();
+        let asked = state.store.create_session(ips.clone(), true).await;
+        state.metrics.store_call(started.elapsed());
+        let asked = asked?;
+        let pressure = match &asked.value {
+            Ok(g) => g.pressure,
+            Err(r) => return Err(refused(r, asked.seq)),
+        };
+        let needed = crate::challenge::needed(mode, pressure);
+        crate::challenge::check(&state, ip, &body.value, needed).await?;
+    }
     let started = Instant::now();
-    let applied = state.store.create_session(ips).await;
+    let applied = state.store.create_session(ips, false).await;
     state.metrics.store_call(started.elapsed());
     let applied = applied?;
-    let grant = match applied.value {
-        Ok(g) => g,
-        Err(r) => {
-            state.metrics.refused("session", r.code.name(), r.scope);
-            return Err(ApiError::from(&r));
-        }
-    };
-    state
-        .pressure
-        .store(grant.pressure, std::sync::atomic::Ordering::Relaxed);
+    if let Err(r) = &applied.value {
+        return Err(refused(r, applied.seq));
+    }
     let ttl = state.config.sessions.ttl.as_secs();
     let (token, session) = state.keys.issue(now_unix(), ttl);
     state.metrics.admitted("session");
@@ -386,7 +404,9 @@ pub async fn create_run(
         conversation: b.conversation.clone(),
         input_bytes,
     };
-    let idem = idempotency(&headers, "run", &body.raw)?;
+    // Keys are the guest session's own: two sessions (or two backends) that happen to pick
+    // the same key do not meet.
+    let idem = idempotency(&headers, &format!("run:{}", req.session), &body.raw)?;
     let started = Instant::now();
     let applied = state.store.admit_run(req, idem).await;
     state.metrics.store_call(started.elapsed());
@@ -512,8 +532,10 @@ pub enum StepBody {
     },
 }
 
-/// Builds the core step from a request, with the configured price: no price, no call.
-pub fn step_kind(config: &Config, body: &StepBody) -> ApiResult<StepKind> {
+/// Builds the core step from a request, with the configured price: no price, no call. A
+/// long `prompt_text` is counted on the blocking pool (`tokens::count_all`), never on the
+/// worker that serves other requests.
+pub async fn step_kind(config: &Config, body: &StepBody) -> ApiResult<StepKind> {
     match body {
         StepBody::Model {
             model,
@@ -536,7 +558,9 @@ pub fn step_kind(config: &Config, body: &StepBody) -> ApiResult<StepKind> {
                     if crate::tokens::over_countable(t.len() as u64, max) {
                         (t.len() as u64).saturating_add(overhead)
                     } else {
-                        crate::tokens::count(m.tokenizer, t) + overhead
+                        crate::tokens::count_all(m.tokenizer, vec![t.clone()])
+                            .await
+                            .saturating_add(overhead)
                     }
                 }
                 _ => {
@@ -586,7 +610,7 @@ pub async fn create_step(
 ) -> ApiResult<Response> {
     require_service(&state, &headers)?;
     check_id_path("run", &run_id)?;
-    let kind = step_kind(&state.config, &body.value)?;
+    let kind = step_kind(&state.config, &body.value).await?;
     let req = StepRequest {
         run_id: RunId(run_id.clone()),
         step_id: ReservationId(new_id("stp")),
@@ -831,8 +855,12 @@ pub async fn usage(
         check_conversation(c)?;
     }
     let session = state.keys.verify(&token, now_unix())?;
+    // A guest's conversations are named as the proxy names them (`proxy::caller`): its own
+    // namespace, and without one named, the session itself (the conversation a
+    // browser-direct call without `Spendgate-Conversation` is billed to).
     let conversation = match &q.conversation {
         Some(c) if !service => Some(guest_conversation(&session.id, c)),
+        None if !service => Some(session.id.clone()),
         other => other.clone(),
     };
     let ips = ip.map(|ip| ip_scopes(&state, ip)).unwrap_or_default();

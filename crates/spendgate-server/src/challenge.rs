@@ -153,18 +153,24 @@ fn required(code_msg: &str, state: &AppState) -> ApiError {
     e
 }
 
-/// Checks the challenge when one is required. `Ok` means session creation may go on.
+/// Whether a creation must solve a challenge, given whether the store said it would be
+/// under pressure (more than half a creation burst in use, for this client's address
+/// prefixes or globally: the shared state of every replica, asked for this request).
+pub fn needed(mode: ChallengeMode, pressure: bool) -> bool {
+    match mode {
+        ChallengeMode::Off => false,
+        ChallengeMode::Always => true,
+        ChallengeMode::Adaptive => pressure,
+    }
+}
+
+/// Checks (and uses up) the challenge when `needed`. `Ok` means session creation may go on.
 pub async fn check(
     state: &AppState,
     client: IpAddr,
     body: &CreateSessionBody,
+    needed: bool,
 ) -> Result<(), ApiError> {
-    let mode = state.config.sessions.challenge;
-    let needed = match mode {
-        ChallengeMode::Off => false,
-        ChallengeMode::Always => true,
-        ChallengeMode::Adaptive => state.pressure.load(std::sync::atomic::Ordering::Relaxed),
-    };
     if !needed {
         return Ok(());
     }

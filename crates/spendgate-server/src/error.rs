@@ -17,6 +17,9 @@ pub struct ApiError {
     pub retry_after_s: Option<u64>,
     /// A challenge to solve (`challenge_required`).
     pub challenge: Option<serde_json::Value>,
+    /// The refusal changed the ledger (a remembered refusal, a used-up challenge, an expiry
+    /// swept on the way): its `ledger_seq`, in the body and the `spendgate-ledger-seq` header.
+    pub ledger_seq: Option<u64>,
 }
 
 impl ApiError {
@@ -28,6 +31,7 @@ impl ApiError {
             scope: None,
             retry_after_s: None,
             challenge: None,
+            ledger_seq: None,
         }
     }
     pub fn invalid(message: impl Into<String>) -> ApiError {
@@ -55,6 +59,10 @@ impl ApiError {
             )
         }
     }
+    pub fn with_ledger_seq(mut self, seq: u64) -> ApiError {
+        self.ledger_seq = Some(seq);
+        self
+    }
     pub fn with_scope(mut self, scope: ScopeKind) -> ApiError {
         self.scope = Some(scope);
         self
@@ -70,6 +78,8 @@ impl ApiError {
             // OpenAI's own type for a spent quota: client libraries do not retry it.
             429 if self.code == "budget_exhausted" => "insufficient_quota",
             429 => "rate_limit_error",
+            // Any other refusal of the request as sent (405, 408, 415, 422, ...).
+            400..=499 => "invalid_request_error",
             _ => "server_error",
         }
     }
@@ -98,6 +108,7 @@ impl From<&Refusal> for ApiError {
             scope: r.scope,
             retry_after_s: retry,
             challenge: None,
+            ledger_seq: None,
         }
     }
 }
@@ -164,8 +175,14 @@ impl IntoResponse for ApiError {
             body["error"]["challenge"] = c.clone();
             body["challenge"] = c;
         }
+        if let Some(seq) = self.ledger_seq {
+            body["ledger_seq"] = json!(seq);
+        }
         let mut resp = (self.status, axum::Json(body)).into_response();
         let h = resp.headers_mut();
+        if let Some(seq) = self.ledger_seq {
+            h.insert("spendgate-ledger-seq", HeaderValue::from(seq));
+        }
         if let Some(s) = self.retry_after_s {
             if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
                 h.insert(header::RETRY_AFTER, v);
@@ -175,7 +192,7 @@ impl IntoResponse for ApiError {
         // Everything else that is not a rate or concurrency limit is not worth retrying either.
         let retry = matches!(
             self.code,
-            "rate_limited" | "concurrency_limited" | "store_unavailable"
+            "rate_limited" | "concurrency_limited" | "store_unavailable" | "overloaded"
         );
         h.insert(
             "x-should-retry",
@@ -186,3 +203,41 @@ impl IntoResponse for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_client_error_is_an_invalid_request_type() {
+        for (status, want) in [
+            (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error"),
+            (StatusCode::REQUEST_TIMEOUT, "invalid_request_error"),
+            (StatusCode::UNSUPPORTED_MEDIA_TYPE, "invalid_request_error"),
+            (StatusCode::UNAUTHORIZED, "authentication_error"),
+            (StatusCode::GATEWAY_TIMEOUT, "server_error"),
+            (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
+        ] {
+            assert_eq!(ApiError::new(status, "x", "m").kind(), want, "{status}");
+        }
+    }
+
+    #[test]
+    fn overload_and_outage_invite_a_retry_and_budgets_do_not() {
+        let retry = |e: ApiError| {
+            let r = e.into_response();
+            r.headers()
+                .get("x-should-retry")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let overloaded = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", "m");
+        assert_eq!(retry(overloaded).as_deref(), Some("true"));
+        assert_eq!(
+            retry(ApiError::store_unavailable()).as_deref(),
+            Some("true")
+        );
+        let spent = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "budget_exhausted", "m");
+        assert_eq!(retry(spent).as_deref(), Some("false"));
+    }
+}

@@ -25,7 +25,6 @@ use axum::Router;
 use spendgate_store::{
     MemoryStore, SqliteOptions, SqliteStore, Store, StoreError, SystemClock, Timed,
 };
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -149,7 +148,6 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
         admin_tokens,
         metrics: metrics::Metrics::default(),
         http,
-        pressure: AtomicBool::new(false),
     }))
 }
 
@@ -240,11 +238,15 @@ async fn shed(err: tower::BoxError) -> Response {
         )
         .into_response()
     } else {
-        error::ApiError::new(
-            axum::http::StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded",
-            "server is overloaded; retry later",
-        )
+        // Nothing was admitted: a retry after a second is welcome.
+        error::ApiError {
+            retry_after_s: Some(1),
+            ..error::ApiError::new(
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded",
+                "server is overloaded; retry later",
+            )
+        }
         .into_response()
     }
 }
@@ -322,21 +324,10 @@ pub async fn serve(
         .max()
         .unwrap_or_default();
     let app = router(state);
-    let listener = listener::Bounded::new(
-        listener,
-        listener::CONNECTIONS_MAX,
-        listener::idle_time(longest_upstream),
-    );
-    // Streams are relayed chunk by chunk: do not let Nagle hold a small chunk back.
-    let listener = axum::serve::ListenerExt::tap_io(listener, |io| {
-        let _ = io.set_nodelay(true);
-    });
-    let result = axum::serve(
-        listener,
-        app.into_make_service_with_connect_info::<std::net::SocketAddr>(),
-    )
-    .with_graceful_shutdown(shutdown)
-    .await;
+    let idle = listener::idle_time(longest_upstream);
+    let listener = listener::Bounded::new(listener, listener::CONNECTIONS_MAX, idle);
+    let result =
+        listener::serve(listener, app, shutdown, listener::HEADER_READ_TIMEOUT, idle).await;
     sweeper.abort();
     checker.abort();
     result

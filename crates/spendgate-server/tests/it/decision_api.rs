@@ -456,6 +456,59 @@ max_tool_calls = 1000
 per_call = "0.01"
 "#;
 
+/// An `Idempotency-Key` on `POST /v1/runs` is the guest session's own: two sessions that
+/// pick the same key each get their own run; within a session, the same request serialised
+/// differently is the same request; a refusal remembered under a key carries `ledger_seq`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_keys_belong_to_their_session() {
+    let server = Server::start(ROOMY);
+    let send = |key: &'static str, body: String| {
+        server
+            .http
+            .post(server.url("/v1/runs"))
+            .bearer_auth(SERVICE)
+            .header("idempotency-key", key)
+            .header("content-type", "application/json")
+            .body(body)
+            .send()
+    };
+    let answer = |r: reqwest::Response| async move {
+        let status = r.status().as_u16();
+        (status, r.json::<Value>().await.expect("json"))
+    };
+    let (s1, s2) = (server.session().await, server.session().await);
+    let body = |s: &str, c: &str| {
+        json!({"session": s, "client_ip": "192.0.2.1", "conversation": c, "input_text": "hi"})
+            .to_string()
+    };
+    let (st, a) = answer(send("msg-1", body(&s1, "c1")).await.expect("send")).await;
+    assert_eq!(st, 201, "{a}");
+    let (st, b) = answer(send("msg-1", body(&s2, "c2")).await.expect("send")).await;
+    assert_eq!(st, 201, "another session's key is its own: {b}");
+    assert_ne!(a["run_id"], b["run_id"]);
+    // The first body again, spaced and ordered differently.
+    let respelled = format!(
+        "{{ \"input_text\" : \"hi\", \"conversation\": \"c1\",\n \"client_ip\": \"192.0.2.1\", \"session\": \"{s1}\" }}"
+    );
+    let (st, again) = answer(send("msg-1", respelled).await.expect("send")).await;
+    assert_eq!(st, 201, "{again}");
+    assert_eq!(
+        again["run_id"], a["run_id"],
+        "the same request, answered once"
+    );
+    // A refusal under a key (c1 is busy with the first run) is remembered with its seq.
+    let (st, refused) = answer(send("msg-2", body(&s1, "c1")).await.expect("send")).await;
+    assert_eq!(
+        (st, code(&refused)),
+        (429, "concurrency_limited"),
+        "{refused}"
+    );
+    assert!(refused["ledger_seq"].as_u64().is_some(), "{refused}");
+    let (st, replay) = answer(send("msg-2", body(&s1, "c1")).await.expect("send")).await;
+    assert_eq!(st, 429);
+    assert_eq!(replay["ledger_seq"], refused["ledger_seq"], "{replay}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idempotent_steps_and_commits() {
     let server = Server::start(ROOMY);

@@ -1669,4 +1669,40 @@ async fn a_guests_conversation_is_its_own() {
             "a namespaced conversation with this guest's spend: {v}"
         );
     }
+    // A call that names no conversation is billed to the session's own, which the guest's
+    // usage shows when it names none either.
+    let c = g.server.session().await;
+    let r = Gateway::send(
+        g.server
+            .http
+            .post(g.server.url("/v1/chat/completions"))
+            .header("cookie", format!("spendgate_session={c}"))
+            .json(&hi),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let v: Value = g
+        .server
+        .http
+        .get(g.server.url("/v1/usage"))
+        .header("cookie", format!("spendgate_session={c}"))
+        .send()
+        .await
+        .expect("usage")
+        .json()
+        .await
+        .expect("json");
+    let spent = |kind: &str| {
+        v["scopes"]
+            .as_array()
+            .expect("scopes")
+            .iter()
+            .filter(|s| s["kind"] == kind)
+            .map(|s| s["used_micros"].as_u64().unwrap_or(0))
+            .max()
+    };
+    assert!(
+        spent("conversation") > Some(0),
+        "the session's own conversation, with the call's spend: {v}"
+    );
 }

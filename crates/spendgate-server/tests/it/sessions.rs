@@ -234,6 +234,57 @@ async fn adaptive_challenge_starts_under_pressure() {
     assert_eq!(status, 201, "{v}");
 }
 
+/// `challenge = "adaptive"` per address: one prefix busy past half its allowance is
+/// challenged; another prefix is not (and its creations do not lift the first one's
+/// challenge); a prefix its rate refuses gets 429 before any challenge is spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adaptive_challenge_follows_each_clients_own_pressure() {
+    let server = Server::start_with_sessions(
+        "create_rate_per_ip = \"4/hour\"\ncreate_rate_global = \"1000/second\"\nchallenge = \"adaptive\"\nchallenge_bits = 8",
+        "",
+    );
+    let busy = "203.0.113.10";
+    for _ in 0..2 {
+        let (status, _, v) = create(&server, busy, None).await;
+        assert_eq!(status, 201, "quiet: {v}");
+    }
+    let (status, _, v) = create(&server, busy, None).await;
+    assert_eq!((status, code(&v)), (403, "challenge_required"), "{v}");
+    for i in 0..2 {
+        let (status, _, v) = create(&server, &format!("198.51.100.{i}"), None).await;
+        assert_eq!(status, 201, "another address is not challenged: {v}");
+    }
+    let (status, _, v) = create(&server, busy, None).await;
+    assert_eq!(
+        (status, code(&v)),
+        (403, "challenge_required"),
+        "still challenged after other addresses' creations: {v}"
+    );
+    // Solve two challenges: the busy address's allowance of 4 is then used.
+    for _ in 0..2 {
+        let (_, _, v) = create(&server, busy, None).await;
+        let nonce = v["challenge"]["nonce"].as_str().expect("nonce");
+        let solution = spendgate_server::challenge::solve(nonce, 8);
+        let (status, _, v) = create(
+            &server,
+            busy,
+            Some(json!({"challenge": v["challenge"], "solution": solution})),
+        )
+        .await;
+        assert_eq!(status, 201, "{v}");
+    }
+    // Past its rate the address is refused 429 before any challenge is looked at (a
+    // verifier is not called, a solution not used up).
+    let (status, retry, v) = create(
+        &server,
+        busy,
+        Some(json!({"challenge": {"nonce": "x"}, "solution": "y"})),
+    )
+    .await;
+    assert_eq!((status, code(&v)), (429, "rate_limited"), "{v}");
+    assert!(retry.is_some());
+}
+
 /// A proxy may add its own `X-Forwarded-For` line after one the client wrote: the lines are
 /// one list, walked from the right, so the client's line cannot choose the address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

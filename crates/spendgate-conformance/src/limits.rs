@@ -476,8 +476,13 @@ pub async fn cutoff_refuses_admission(b: &dyn Backend) {
     assert_eq!(summary(&s).await.cutoff.as_deref(), Some("incident"));
     let r = admit_refused(&s, Who::new("s2", "c2", "192.0.2.2/32").run("r2")).await;
     refusal(&r, RefusalCode::CutoffEngaged, ScopeKind::Global);
+    assert_eq!(
+        r.message, CUTOFF_MESSAGE,
+        "the operator's reason is not told to guests"
+    );
     let r = reserve_refused(&s, micros_step("r1", "b", 1_000)).await;
     refusal(&r, RefusalCode::CutoffEngaged, ScopeKind::Global);
+    assert_eq!(r.message, CUTOFF_MESSAGE);
     let c = resolve(&s, "a", units(700)).await.value;
     assert_eq!(c.charged, Micros(700));
     heartbeat(&s, "r1").await;

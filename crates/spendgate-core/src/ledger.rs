@@ -12,6 +12,9 @@ use crate::window::{UnixMs, Window, WindowId};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+/// What a refusal says while the spending cutoff is engaged (the reason is the operator's).
+pub const CUTOFF_MESSAGE: &str = "spending is paused by the operator; nothing new is admitted";
+
 /// Terminal records (finished runs and their reservations) are kept this long after the run
 /// ends, so that a retried commit, release or finish still gets its first answer. Short on
 /// purpose: at 20,000 steps/s a minute of records is already over a million; a retry later
@@ -1253,13 +1256,14 @@ impl Ledger {
         self.answer(outcome, changed)
     }
 
-    /// The refusal every admission gets while the spending cutoff is engaged.
+    /// The refusal every admission gets while the spending cutoff is engaged. The operator's
+    /// reason stays with the operator (summary, dashboard): refused guests see a fixed text.
     fn cutoff_refusal(&self) -> Option<Refusal> {
-        self.cutoff.as_ref().map(|reason| {
+        self.cutoff.as_ref().map(|_| {
             Refusal::new(
                 RefusalCode::CutoffEngaged,
                 Some(ScopeKind::Global),
-                format!("spending cutoff engaged: {reason}"),
+                CUTOFF_MESSAGE.to_string(),
             )
             .retry_after(60)
         })

@@ -1092,8 +1092,10 @@ end
 local function text_refusal(code, scope, retry, msg)
   return { 'refused', code, scope, retry, 'text', msg }
 end
-local function cutoff_refusal(reason)
-  return text_refusal('cutoff_engaged', 'global', '60', 'spending cutoff engaged: ' .. reason)
+-- (the operator's reason is not told to refused guests: CUTOFF_MESSAGE in the core)
+local function cutoff_refusal()
+  return text_refusal('cutoff_engaged', 'global', '60',
+    'spending is paused by the operator; nothing new is admitted')
 end
 
 ---------------------------------------------------------------- operations
@@ -1132,7 +1134,7 @@ function OPS.admit_run(now, swept, A)
   local b = P.run
   local co = cutoff()
   if co then
-    outcome = cutoff_refusal(co)
+    outcome = cutoff_refusal()
   elseif input > b['in'] then
     outcome = text_refusal('payload_too_large', 'run', '',
       'input of ' .. A[4] .. ' bytes is over the limit of ' .. S(b['in']) .. ' bytes')
@@ -1288,7 +1290,7 @@ function OPS.reserve_step(now, swept, A)
   elseif now >= run[R_DEADLINE] then
     outcome = bound('run deadline has passed')
   elseif co then
-    outcome = cutoff_refusal(co)
+    outcome = cutoff_refusal()
   end
   local amount, max_out, retry = 0, nil, false
   local ip, cp, op, prompt_s

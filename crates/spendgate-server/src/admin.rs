@@ -168,12 +168,37 @@ pub async fn adjust(
 ) -> ApiResult<Response> {
     require_admin(&state, &headers)?;
     let b = body.value;
-    let scope = ScopeKey::parse(&b.scope).ok_or_else(|| {
+    let mut scope = ScopeKey::parse(&b.scope).ok_or_else(|| {
         ApiError::invalid(format!(
             "scope {:?} is not global, ip:P, session:ID or conversation:ID",
             b.scope
         ))
     })?;
+    // The id as admissions name the scope, or a refusal: an adjustment to a counter no
+    // admission checks would be accepted and do nothing.
+    match scope.kind {
+        ScopeKind::Ip => {
+            let id = &state.config.identity;
+            scope.id = crate::identity::counted_prefix(
+                &scope.id,
+                id.ipv4_prefix,
+                id.ipv6_prefix,
+                &id.ipv6_wider,
+            )
+            .map_err(ApiError::invalid)?;
+        }
+        ScopeKind::Session => {
+            if !crate::identity::is_session_id(&scope.id) {
+                return Err(ApiError::invalid(format!(
+                    "session scope {:?} is not a session id (32 hex digits; GET \
+                     /admin/v1/scopes?kind=session lists them)",
+                    scope.id
+                )));
+            }
+        }
+        ScopeKind::Conversation => crate::api::check_conversation(&scope.id)?,
+        ScopeKind::Global | ScopeKind::Run => {}
+    }
     if b.amount_micros.unsigned_abs() > MICROS_MAX.0 {
         return Err(ApiError::invalid("amount_micros is out of range"));
     }
@@ -182,7 +207,7 @@ pub async fn adjust(
             "reason is required, at most {REASON_BYTES_MAX} bytes"
         )));
     }
-    tracing::warn!(scope = %scope, amount = b.amount_micros, reason = %b.reason, "ledger adjustment");
+
     // A wider address prefix is limited at a multiple of the configured amounts.
     let factor = match scope.kind {
         ScopeKind::Ip => {
@@ -191,7 +216,18 @@ pub async fn adjust(
         }
         _ => 1,
     };
-    let applied = state.store.adjust(scope, factor, b.amount_micros).await?;
+    let applied = state
+        .store
+        .adjust(scope.clone(), factor, b.amount_micros)
+        .await;
+    match &applied {
+        Ok(a) => tracing::warn!(scope = %scope, amount = b.amount_micros, reason = %b.reason,
+            ledger_seq = a.seq, "ledger adjustment applied"),
+        Err(e) => tracing::warn!(scope = %scope, amount = b.amount_micros, reason = %b.reason,
+            error = %e, "ledger adjustment failed (a store timeout may still have applied it: \
+            check the scope's usage before retrying)"),
+    }
+    let applied = applied?;
     let mut body = usage_json(&applied.value);
     body["ledger_seq"] = json!(applied.seq);
     Ok(Json(body).into_response())

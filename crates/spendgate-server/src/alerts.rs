@@ -39,11 +39,23 @@ pub const SCOPE_CHECK_EVERY_CHECKS: u64 = 10;
 pub const SCOPE_ALERTS_PER_CHECK_MAX: usize = 20;
 /// How long past its window's reset a sent alert's key is remembered.
 const ALERT_KEY_GRACE_MS: u64 = 86_400_000;
+/// How long a `lifetime` budget's alert key is remembered (the window never resets; the key
+/// is a record in the store, so not forever: a crossing is repeated at most this often).
+const LIFETIME_ALERT_KEY_MS: u64 = 90 * 86_400_000;
+/// Overrun alerts one replica sends per [`OVERRUN_ALERT_PERIOD`] at most; the rest are
+/// counted and reported with the next one sent (an upstream that over-reports on every call
+/// must not flood the webhook or push other alerts out of the queue).
+pub const OVERRUN_ALERTS_PER_PERIOD: u32 = 10;
+pub const OVERRUN_ALERT_PERIOD: Duration = Duration::from_secs(60);
+/// Expired reservations are alerted at most once per this period across replicas.
+pub const EXPIRED_ALERT_PERIOD_MS: u64 = 60_000;
 
 #[derive(Clone)]
 pub struct Alerts {
     tx: mpsc::Sender<Value>,
     store_down: Arc<AtomicBool>,
+    /// Overrun alerts: (start of the current period, sent in it, not sent since the last one).
+    overruns: Arc<std::sync::Mutex<(std::time::Instant, u32, u64)>>,
 }
 
 impl Alerts {
@@ -60,13 +72,15 @@ impl Alerts {
                     .send()
                     .await;
                 if let Err(e) = sent.and_then(|r| r.error_for_status()) {
-                    tracing::warn!(error = %e, "alert webhook failed");
+                    // (the URL is a secret: Slack-style webhooks carry their key in the path)
+                    tracing::warn!(error = %e.without_url(), "alert webhook failed");
                 }
             }
         });
         Alerts {
             tx,
             store_down: Arc::new(AtomicBool::new(false)),
+            overruns: Arc::new(std::sync::Mutex::new((std::time::Instant::now(), 0, 0))),
         }
     }
 
@@ -79,11 +93,42 @@ impl Alerts {
         }
     }
 
+    /// An overrun (usage above the reservation, charged in full). Bounded per replica:
+    /// [`OVERRUN_ALERTS_PER_PERIOD`], the rest counted into the next alert.
     pub fn overrun(&self, step: &str, reserved: u64, charged: u64) {
+        let suppressed = {
+            let Ok(mut o) = self.overruns.lock() else {
+                return;
+            };
+            let now = std::time::Instant::now();
+            if now.duration_since(o.0) >= OVERRUN_ALERT_PERIOD {
+                (o.0, o.1) = (now, 0);
+            }
+            if o.1 >= OVERRUN_ALERTS_PER_PERIOD {
+                o.2 = o.2.saturating_add(1);
+                tracing::warn!(
+                    step,
+                    reserved,
+                    charged,
+                    "overrun (alert suppressed: too many)"
+                );
+                return;
+            }
+            o.1 += 1;
+            std::mem::take(&mut o.2)
+        };
+        let more = if suppressed > 0 {
+            format!(" ({suppressed} more since the last overrun alert)")
+        } else {
+            String::new()
+        };
         self.emit(
             "overrun",
-            format!("overrun on step {step}: charged {charged} micros against {reserved} reserved"),
-            json!({"step": step, "reserved_micros": reserved, "charged_micros": charged}),
+            format!(
+                "overrun on step {step}: charged {charged} micros against {reserved} reserved{more}"
+            ),
+            json!({"step": step, "reserved_micros": reserved, "charged_micros": charged,
+                   "suppressed_since_last": suppressed}),
         );
     }
 
@@ -221,10 +266,13 @@ impl Crossing<'_> {
 
 /// How long a window's alert key must be remembered: past the window's reset.
 fn key_ttl_ms(resets_at: Option<spendgate_core::UnixMs>) -> u64 {
-    resets_at
-        .map(|r| r.0.saturating_sub(now_ms()))
-        .unwrap_or(0)
-        .saturating_add(ALERT_KEY_GRACE_MS)
+    match resets_at {
+        Some(r) => {
+            r.0.saturating_sub(now_ms())
+                .saturating_add(ALERT_KEY_GRACE_MS)
+        }
+        None => LIFETIME_ALERT_KEY_MS,
+    }
 }
 
 /// Checks spend against the thresholds every `CHECK_EVERY`: global spend when `scopes` holds
@@ -258,12 +306,19 @@ pub fn spawn_checker(
             if checks % SUMMARY_EVERY_CHECKS == 0 {
                 if let Ok(summary) = store.summary().await {
                     let expired = summary.reservations.get("expired").copied().unwrap_or(0);
+                    // (the count is of the records the ledger holds, which ended runs leave
+                    // when purged: it is no running total, so the key is the period, not
+                    // the count, and one replica per period reports what it saw)
                     if expired > last_expired {
-                        let key = format!("alert:expired:{expired}");
-                        if let Ok(a) = store.consume_once(key, 86_400_000).await {
-                            if a.value {
-                                alerts.expired((expired - last_expired) as usize);
-                            }
+                        let key = format!("alert:expired:{}", now_ms() / EXPIRED_ALERT_PERIOD_MS);
+                        match store.consume_once(key, 2 * EXPIRED_ALERT_PERIOD_MS).await {
+                            Ok(a) if a.value => alerts.expired((expired - last_expired) as usize),
+                            Ok(_) => {}
+                            Err(e) => tracing::warn!(
+                                error = %e,
+                                expired = expired - last_expired,
+                                "reservations expired; the alert could not be deduplicated"
+                            ),
                         }
                     }
                     last_expired = expired;
@@ -325,6 +380,24 @@ fn now_ms() -> u64 {
 mod tests {
     use super::*;
     use spendgate_core::{Micros, UnixMs, Window};
+
+    /// A burst of overruns sends at most `OVERRUN_ALERTS_PER_PERIOD` alerts per period; the
+    /// rest are counted into the next one sent.
+    #[tokio::test]
+    async fn overrun_alerts_are_bounded_and_count_the_rest() {
+        crate::install_crypto();
+        let alerts = Alerts::start(reqwest::Client::new(), None);
+        for i in 0..OVERRUN_ALERTS_PER_PERIOD + 5 {
+            alerts.overrun(&format!("s{i}"), 1, 2);
+        }
+        let o = *alerts.overruns.lock().expect("lock");
+        assert_eq!((o.1, o.2), (OVERRUN_ALERTS_PER_PERIOD, 5));
+        // A new period: the next alert goes out and carries the five.
+        alerts.overruns.lock().expect("lock").0 -= OVERRUN_ALERT_PERIOD;
+        alerts.overrun("next", 1, 2);
+        let o = *alerts.overruns.lock().expect("lock");
+        assert_eq!((o.1, o.2), (1, 0));
+    }
 
     #[test]
     fn crossing() {

@@ -905,3 +905,34 @@ pub async fn fallback() -> ApiError {
 pub fn tokenizer_of(config: &Config, model: &str) -> Option<Tokenizer> {
     config.models.get(model).map(|m| m.tokenizer)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An entry that is not text is one unreadable hop; the entries around it (on the same
+    /// line, as a proxy that appends writes them) are still read.
+    #[test]
+    fn forwarded_for_reads_each_entry() {
+        let mut h = HeaderMap::new();
+        let line = HeaderValue::from_bytes(b"\xff, 9.9.9.9").expect("obs-text is a header value");
+        h.append("x-forwarded-for", line);
+        h.append("x-forwarded-for", HeaderValue::from_static("10.0.0.1"));
+        assert_eq!(forwarded_for(&h).as_deref(), Some("?, 9.9.9.9,10.0.0.1"));
+        let trusted: Vec<ipnet::IpNet> = vec!["127.0.0.0/8".parse().expect("net")];
+        let peer: SocketAddr = "127.0.0.1:1".parse().expect("addr");
+        let addr = identity::client_addr(peer, forwarded_for(&h).as_deref(), &trusted);
+        assert_eq!(addr.to_string(), "10.0.0.1");
+        let trusted: Vec<ipnet::IpNet> = vec![
+            "127.0.0.0/8".parse().expect("net"),
+            "10.0.0.0/8".parse().expect("net"),
+        ];
+        let addr = identity::client_addr(peer, forwarded_for(&h).as_deref(), &trusted);
+        assert_eq!(
+            addr.to_string(),
+            "9.9.9.9",
+            "the proxy-appended address is read"
+        );
+        assert_eq!(forwarded_for(&HeaderMap::new()), None);
+    }
+}

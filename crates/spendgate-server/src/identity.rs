@@ -96,6 +96,61 @@ pub fn prefix_factor(prefix: &str, v6: u8, v6_wider: &[(u8, u64)]) -> u64 {
     }
 }
 
+/// The `ip` scope id that admissions use for `text` (an address, or a prefix of one of the
+/// counted lengths: IPv4 at `v4` bits, IPv6 at `v6` bits or a wider length in `v6_wider`),
+/// so that an operator's adjustment lands on the counter admissions check. An address stands
+/// for its narrowest counted prefix; host bits are cleared; an IPv4-mapped IPv6 address is
+/// IPv4. `Err` says which prefixes are counted.
+pub fn counted_prefix(
+    text: &str,
+    v4: u8,
+    v6: u8,
+    v6_wider: &[(u8, u64)],
+) -> Result<String, String> {
+    let bad = || {
+        let wider: Vec<String> = v6_wider
+            .iter()
+            .filter(|(b, _)| *b < v6)
+            .map(|(b, _)| format!("/{b}"))
+            .collect();
+        format!(
+            "ip scope {text:?} is not an address or a counted prefix (IPv4 /{v4}, IPv6 /{v6}{}{})",
+            if wider.is_empty() { "" } else { " or " },
+            wider.join(", ")
+        )
+    };
+    if let Ok(ip) = text.parse::<IpAddr>() {
+        return ip_scopes(ip, v4, v6, v6_wider)
+            .into_iter()
+            .next()
+            .map(|s| s.prefix)
+            .ok_or_else(bad);
+    }
+    let net: IpNet = text.parse().map_err(|_| bad())?;
+    let (ip, bits) = (canonical(net.addr()), net.prefix_len());
+    let bits = match (net.addr(), ip) {
+        // ::ffff:a.b.c.d/120 is a.b.c.d/24
+        (IpAddr::V6(_), IpAddr::V4(_)) => bits.checked_sub(96).ok_or_else(bad)?,
+        _ => bits,
+    };
+    let counted = match ip {
+        IpAddr::V4(_) => bits == v4,
+        IpAddr::V6(_) => bits == v6 || v6_wider.iter().any(|(b, _)| *b == bits && *b < v6),
+    };
+    if !counted {
+        return Err(bad());
+    }
+    IpNet::new(ip, bits)
+        .map(|n| n.trunc().to_string())
+        .map_err(|_| bad())
+}
+
+/// Whether `id` is a session id as [`SessionKeys::issue`] makes them (128 random bits, 32
+/// lowercase hex digits).
+pub fn is_session_id(id: &str) -> bool {
+    id.len() == 32 && id.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
 /// Signs and verifies guest session tokens: `v1.KID.ID.EXP.MAC`, where ID is a random 128-bit
 /// id, EXP the expiry in Unix seconds, KID names the key, MAC is HMAC-SHA256 over the rest.
 /// The first key signs; every key verifies (rotation).
@@ -303,5 +358,31 @@ mod tests {
         assert!(token_matches("secret-b", &allowed));
         assert!(!token_matches("secret-c", &allowed));
         assert!(!token_matches("", &[]));
+    }
+
+    #[test]
+    fn adjustments_name_the_prefix_admissions_count() {
+        let wider = [(56u8, 4u64), (48, 16)];
+        let p = |t: &str| counted_prefix(t, 24, 64, &wider);
+        assert_eq!(p("203.0.113.7").as_deref(), Ok("203.0.113.0/24"));
+        assert_eq!(p("203.0.113.7/24").as_deref(), Ok("203.0.113.0/24"));
+        assert_eq!(p("::ffff:203.0.113.7").as_deref(), Ok("203.0.113.0/24"));
+        assert_eq!(p("::ffff:203.0.113.0/120").as_deref(), Ok("203.0.113.0/24"));
+        assert_eq!(p("2001:db8:1:2::77").as_deref(), Ok("2001:db8:1:2::/64"));
+        assert_eq!(p("2001:db8::1/48").as_deref(), Ok("2001:db8::/48"));
+        assert_eq!(p("2001:db8::/56").as_deref(), Ok("2001:db8::/56"));
+        for bad in [
+            "203.0.113.7/32",
+            "2001:db8::/40",
+            "not-an-ip",
+            "",
+            "10.0.0.0/33",
+        ] {
+            let e = p(bad).expect_err(bad);
+            assert!(e.contains("/24") && e.contains("/48"), "{e}");
+        }
+        assert!(is_session_id("0123456789abcdef0123456789abcdef"));
+        assert!(!is_session_id("0123456789ABCDEF0123456789abcdef"));
+        assert!(!is_session_id("abc"));
     }
 }

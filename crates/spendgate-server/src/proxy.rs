@@ -447,6 +447,7 @@ impl StepGuard {
         how: Resolution,
     ) -> Option<Applied<Resolved>> {
         let unknown = how == Resolution::Unknown;
+        let step_name = step.0.clone();
         let mut cmds = vec![Command::Resolve { step, how }];
         if let Some(run) = run {
             cmds.push(Command::Finish { run });
@@ -471,6 +472,9 @@ impl StepGuard {
                     }
                     if a.value.overrun {
                         state.metrics.overrun();
+                        state
+                            .alerts
+                            .overrun(&step_name, a.value.reserved.0, a.value.charged.0);
                         tracing::warn!(
                             charged = a.value.charged.0,
                             reserved = a.value.reserved.0,

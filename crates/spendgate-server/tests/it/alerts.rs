@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-async fn receiver() -> (String, Arc<Mutex<Vec<Value>>>, tokio::task::JoinHandle<()>) {
+pub(crate) async fn receiver() -> (String, Arc<Mutex<Vec<Value>>>, tokio::task::JoinHandle<()>) {
     let got = Arc::new(Mutex::new(Vec::new()));
     let sink = got.clone();
     let app = Router::new().route(
@@ -31,7 +31,7 @@ async fn receiver() -> (String, Arc<Mutex<Vec<Value>>>, tokio::task::JoinHandle<
     (url, got, task)
 }
 
-fn events(got: &Arc<Mutex<Vec<Value>>>, kind: &str) -> Vec<Value> {
+pub(crate) fn events(got: &Arc<Mutex<Vec<Value>>>, kind: &str) -> Vec<Value> {
     got.lock()
         .expect("lock")
         .iter()
@@ -41,7 +41,7 @@ fn events(got: &Arc<Mutex<Vec<Value>>>, kind: &str) -> Vec<Value> {
 }
 
 /// Waits (up to 15 s) until an event of `kind` arrived.
-async fn wait_for(got: &Arc<Mutex<Vec<Value>>>, kind: &str) {
+pub(crate) async fn wait_for(got: &Arc<Mutex<Vec<Value>>>, kind: &str) {
     let until = Instant::now() + Duration::from_secs(15);
     while events(got, kind).is_empty() && Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(100)).await;

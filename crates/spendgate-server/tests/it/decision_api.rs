@@ -890,3 +890,65 @@ async fn framework_refusals_are_openai_shaped() {
         }
     }
 }
+
+/// An adjustment names a scope as admissions count it: an address stands for its counted
+/// prefix (charging it closes that prefix to new runs); an id no admission would check is
+/// refused rather than accepted and ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adjustments_land_on_the_counters_admissions_check() {
+    let server = Server::start(
+        r#"
+[limits.ip]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = [{ amount = "1.00", window = "day" }]
+"#,
+    );
+    let adjust = |scope: &str| {
+        let body = json!({"scope": scope, "amount_micros": 1_000_000, "reason": "abuse"});
+        let req = server
+            .http
+            .post(server.url("/admin/v1/adjustments"))
+            .bearer_auth(ADMIN)
+            .json(&body)
+            .send();
+        async move {
+            let r = req.await.expect("send");
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (st, v) = adjust("ip:203.0.113.7").await;
+    assert_eq!(st, 200, "{v}");
+    let ip = v["scopes"]
+        .as_array()
+        .and_then(|s| s.iter().find(|l| l["kind"] == "ip"))
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(
+        (ip["id"].as_str(), ip["used_micros"].as_u64()),
+        (Some("203.0.113.7/32"), Some(1_000_000)),
+        "{v}"
+    );
+    let s = server.session().await;
+    let (st, v) = server
+        .post(
+            "/v1/runs",
+            json!({"session": s, "client_ip": "203.0.113.7", "conversation": "c", "input_text": "hi"}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (429, "budget_exhausted"), "{v}");
+    assert_eq!(v["error"]["scope"], "ip", "{v}");
+    // Another address is untouched.
+    server.run(&s, "203.0.113.8", "c").await;
+    for bad in [
+        "ip:not-an-ip",
+        "ip:203.0.113.0/24",
+        "session:abc",
+        "conversation:",
+    ] {
+        let (st, v) = adjust(bad).await;
+        assert_eq!((st, code(&v)), (400, "invalid_request"), "{bad}: {v}");
+    }
+}

@@ -110,6 +110,8 @@ struct Opts {
     max_seconds: u64,
     /// `server.browser_direct`
     browser_direct: bool,
+    /// `alerts.webhook_url`
+    webhook: Option<String>,
 }
 
 impl Default for Opts {
@@ -128,6 +130,7 @@ impl Default for Opts {
             lease_ttl_s: 10,
             max_seconds: 120,
             browser_direct: false,
+            webhook: None,
         }
     }
 }
@@ -204,7 +207,12 @@ tokenizer = "bytes"
 
 [upstreams.down]
 base_url = "http://127.0.0.1:{down_port}/v1"
-"#,
+{alerts}"#,
+        alerts = o
+            .webhook
+            .as_ref()
+            .map(|url| format!("\n[alerts]\nwebhook_url = \"{url}\"\n"))
+            .unwrap_or_default(),
         down_port = free_port(),
         max_seconds = o.max_seconds,
         global = o.global_budget,
@@ -1092,6 +1100,32 @@ async fn fault_modes_end_in_the_right_state_and_reconcile() {
     assert_eq!(global["reserved_micros"], 0);
     assert!(g.metric("spendgate_overruns_total ").await >= 2);
     assert!(g.metric("spendgate_unknown_outcomes_total ").await >= 6);
+}
+
+/// An overrun through the proxy (the upstream reports more output than was bounded) is
+/// alerted like one committed through the decision API, naming the step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxied_overrun_is_alerted() {
+    let (url, got, task) = crate::alerts::receiver().await;
+    let g = Gateway::start(Opts {
+        webhook: Some(url),
+        ..Opts::default()
+    })
+    .await;
+    let r = g
+        .chat(
+            "over",
+            json!({"model": MODEL, "messages": user("misbehave")}),
+            &[("x-mock-fault", "usage_over")],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    crate::alerts::wait_for(&got, "overrun").await;
+    let o = crate::alerts::events(&got, "overrun");
+    assert_eq!(o.len(), 1, "{o:?}");
+    assert_eq!(o[0]["step"], r.step().as_str(), "{o:?}");
+    assert!(o[0]["charged_micros"].as_u64() > o[0]["reserved_micros"].as_u64());
+    task.abort();
 }
 
 /// With `Spendgate-Run` a call is a step of that run: it counts as a model round (or a retry

@@ -72,6 +72,7 @@ macro_rules! __with_conformance_cases {
             i2_expired_reservations_are_closed,
             i2_a_repeated_commit_keeps_its_result_size_verdict,
             session_creation_rates,
+            adjustments_apply_once_per_key,
             many_commands_apply_in_order,
             durable_reopen_keeps_the_ledger,
             i5_rounds_tools_and_retries,

@@ -460,6 +460,43 @@ pub async fn whole_run_expiry_charges_the_hold(b: &dyn Backend) {
     assert_eq!(ur(&lines, ScopeKind::Session), (60_000, 0));
 }
 
+/// An adjustment with a key applies once: a repeat (an operator's retry after a timeout)
+/// answers without applying again; the same key with another adjustment is a conflict;
+/// without a key every call applies.
+pub async fn adjustments_apply_once_per_key(b: &dyn Backend) {
+    let mut p = policy();
+    p.session.budgets = vec![day(1_000_000)];
+    let s = b.open(p, START).await;
+    let session = ScopeKey::new(ScopeKind::Session, "s1");
+    let used = |a: &Adjustment| line(&a.lines, ScopeKind::Session).used.0;
+    let adjust = |amount: i64, once: Option<&str>| {
+        let (s, scope) = (s.clone(), session.clone());
+        let once = once.map(str::to_owned);
+        async move { s.adjust(scope, 1, amount, once).await }
+    };
+    let first = adjust(300, Some("k1")).await.expect("applied");
+    assert_eq!((used(&first.value), first.value.repeated), (300, false));
+    assert!(first.changed);
+    let again = adjust(300, Some("k1")).await.expect("repeated");
+    assert_eq!((used(&again.value), again.value.repeated), (300, true));
+    assert_eq!(seq(&s).await, first.seq, "a repeat changes nothing");
+    let conflict = adjust(-300, Some("k1")).await.expect_err("another amount");
+    assert!(
+        matches!(
+            conflict,
+            StoreError::Ledger(LedgerError::IdempotencyConflict)
+        ),
+        "{conflict:?}"
+    );
+    let other = adjust(-100, Some("k2")).await.expect("another key");
+    assert_eq!((used(&other.value), other.value.repeated), (200, false));
+    for _ in 0..2 {
+        adjust(50, None).await.expect("unkeyed");
+    }
+    let lines = usage(&s, &[(session.clone(), 1)]).await;
+    assert_eq!(line(&lines, ScopeKind::Session).used, Micros(300));
+}
+
 /// With the cutoff engaged nothing new is admitted (runs or steps); work already admitted
 /// can still be resolved; disengaged, admission resumes.
 pub async fn cutoff_refuses_admission(b: &dyn Backend) {

@@ -47,6 +47,11 @@ pub enum Command {
         /// limited at this multiple; 1 otherwise), as in [`Command::Usage`].
         factor: u64,
         amount: i64,
+        /// A key that makes the adjustment apply once (an operator's retry after a timeout
+        /// repeats, never doubles it), remembered for [`ADJUSTMENT_KEY_TTL_MS`].
+        ///
+        /// [`ADJUSTMENT_KEY_TTL_MS`]: crate::ADJUSTMENT_KEY_TTL_MS
+        once: Option<String>,
     },
     Summary,
     Reservations {
@@ -105,7 +110,7 @@ pub enum Reply {
     Session(Applied<Result<SessionGrant, Refusal>>),
     Usage(Vec<UsageLine>),
     Cutoff(Applied<bool>),
-    Adjusted(Applied<Vec<UsageLine>>),
+    Adjusted(Applied<Adjustment>),
     Summary(Summary),
     Reservations(Vec<Reservation>),
     TopCounters(Vec<(CounterKey, Counter)>),
@@ -144,7 +149,15 @@ impl Ledger {
                 scope,
                 factor,
                 amount,
-            } => Reply::Adjusted(self.adjust(policy, now, scope, *factor, *amount)?),
+                once,
+            } => Reply::Adjusted(self.adjust(
+                policy,
+                now,
+                scope,
+                *factor,
+                *amount,
+                once.as_deref(),
+            )?),
             Command::Summary => Reply::Summary(self.summary(now)),
             Command::Reservations { state, limit } => {
                 Reply::Reservations(self.reservations(*state, *limit))

@@ -12,6 +12,9 @@ use crate::window::{UnixMs, Window, WindowId};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap, HashSet};
 
+/// How long an adjustment's key (`Command::Adjust { once }`) is remembered.
+pub const ADJUSTMENT_KEY_TTL_MS: u64 = 86_400_000;
+
 /// What a refusal says while the spending cutoff is engaged (the reason is the operator's).
 pub const CUTOFF_MESSAGE: &str = "spending is paused by the operator; nothing new is admitted";
 
@@ -400,6 +403,14 @@ pub struct Resolved {
     pub repeated: bool,
     /// A tool result above `max_tool_result_bytes`: charged, but must not be fed back.
     pub result_too_large: bool,
+}
+
+/// What an adjustment answers: the scope's budgets after it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Adjustment {
+    pub lines: Vec<UsageLine>,
+    /// The key was used before: nothing was applied this time.
+    pub repeated: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -2040,8 +2051,9 @@ impl Ledger {
         scope: &ScopeKey,
         factor: u64,
         amount: i64,
-    ) -> Result<Applied<Vec<UsageLine>>, LedgerError> {
-        let (now, _) = self.advance(now);
+        once: Option<&str>,
+    ) -> Result<Applied<Adjustment>, LedgerError> {
+        let (now, swept) = self.advance(now);
         if scope.kind == ScopeKind::Run {
             return Err(LedgerError::Invalid(
                 "adjust a run through its steps".into(),
@@ -2055,6 +2067,40 @@ impl Ledger {
             return Err(LedgerError::Invalid(format!(
                 "no budget applies to {scope}"
             )));
+        }
+        if let Some(once) = once {
+            check_id("adjustment key", once)?;
+            let key = format!("once:adjust:{once}");
+            let fingerprint = format!("{scope}|{factor}|{amount}");
+            if let Some(r) = self.idempotency.get(&key) {
+                if r.fingerprint != fingerprint {
+                    return Err(LedgerError::IdempotencyConflict);
+                }
+                let value = Adjustment {
+                    lines: self.usage(policy, now, &scopes),
+                    repeated: true,
+                };
+                if swept {
+                    self.bump();
+                }
+                return Ok(self.answer(value, swept));
+            }
+            if self.records_held() >= LEDGER_RECORDS_MAX {
+                return Err(LedgerError::Full(LEDGER_RECORDS_MAX));
+            }
+            let expires = now.plus_ms(ADJUSTMENT_KEY_TTL_MS);
+            self.idempotency.insert(
+                key.clone(),
+                IdempotencyRecord {
+                    key: key.clone(),
+                    fingerprint,
+                    outcome: IdempotentOutcome::Used,
+                    expires,
+                },
+            );
+            self.timers
+                .insert((expires, Timer::Idempotency(key.clone())));
+            self.touch(Entity::Idempotency(key));
         }
         for (key, limit) in &counters {
             let c = self.counter_mut(key, *limit);
@@ -2076,7 +2122,11 @@ impl Ledger {
             }
         }
         self.bump();
-        Ok(self.answer(self.usage(policy, now, &scopes), true))
+        let value = Adjustment {
+            lines: self.usage(policy, now, &scopes),
+            repeated: false,
+        };
+        Ok(self.answer(value, true))
     }
 
     /// Totals of the ledger, from running counts (O(1)).
@@ -2439,10 +2489,12 @@ mod tests {
         let wide = ScopeKey::new(ScopeKind::Ip, "2001:db8::/48");
         let mut l = Ledger::new();
         // The /48 has spent 2.00 of its 16 × 1.00.
-        let charged = l.adjust(&p, now, &wide, 16, 2_000_000).expect("charge");
-        assert_eq!(charged.value[0].limit, Micros(16_000_000));
-        let credited = l.adjust(&p, now, &wide, 16, -1).expect("credit");
-        let line = &credited.value[0];
+        let charged = l
+            .adjust(&p, now, &wide, 16, 2_000_000, None)
+            .expect("charge");
+        assert_eq!(charged.value.lines[0].limit, Micros(16_000_000));
+        let credited = l.adjust(&p, now, &wide, 16, -1, None).expect("credit");
+        let line = &credited.value.lines[0];
         assert_eq!(
             (line.limit, line.used, line.overrun),
             (Micros(16_000_000), Micros(1_999_999), false)
@@ -2458,11 +2510,12 @@ mod tests {
         // A credit larger than what was used takes it to zero and records only that.
         let session = ScopeKey::new(ScopeKind::Session, "s9");
         p.session.budgets = p.ip.budgets.clone();
-        l.adjust(&p, now, &session, 1, 300).expect("charge");
+        l.adjust(&p, now, &session, 1, 300, None).expect("charge");
         let line = l
-            .adjust(&p, now, &session, 1, -1_000)
+            .adjust(&p, now, &session, 1, -1_000, None)
             .expect("credit")
-            .value[0]
+            .value
+            .lines[0]
             .clone();
         assert_eq!(line.used, Micros(0));
         let counter = l

@@ -1564,9 +1564,31 @@ end
 function OPS.adjust(now, swept, A)
   local kind, id, amount = A[1], A[2], N(A[3])
   if kind == 'run' then return err({ 'invalid', 'adjust a run through its steps' }) end
-  local scopes = { { kind, id, mmax(N(A[4]) or 1, 1) } }
+  local factor = mmax(N(A[4]) or 1, 1)
+  local scopes = { { kind, id, factor } }
   local counters = budget_counters(scopes, now)
   if #counters == 0 then return err({ 'invalid', 'no budget applies to ' .. disp(kind, id) }) end
+  -- once: applied once per key (Ledger::adjust); a repeat answers the lines as they are
+  local once = A[5] or ''
+  if once ~= '' then
+    local bad = check_id('adjustment key', once)
+    if bad then return err({ 'invalid', bad }) end
+    local key = 'once:adjust:' .. once
+    local fp = disp(kind, id) .. '|' .. S(factor) .. '|' .. A[3]
+    local seen = rcall('HGET', kIdem(key), 'fp')
+    if seen then
+      if seen ~= fp then return err({ 'conflict' }) end
+      if swept then bump() end
+      local out = { '1' }
+      for _, l in ipairs(lines(scopes, now)) do out[#out + 1] = l end
+      return ok(swept, out)
+    end
+    if records_held() >= RECORDS_MAX then return err({ 'full' }) end
+    local expires = now + 86400000 -- ADJUSTMENT_KEY_TTL_MS
+    rcall('HSET', kIdem(key), 'key', key, 'fp', fp, 'kind', 'used', 'outcome', '', 'expires', S(expires))
+    timer_add(expires, '3|' .. key)
+    mincr('nrec', 1)
+  end
   for _, k in ipairs(counters) do
     local c = cload(k.enc)
     c.limit = k.limit
@@ -1582,7 +1604,9 @@ function OPS.adjust(now, swept, A)
     csave(c)
   end
   bump()
-  return ok(true, lines(scopes, now))
+  local out = { '0' }
+  for _, l in ipairs(lines(scopes, now)) do out[#out + 1] = l end
+  return ok(true, out)
 end
 
 do

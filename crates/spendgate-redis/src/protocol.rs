@@ -152,6 +152,7 @@ pub fn encode(cmd: &Command) -> Call {
             scope,
             factor,
             amount,
+            once,
         } => write(
             "adjust",
             vec![
@@ -159,6 +160,7 @@ pub fn encode(cmd: &Command) -> Call {
                 scope.id.clone(),
                 amount.to_string(),
                 factor.to_string(),
+                once.clone().unwrap_or_default(),
             ],
         ),
         Command::Summary => read("summary", vec![]),
@@ -608,7 +610,11 @@ pub fn decode(cmd: &Command, items: &[Item]) -> Result<Reply, StoreError> {
             changed,
         )),
         Command::SetCutoff { .. } => Reply::Cutoff(applied(f.b()?, seq, changed)),
-        Command::Adjust { .. } => Reply::Adjusted(applied(usage_lines(f.rest())?, seq, changed)),
+        Command::Adjust { .. } => {
+            let repeated = f.b()?;
+            let lines = usage_lines(f.rest())?;
+            Reply::Adjusted(applied(Adjustment { lines, repeated }, seq, changed))
+        }
         Command::Sweep => Reply::Swept(applied(
             usize::try_from(f.u()?).unwrap_or(usize::MAX),
             seq,

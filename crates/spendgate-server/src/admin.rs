@@ -167,7 +167,7 @@ pub async fn adjust(
     body: Body<AdjustBody>,
 ) -> ApiResult<Response> {
     require_admin(&state, &headers)?;
-    let b = body.value;
+    let (b, raw) = (body.value, body.raw);
     let mut scope = ScopeKey::parse(&b.scope).ok_or_else(|| {
         ApiError::invalid(format!(
             "scope {:?} is not global, ip:P, session:ID or conversation:ID",
@@ -216,19 +216,27 @@ pub async fn adjust(
         }
         _ => 1,
     };
+    // With an Idempotency-Key the adjustment applies once: a retry after a timeout (which
+    // may have applied it) repeats the answer instead of charging or crediting twice.
+    let once = crate::api::idempotency(&headers, "adjust", &raw)?.map(|k| k.key);
+    let keyed = once.is_some();
     let applied = state
         .store
-        .adjust(scope.clone(), factor, b.amount_micros)
+        .adjust(scope.clone(), factor, b.amount_micros, once)
         .await;
     match &applied {
         Ok(a) => tracing::warn!(scope = %scope, amount = b.amount_micros, reason = %b.reason,
-            ledger_seq = a.seq, "ledger adjustment applied"),
+            ledger_seq = a.seq, repeated = a.value.repeated, "ledger adjustment"),
+        Err(e) if keyed => tracing::warn!(scope = %scope, amount = b.amount_micros,
+            reason = %b.reason, error = %e,
+            "ledger adjustment failed; it may have applied: retry with the same Idempotency-Key"),
         Err(e) => tracing::warn!(scope = %scope, amount = b.amount_micros, reason = %b.reason,
-            error = %e, "ledger adjustment failed (a store timeout may still have applied it: \
-            check the scope's usage before retrying)"),
+            error = %e, "ledger adjustment failed; it may have applied: check the scope's usage \
+            before retrying (an Idempotency-Key makes a retry safe)"),
     }
     let applied = applied?;
-    let mut body = usage_json(&applied.value);
+    let mut body = usage_json(&applied.value.lines);
+    body["repeated"] = json!(applied.value.repeated);
     body["ledger_seq"] = json!(applied.seq);
     Ok(Json(body).into_response())
 }

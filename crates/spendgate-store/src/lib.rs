@@ -96,8 +96,8 @@ impl dyn Store {
     typed!(usage(scopes: Vec<(ScopeKey, u64)>) -> Vec<UsageLine>, Command::Usage { scopes }, Usage);
     typed!(set_cutoff(engaged: bool, reason: String) -> Applied<bool>,
         Command::SetCutoff { engaged, reason }, Cutoff);
-    typed!(adjust(scope: ScopeKey, factor: u64, amount: i64) -> Applied<Vec<UsageLine>>,
-        Command::Adjust { scope, factor, amount }, Adjusted);
+    typed!(adjust(scope: ScopeKey, factor: u64, amount: i64, once: Option<String>) -> Applied<Adjustment>,
+        Command::Adjust { scope, factor, amount, once }, Adjusted);
     typed!(summary() -> Summary, Command::Summary, Summary);
     typed!(reservations(state: Option<ReservationState>, limit: usize) -> Vec<Reservation>,
         Command::Reservations { state, limit }, Reservations);

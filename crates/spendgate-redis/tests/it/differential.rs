@@ -335,6 +335,8 @@ impl Gen {
                 scope: scope(r),
                 factor: [1, 1, 4, 16][r.below(4) as usize],
                 amount: r.below(6000) as i64 - 3000,
+                // (a few keys: repeats and conflicts)
+                once: r.chance(30).then(|| format!("adj{}", r.below(4))),
             },
             87 => Command::Summary,
             88..=89 => Command::Reservations {
@@ -548,7 +550,7 @@ async fn same_answers_as_the_core_per_step_with_shrink() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_answer_as_the_core_one_by_one() {
     variant_run(0, 31..=32, true, &["step shrunk"]).await;
-    variant_run(1, 41..=41, true, &[]).await;
+    variant_run(1, 47..=47, true, &[]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -769,6 +771,7 @@ async fn calendar_windows_match_the_core_across_centuries() {
                 scope: ScopeKey::new(ScopeKind::Session, "s"),
                 factor: 1,
                 amount: 5,
+                once: None,
             });
         }
         if i % 7 == 0 {

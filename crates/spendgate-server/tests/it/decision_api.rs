@@ -942,6 +942,27 @@ budgets = [{ amount = "1.00", window = "day" }]
     assert_eq!(v["error"]["scope"], "ip", "{v}");
     // Another address is untouched.
     server.run(&s, "203.0.113.8", "c").await;
+    // With an Idempotency-Key a retried adjustment applies once.
+    let keyed = || {
+        server
+            .http
+            .post(server.url("/admin/v1/adjustments"))
+            .bearer_auth(ADMIN)
+            .header("idempotency-key", "credit-42")
+            .json(
+                &json!({"scope": "ip:203.0.113.7", "amount_micros": -400_000, "reason": "refund"}),
+            )
+            .send()
+    };
+    for repeated in [false, true] {
+        let v: Value = keyed().await.expect("send").json().await.expect("json");
+        assert_eq!(v["repeated"], repeated, "{v}");
+        let used = v["scopes"]
+            .as_array()
+            .and_then(|s| s.iter().find(|l| l["kind"] == "ip"))
+            .and_then(|l| l["used_micros"].as_u64());
+        assert_eq!(used, Some(600_000), "credited once: {v}");
+    }
     for bad in [
         "ip:not-an-ip",
         "ip:203.0.113.0/24",

@@ -21,7 +21,22 @@ use std::net::IpAddr;
 pub const CHALLENGE_TTL_S: u64 = 300;
 
 fn sign(state: &AppState, payload: &str) -> String {
-    let key = state.keys.signing_key();
+    sign_with(state.keys.signing_key(), payload)
+}
+
+/// Whether `sig` is `payload` signed by any configured key: during a key rotation, replicas
+/// whose first keys differ accept each other's challenges (as they do session tokens).
+fn signed_by_any(state: &AppState, payload: &str, sig: &str) -> bool {
+    state.keys.keys().fold(false, |ok, key| {
+        let expect = sign_with(key, payload);
+        ok | bool::from(subtle::ConstantTimeEq::ct_eq(
+            expect.as_bytes(),
+            sig.as_bytes(),
+        ))
+    })
+}
+
+fn sign_with(key: &[u8], payload: &str) -> String {
     let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| {
         <Hmac<Sha256> as Mac>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
     });
@@ -187,8 +202,7 @@ pub async fn check(
     let bits = ch.get("bits").and_then(Value::as_u64).unwrap_or(0);
     let expires = ch.get("expires").and_then(Value::as_u64).unwrap_or(0);
     let sig = ch.get("sig").and_then(Value::as_str).unwrap_or("");
-    let expect = sign(state, &format!("pow.{nonce}.{bits}.{expires}"));
-    let sig_ok: bool = subtle::ConstantTimeEq::ct_eq(expect.as_bytes(), sig.as_bytes()).into();
+    let sig_ok = signed_by_any(state, &format!("pow.{nonce}.{bits}.{expires}"), sig);
     if !sig_ok || nonce.len() != 32 || solution.len() > 64 {
         return Err(required("challenge is not one of ours", state));
     }

@@ -200,6 +200,11 @@ impl SessionKeys {
         &self.keys[0].1
     }
 
+    /// Every key that verifies, the signing key first.
+    pub fn keys(&self) -> impl Iterator<Item = &[u8]> {
+        self.keys.iter().map(|(_, k)| k.as_slice())
+    }
+
     pub fn issue(&self, now_unix: u64, ttl_s: u64) -> (String, Session) {
         let id: [u8; 16] = rand::random();
         let id_hex = hex::encode(id);

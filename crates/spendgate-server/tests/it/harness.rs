@@ -131,7 +131,7 @@ secure_cookie = false
 const SQLITE_TEST_TIMEOUT_MS: u64 = 5_000;
 
 /// A fresh directory and the `[store]` keys of a sqlite file in it.
-fn sqlite_dir() -> (tempfile::TempDir, String) {
+pub fn sqlite_dir() -> (tempfile::TempDir, String) {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = format!(
         "kind = \"sqlite\"\npath = \"{}\"\ntimeout_ms = {SQLITE_TEST_TIMEOUT_MS}",
@@ -206,7 +206,7 @@ impl Server {
         Server::start_config(dir, config, env)
     }
 
-    fn start_config(
+    pub fn start_config(
         dir: tempfile::TempDir,
         config_text: impl FnOnce(u16) -> String,
         env: Vec<(String, String)>,

@@ -285,6 +285,42 @@ async fn adaptive_challenge_follows_each_clients_own_pressure() {
     assert!(retry.is_some());
 }
 
+/// During a key rotation replicas may sign with different first keys: a challenge issued by
+/// one is accepted by another that has the issuer's key among its keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_challenge_from_a_replica_with_another_first_key_is_accepted() {
+    const OTHER_KEY: &str = "test-session-key-rotated-0123456789";
+    let start = |keys: String| {
+        let (dir, store) = sqlite_dir();
+        Server::start_config(
+            dir,
+            move |port| {
+                config_text_with_sessions(
+                    port,
+                    &store,
+                    "challenge = \"always\"\nchallenge_bits = 8",
+                    "",
+                )
+                .replace(&format!("keys = [\"{SESSION_KEY}\"]"), &keys)
+            },
+            Vec::new(),
+        )
+    };
+    let old_first = start(format!("keys = [\"{SESSION_KEY}\", \"{OTHER_KEY}\"]"));
+    let new_first = start(format!("keys = [\"{OTHER_KEY}\", \"{SESSION_KEY}\"]"));
+    let (status, _, v) = create(&old_first, "198.51.100.20", None).await;
+    assert_eq!((status, code(&v)), (403, "challenge_required"), "{v}");
+    let nonce = v["challenge"]["nonce"].as_str().expect("nonce");
+    let solution = spendgate_server::challenge::solve(nonce, 8);
+    let (status, _, v) = create(
+        &new_first,
+        "198.51.100.20",
+        Some(json!({"challenge": v["challenge"], "solution": solution})),
+    )
+    .await;
+    assert_eq!(status, 201, "{v}");
+}
+
 /// A proxy may add its own `X-Forwarded-For` line after one the client wrote: the lines are
 /// one list, walked from the right, so the client's line cannot choose the address.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

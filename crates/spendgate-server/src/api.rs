@@ -890,9 +890,14 @@ pub async fn readyz(State(state): State<Shared>) -> Response {
 
 pub async fn metrics(State(state): State<Shared>) -> Response {
     let summary = state.store.summary().await.ok();
+    let global = state
+        .store
+        .usage(vec![(ScopeKey::global(), 1)])
+        .await
+        .unwrap_or_default();
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(summary.as_ref()),
+        state.metrics.render(summary.as_ref(), &global),
     )
         .into_response()
 }

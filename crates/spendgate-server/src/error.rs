@@ -179,6 +179,7 @@ impl IntoResponse for ApiError {
             body["ledger_seq"] = json!(seq);
         }
         let mut resp = (self.status, axum::Json(body)).into_response();
+        resp.extensions_mut().insert(ErrorCode(self.code));
         let h = resp.headers_mut();
         if let Some(seq) = self.ledger_seq {
             h.insert("spendgate-ledger-seq", HeaderValue::from(seq));
@@ -203,6 +204,10 @@ impl IntoResponse for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
+
+/// The code of an error answer, kept on the response for the metrics layer.
+#[derive(Clone, Copy, Debug)]
+pub struct ErrorCode(pub &'static str);
 
 #[cfg(test)]
 mod tests {

@@ -186,6 +186,25 @@ async fn credentials_first(
     }
 }
 
+/// Counts every error answer by status and code (`spendgate_error_answers_total`): store
+/// outages, overload and input errors as well as the refusals counted by what they refused.
+async fn count_errors(
+    axum::extract::State(state): axum::extract::State<Shared>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let res = next.run(req).await;
+    let status = res.status();
+    if status.is_client_error() || status.is_server_error() {
+        let code = res
+            .extensions()
+            .get::<error::ErrorCode>()
+            .map_or("upstream", |c| c.0);
+        state.metrics.error_answer(status.as_u16(), code);
+    }
+    res
+}
+
 /// Bytes of a plain-text error body kept as the message of its JSON form.
 const PLAIN_ERROR_BYTES_MAX: usize = 1024;
 
@@ -301,6 +320,7 @@ pub fn router(state: Shared) -> Router {
                 .load_shed()
                 .concurrency_limit(CONCURRENT_REQUESTS_MAX),
         )
+        .layer(middleware::from_fn_with_state(state.clone(), count_errors))
         .with_state(state)
 }
 

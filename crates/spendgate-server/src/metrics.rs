@@ -1,6 +1,6 @@
 //! Metrics in the Prometheus text format. Names follow `spendgate_<name>_<unit>`.
 
-use spendgate_core::{ScopeKind, Summary};
+use spendgate_core::{ScopeKind, Summary, UsageLine};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -17,6 +17,9 @@ pub struct Metrics {
     /// Refusals a limit in dry-run would have given (the request was admitted).
     dry_run_refusals: Mutex<BTreeMap<(&'static str, &'static str, &'static str), u64>>,
     overruns: AtomicU64,
+    /// Every error answer by status and code (store outages, bad input and the framework's
+    /// own refusals included; an upstream's error passed through as code "upstream").
+    error_answers: Mutex<BTreeMap<(u16, &'static str), u64>>,
     store_calls: Timing,
     upstream_calls: Timing,
     proxy_overheads: Timing,
@@ -98,6 +101,9 @@ impl Metrics {
             (what, code, scope.map(|s| s.name()).unwrap_or("")),
         );
     }
+    pub fn error_answer(&self, status: u16, code: &'static str) {
+        bump(&self.error_answers, (status, code));
+    }
     pub fn overrun(&self) {
         self.overruns.fetch_add(1, Ordering::Relaxed);
     }
@@ -116,7 +122,9 @@ impl Metrics {
         self.upstream_calls.record(d);
     }
 
-    pub fn render(&self, summary: Option<&Summary>) -> String {
+    /// `global`: the global budgets' lines (the real spend per window: `summary` counts only
+    /// the reservations the ledger still holds, and ended runs are purged after a minute).
+    pub fn render(&self, summary: Option<&Summary>, global: &[UsageLine]) -> String {
         let mut out = String::new();
         let _ = writeln!(out, "# TYPE spendgate_admissions_total counter");
         for (k, v) in self
@@ -134,6 +142,45 @@ impl Metrics {
             let _ = writeln!(out, "# TYPE {name} counter");
             for ((w, c, s), v) in family.lock().unwrap_or_else(|p| p.into_inner()).iter() {
                 let _ = writeln!(out, "{name}{{what=\"{w}\",code=\"{c}\",scope=\"{s}\"}} {v}");
+            }
+        }
+        let _ = writeln!(out, "# TYPE spendgate_error_answers_total counter");
+        for ((status, code), v) in self
+            .error_answers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            let _ = writeln!(
+                out,
+                "spendgate_error_answers_total{{status=\"{status}\",code=\"{code}\"}} {v}"
+            );
+        }
+        for (name, help, value) in [
+            (
+                "spendgate_global_used_micros",
+                "spent in the current window",
+                (|l: &UsageLine| l.used.0) as fn(&UsageLine) -> u64,
+            ),
+            (
+                "spendgate_global_reserved_micros",
+                "held in the current window",
+                |l| l.reserved.0,
+            ),
+            (
+                "spendgate_global_limit_micros",
+                "the window's budget",
+                |l| l.limit.0,
+            ),
+        ] {
+            if global.is_empty() {
+                break;
+            }
+            let _ = writeln!(out, "# HELP {name} Global budget: {help}.");
+            let _ = writeln!(out, "# TYPE {name} gauge");
+            for line in global {
+                let w = line.window.window.name();
+                let _ = writeln!(out, "{name}{{window=\"{w}\"}} {}", value(line));
             }
         }
         let l = |n: &AtomicU64| n.load(Ordering::Relaxed);
@@ -154,8 +201,13 @@ impl Metrics {
         self.proxy_overheads
             .render(&mut out, "spendgate_proxy_overhead_seconds");
         if let Some(s) = summary {
-            let _ = writeln!(out, "# TYPE spendgate_reservations gauge");
-            for (state, n) in &s.reservations {
+            let _ = writeln!(
+                out,
+                "# HELP spendgate_reservations Reservations the ledger holds, by state (ended \
+                 runs' are purged a minute after they end).\n# TYPE spendgate_reservations gauge"
+            );
+            for state in ["held", "committed", "released", "unknown", "expired"] {
+                let n = s.reservations.get(state).copied().unwrap_or(0);
                 let _ = writeln!(out, "spendgate_reservations{{state=\"{state}\"}} {n}");
             }
             let _ = writeln!(
@@ -165,7 +217,9 @@ impl Metrics {
             );
             let _ = writeln!(
                 out,
-                "# TYPE spendgate_charged_micros gauge\nspendgate_charged_micros {}",
+                "# HELP spendgate_charged_micros Charged by the reservations the ledger holds \
+                 (see spendgate_global_used_micros for the spend).\n\
+                 # TYPE spendgate_charged_micros gauge\nspendgate_charged_micros {}",
                 s.charged_micros.0
             );
             let _ = writeln!(
@@ -199,7 +253,7 @@ mod tests {
         m.store_call(Duration::from_micros(500));
         m.store_call(Duration::from_secs(60));
         m.proxy_overhead(Duration::from_millis(3));
-        let out = m.render(None);
+        let out = m.render(None, &[]);
         for line in [
             "# TYPE spendgate_store_call_seconds histogram",
             "spendgate_store_call_seconds_bucket{le=\"0.0001\"} 0",

@@ -973,3 +973,50 @@ budgets = [{ amount = "1.00", window = "day" }]
         assert_eq!((st, code(&v)), (400, "invalid_request"), "{bad}: {v}");
     }
 }
+
+/// `/metrics` counts every error answer by status and code (not only refusals), shows every
+/// reservation state, and the global budget's real spend per window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_every_error_and_show_the_spend() {
+    let server = Server::start(ROOMY);
+    let s = server.session().await;
+    let run = server.run(&s, "192.0.2.9", "m").await;
+    let step = server.tool_step(&run, "web_search").await;
+    server.commit_units(&step, 1).await;
+    let bad = server
+        .http
+        .post(server.url("/v1/runs"))
+        .bearer_auth(SERVICE)
+        .header("content-type", "application/json")
+        .body("{not json")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(bad.status().as_u16(), 400);
+    let none = server
+        .http
+        .get(server.url("/no/such/route"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(none.status().as_u16(), 404);
+    let text = server
+        .http
+        .get(server.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    for line in [
+        "spendgate_error_answers_total{status=\"400\",code=\"invalid_request\"} 1",
+        "spendgate_error_answers_total{status=\"404\",code=\"not_found\"} 1",
+        "spendgate_reservations{state=\"expired\"} 0",
+        "spendgate_reservations{state=\"committed\"} 1",
+        "spendgate_global_used_micros{window=\"day\"} 10000",
+        "spendgate_global_limit_micros{window=\"day\"} 5000000",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
+    }
+}

@@ -52,6 +52,9 @@ use toml::Spanned;
 // ---------------------------------------------------------------------------------------------
 // Named bounds.
 
+/// Service and admin tokens shorter than this draw a warning at start and in check-config.
+pub const TOKEN_BYTES_ADVISED: usize = 16;
+
 /// Largest config file accepted.
 pub const CONFIG_BYTES_MAX: usize = 1 << 20;
 /// The built-in mock upstream's name: models may name it without an `[upstreams.mock]` table
@@ -2183,6 +2186,21 @@ impl Config {
                 "server.admin_tokens: no admin token is set: the admin API is closed".to_string(),
             );
         }
+        for (key, tokens) in [
+            ("server.service_tokens", &self.server.service_tokens),
+            ("server.admin_tokens", &self.server.admin_tokens),
+        ] {
+            for (i, t) in tokens.iter().enumerate() {
+                let n = t.expose().len();
+                if n > 0 && n < TOKEN_BYTES_ADVISED {
+                    w.push(format!(
+                        "{key}[{i}]: a token of {n} bytes is guessable; use at least \
+                         {TOKEN_BYTES_ADVISED} random bytes (the admin and service APIs \
+                         share the public listener)"
+                    ));
+                }
+            }
+        }
         if self.sessions.keys.is_empty() {
             w.push(
                 "sessions.keys: no session key is set: an ephemeral key is generated; sessions \
@@ -2318,6 +2336,25 @@ thresholds = [0.5, 0.8, 1.0]
         ),
         ("OPENAI_API_KEY", "sk-openai-value-0123456789"),
     ];
+
+    #[test]
+    fn short_tokens_draw_a_warning() {
+        let c = load(
+            "[server]\nservice_tokens = [\"0123456789abcdef\"]\nadmin_tokens = [\"x\"]\n",
+            &no_env,
+        )
+        .expect("valid");
+        let w = c.warnings();
+        assert!(
+            w.iter()
+                .any(|w| w.starts_with("server.admin_tokens[0]: a token of 1 bytes")),
+            "{w:?}"
+        );
+        assert!(
+            !w.iter().any(|w| w.starts_with("server.service_tokens[0]")),
+            "{w:?}"
+        );
+    }
 
     #[test]
     fn dry_run_globally_or_per_limit() {

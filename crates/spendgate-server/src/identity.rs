@@ -157,7 +157,13 @@ pub fn is_session_id(id: &str) -> bool {
 #[derive(Clone)]
 pub struct SessionKeys {
     keys: Vec<(String, Vec<u8>)>,
+    /// Longest lifetime a token may claim (`sessions.ttl_s`): lowering it shortens the
+    /// tokens already issued too.
+    max_ttl_s: u64,
 }
+
+/// Clock difference between replicas a token's expiry may carry beyond `max_ttl_s`.
+pub const SESSION_CLOCK_SKEW_S: u64 = 300;
 
 impl std::fmt::Debug for SessionKeys {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -182,6 +188,7 @@ impl SessionKeys {
             return None;
         }
         Some(SessionKeys {
+            max_ttl_s: u64::MAX,
             keys: keys.into_iter().map(|k| (kid_of(&k), k)).collect(),
         })
     }
@@ -198,6 +205,13 @@ impl SessionKeys {
     /// The key that signs (the first configured).
     pub fn signing_key(&self) -> &[u8] {
         &self.keys[0].1
+    }
+
+    /// Refuses tokens that claim to live longer than `ttl_s` from now (plus
+    /// [`SESSION_CLOCK_SKEW_S`]).
+    pub fn with_max_ttl(mut self, ttl_s: u64) -> SessionKeys {
+        self.max_ttl_s = ttl_s;
+        self
     }
 
     /// Every key that verifies, the signing key first.
@@ -241,7 +255,10 @@ impl SessionKeys {
         if !bool::from(expect.ct_eq(&given)) {
             return Err(bad());
         }
-        if exp <= now_unix {
+        let latest = now_unix
+            .saturating_add(self.max_ttl_s)
+            .saturating_add(SESSION_CLOCK_SKEW_S);
+        if exp <= now_unix || exp > latest {
             return Err(bad());
         }
         Ok(Session {
@@ -355,6 +372,12 @@ mod tests {
         assert!(rotated.verify(&tok, 1001).is_ok());
         let other = SessionKeys::new(vec![b"another-key-0123456789".to_vec()]).expect("keys");
         assert!(other.verify(&tok, 1001).is_err());
+        // A shorter ttl_s than the token was issued with ends it early.
+        let (long, _) = keys.issue(1000, 86_400);
+        let shortened = keys.clone().with_max_ttl(60);
+        assert!(keys.verify(&long, 1001).is_ok());
+        assert!(shortened.verify(&long, 1001).is_err(), "longer than ttl_s");
+        assert!(shortened.verify(&long, 1000 + 86_400 - 360).is_ok());
     }
 
     #[test]

@@ -101,9 +101,11 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
         // share them).
         keys.push(rand::random::<[u8; 32]>().to_vec());
     }
-    let keys = identity::SessionKeys::new(keys).ok_or_else(|| {
-        ServerError::Config("sessions.keys: every key must be at least 16 bytes".into())
-    })?;
+    let keys = identity::SessionKeys::new(keys)
+        .ok_or_else(|| {
+            ServerError::Config("sessions.keys: every key must be at least 16 bytes".into())
+        })?
+        .with_max_ttl(config.sessions.ttl.as_secs());
     let service_tokens = config
         .server
         .service_tokens

@@ -61,7 +61,9 @@ pub const CONFIG_BYTES_MAX: usize = 1 << 20;
 /// (and no such table may be configured).
 pub const MOCK_UPSTREAM: &str = "mock";
 /// `store.timeout_ms` range.
-pub const STORE_TIMEOUT_MS_MAX: u64 = 60_000;
+/// (below `API_REQUEST_TIMEOUT`, 10 s: a store call must fail closed with 503
+/// `store_unavailable` before the request itself times out)
+pub const STORE_TIMEOUT_MS_MAX: u64 = 5_000;
 /// `store.lease_ttl_s` range.
 pub const LEASE_TTL_S_MAX: u64 = 3_600;
 /// `sessions.ttl_s` range: browsers cap a cookie's `Max-Age` at 400 days.
@@ -82,6 +84,11 @@ pub const TABLE_LEN_MAX: usize = 4_096;
 pub const NAME_BYTES_MAX: usize = 200;
 /// Largest `burst` and `concurrency`.
 pub const BURST_MAX: u64 = 1_000_000;
+/// Most requests a rate may allow per period.
+pub const RATE_COUNT_MAX: u64 = 1_000_000_000;
+/// Longest burst window of a rate (`interval × burst`): half of 2^53 µs (about 142 years),
+/// so the Redis script's sums stay exact.
+pub const RATE_WINDOW_US_MAX: u64 = spendgate_core::MICROS_MAX.0 / 2;
 pub const CONCURRENCY_MAX: u64 = 1_000_000;
 /// Largest alert threshold, as a fraction times 1000 (10 = 1000% of a budget).
 pub const THRESHOLD_PERMILLE_MAX: u32 = 10_000;
@@ -104,6 +111,25 @@ const _: () = assert!(2 * IPV6_WIDER_MAX < 64);
 /// Written by `render_effective` in place of a literal secret; refused when loaded back, so a
 /// copied `check-config` output never turns "***" into a real token.
 const MASK: &str = "***";
+
+/// A URL as check-config shows it: user info and query masked (they carry credentials), and
+/// with `mask_path` the path too.
+fn shown_url(u: &str, mask_path: bool) -> String {
+    let Ok(mut url) = reqwest::Url::parse(u) else {
+        return MASK.to_string();
+    };
+    if !url.username().is_empty() || url.password().is_some() {
+        let _ = url.set_username(MASK);
+        let _ = url.set_password(None);
+    }
+    if url.query().is_some() {
+        url.set_query(Some(MASK));
+    }
+    if mask_path && url.path() != "/" {
+        url.set_path(MASK);
+    }
+    url.to_string()
+}
 
 // ---------------------------------------------------------------------------------------------
 // Validated config.
@@ -1046,9 +1072,36 @@ impl Validator<'_, '_> {
         if text.trim() == "off" {
             return Ok(None);
         }
-        Rate::parse(text)
-            .map(Some)
-            .map_err(|e| self.err(path, format!("{e} (or \"off\")")))
+        let r = Rate::parse(text).map_err(|e| self.err(path, format!("{e} (or \"off\")")))?;
+        if r.count > RATE_COUNT_MAX {
+            return Err(self.err(
+                path,
+                format!("at most {RATE_COUNT_MAX} requests per period"),
+            ));
+        }
+        self.rate_fits(path, &r)?;
+        Ok(Some(r))
+    }
+
+    /// Every store keeps a rate's state exactly: its burst window (`interval × burst`, in
+    /// microseconds) must stay within 2^53 (the Redis script's numbers), so that a config that
+    /// passes here never stops a Redis deployment from starting.
+    fn rate_fits(&self, path: &KeyPath, r: &Rate) -> R<()> {
+        let window = r.interval_us().saturating_mul(r.burst.max(1));
+        if window > RATE_WINDOW_US_MAX {
+            return Err(self.err(
+                path,
+                format!(
+                    "a burst of {} at {} per {} ms spans {} s; at most {} s",
+                    r.burst,
+                    r.count,
+                    r.period_ms,
+                    window / 1_000_000,
+                    RATE_WINDOW_US_MAX / 1_000_000
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn name(&self, path: &KeyPath, what: &str, name: &str) -> R<()> {
@@ -1069,19 +1122,41 @@ impl Validator<'_, '_> {
         Ok(())
     }
 
-    fn http_url(&self, path: &KeyPath, url: &str) -> R<()> {
-        let rest = url
-            .strip_prefix("https://")
-            .or_else(|| url.strip_prefix("http://"));
-        let host_ok = rest.is_some_and(|r| !r.is_empty() && !r.starts_with('/'));
-        if !host_ok || url.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(self.err(
-                path,
-                format!("{} is not an http:// or https:// URL", toml_str(url)),
-            ));
-        }
+    /// An http(s) URL that a request can be built from: a host, a valid port, no spaces.
+    /// `base`: a base that paths are appended to (no user info, query or fragment, which
+    /// would swallow the path or end up in logs).
+    fn http_url(&self, path: &KeyPath, url: &str, base: bool) -> R<()> {
         if url.contains(MASK) {
             return Err(self.err(path, masked_problem()));
+        }
+        let not_url = |why: &str| {
+            self.err(
+                path,
+                format!(
+                    "{} is not an http:// or https:// URL ({why})",
+                    toml_str(url)
+                ),
+            )
+        };
+        if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(not_url("it holds spaces or control characters"));
+        }
+        let parsed = reqwest::Url::parse(url).map_err(|e| not_url(&e.to_string()))?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(not_url("the scheme must be http or https"));
+        }
+        if parsed.host_str().is_none_or(str::is_empty) {
+            return Err(not_url("no host"));
+        }
+        if base
+            && (parsed.query().is_some()
+                || parsed.fragment().is_some()
+                || !parsed.username().is_empty()
+                || parsed.password().is_some())
+        {
+            return Err(not_url(
+                "a base URL takes no user info, query or fragment: paths are appended to it",
+            ));
         }
         Ok(())
     }
@@ -1384,7 +1459,7 @@ impl Validator<'_, '_> {
         let global = self.rate(&p.key("create_rate_global"), &raw.create_rate_global)?;
         let verifier_url = match &raw.verifier_url {
             Some(u) => {
-                self.http_url(&p.key("verifier_url"), u)?;
+                self.http_url(&p.key("verifier_url"), u, false)?;
                 Some(u.clone())
             }
             None => None,
@@ -1400,6 +1475,12 @@ impl Validator<'_, '_> {
         match (&verifier_url, &verifier_secret) {
             (Some(_), None) => {
                 return Err(self.err(&secret_path, "is required when verifier_url is set"));
+            }
+            (Some(_), Some(s)) if s.expose().is_empty() => {
+                return Err(self.err(
+                    &secret_path,
+                    "is empty (or its environment variable is unset): the verifier would refuse every session",
+                ));
             }
             (None, Some(_)) => {
                 return Err(self.err(&secret_path, "is set but verifier_url is not"));
@@ -1477,7 +1558,10 @@ impl Validator<'_, '_> {
         if let Some(burst) = raw.burst {
             let burst = self.range(&p.key("burst"), burst, 1, BURST_MAX)?;
             match rate.as_mut() {
-                Some(r) => r.burst = burst,
+                Some(r) => {
+                    r.burst = burst;
+                    self.rate_fits(&p.key("burst"), r)?;
+                }
                 None => {
                     return Err(self.err(
                         &p.key("burst"),
@@ -1614,7 +1698,7 @@ impl Validator<'_, '_> {
                 .base_url
                 .as_deref()
                 .ok_or_else(|| self.err(&p.key("base_url"), "required key is missing"))?;
-            self.http_url(&p.key("base_url"), base_url)?;
+            self.http_url(&p.key("base_url"), base_url, true)?;
             let base_url = base_url.trim_end_matches('/').to_string();
             let api_key = match &u.api_key {
                 None => Secret::literal(""),
@@ -1764,7 +1848,7 @@ impl Validator<'_, '_> {
         let webhook_url = if raw.webhook_url.trim().is_empty() {
             None
         } else {
-            self.http_url(&p.key("webhook_url"), &raw.webhook_url)?;
+            self.http_url(&p.key("webhook_url"), &raw.webhook_url, false)?;
             Some(raw.webhook_url.clone())
         };
         let tp = p.key("thresholds");
@@ -2015,7 +2099,7 @@ impl Config {
             rate_or_off(&self.policy.session_create_global),
         );
         if let Some(u) = &se.verifier_url {
-            o.kv("verifier_url", toml_str(u));
+            o.kv("verifier_url", toml_str(&shown_url(u, false)));
         }
         if let Some(v) = &se.verifier_secret {
             let (v, note) = secret_shown(v);
@@ -2123,7 +2207,7 @@ impl Config {
         for (name, u) in &self.upstreams {
             o.line("");
             o.line(format!("[upstreams.{}]", toml_key(name)));
-            o.kv("base_url", toml_str(&u.base_url));
+            o.kv("base_url", toml_str(&shown_url(&u.base_url, false)));
             let (k, note) = secret_shown(&u.api_key);
             let note = if u.api_key.is_empty() && u.api_key.env_var().is_none() {
                 "no key: no Authorization header"
@@ -2142,14 +2226,11 @@ impl Config {
             None => o.kv("webhook_url", toml_str("")),
             Some(u) => {
                 // Webhook URLs (Slack's among them) carry their credential in the path.
-                let shown = match u
-                    .find("://")
-                    .and_then(|i| u[i + 3..].find('/').map(|j| i + 3 + j))
-                {
-                    Some(path_start) => format!("{}/{MASK}", &u[..path_start]),
-                    None => u.clone(),
-                };
-                o.kv_note("webhook_url", toml_str(&shown), "path masked");
+                o.kv_note(
+                    "webhook_url",
+                    toml_str(&shown_url(u, true)),
+                    "user info, path and query masked",
+                );
             }
         }
         let th: Vec<String> = a
@@ -2161,6 +2242,54 @@ impl Config {
         let sc: Vec<String> = a.scopes.iter().map(|k| toml_str(k.name())).collect();
         o.kv("scopes", format!("[{}]", sc.join(", ")));
         o.0
+    }
+
+    /// Settings under which nothing (of a kind) can ever be admitted, though each is valid
+    /// alone: a whole-run reservation above a budget, a model step whose output bound alone
+    /// is above the run's cost bound.
+    fn unsatisfiable(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        let (p, run) = (&self.policy, &self.policy.run);
+        if p.mode == spendgate_core::ReservationMode::WholeRun {
+            for (name, sp) in [
+                ("global", &p.global),
+                ("ip", &p.ip),
+                ("session", &p.session),
+                ("conversation", &p.conversation),
+            ] {
+                for b in sp.budgets.iter().filter(|b| b.amount < run.max_cost) {
+                    w.push(format!(
+                        "run.max_cost ({}) is above limits.{name}'s {} budget ({}): in \
+                         whole_run mode every run reserves run.max_cost, so none is admitted",
+                        run.max_cost,
+                        b.window.name(),
+                        b.amount
+                    ));
+                }
+            }
+        }
+        for (name, m) in &self.models {
+            let out = if run.shrink_to_fit {
+                run.min_output_tokens
+            } else {
+                run.max_output_tokens
+            };
+            let least = m.price.bound(0, out);
+            if least > run.max_cost {
+                w.push(format!(
+                    "models.{name}: {out} output tokens alone cost {least}, above run.max_cost \
+                     ({}): every call to it is refused (run_bound_exceeded); lower \
+                     run.{} or raise run.max_cost",
+                    run.max_cost,
+                    if run.shrink_to_fit {
+                        "min_output_tokens"
+                    } else {
+                        "max_output_tokens (or set shrink_to_fit)"
+                    }
+                ));
+            }
+        }
+        w
     }
 
     /// Warnings for the operator at start: unset variables and what they close.
@@ -2185,6 +2314,16 @@ impl Config {
             w.push(
                 "server.admin_tokens: no admin token is set: the admin API is closed".to_string(),
             );
+        }
+        w.extend(self.unsatisfiable());
+        for (name, m) in &self.models {
+            if m.upstream == MOCK_UPSTREAM {
+                w.push(format!(
+                    "models.{name}.upstream: \"{MOCK_UPSTREAM}\" is served by `spendgate demo` \
+                     only; `spendgate serve` refuses calls to this model (run `spendgate \
+                     mock-upstream` and name it in [upstreams.NAME] instead)"
+                ));
+            }
         }
         for (key, tokens) in [
             ("server.service_tokens", &self.server.service_tokens),
@@ -2336,6 +2475,102 @@ thresholds = [0.5, 0.8, 1.0]
         ),
         ("OPENAI_API_KEY", "sk-openai-value-0123456789"),
     ];
+
+    #[test]
+    fn urls_must_be_usable_and_are_shown_masked() {
+        for (text, key) in [
+            (
+                "[upstreams.u]\nbase_url = \"http://127.0.0.1:99999/v1\"\n",
+                "upstreams.u.base_url",
+            ),
+            (
+                "[upstreams.u]\nbase_url = \"https://api.example.com/v1?x=1\"\n",
+                "upstreams.u.base_url",
+            ),
+            (
+                "[upstreams.u]\nbase_url = \"https://user:pw@api.example.com/v1\"\n",
+                "upstreams.u.base_url",
+            ),
+            (
+                "[alerts]\nwebhook_url = \"https://\"\n",
+                "alerts.webhook_url",
+            ),
+        ] {
+            assert_eq!(load_err(text).key(), key, "{text}");
+        }
+        assert_eq!(
+            shown_url(
+                "https://user:s3cret@hooks.example.com/T0/B0/XX?token=abc",
+                true
+            ),
+            "https://***@hooks.example.com/***?***"
+        );
+        assert_eq!(
+            shown_url("https://v.example.com/siteverify?k=1", false),
+            "https://v.example.com/siteverify?***"
+        );
+    }
+
+    #[test]
+    fn rates_a_store_cannot_keep_exactly_are_refused() {
+        let e = load_err("[limits.global]\nrate = \"10000000000000000/second\"\n");
+        assert_eq!(e.key(), "limits.global.rate");
+        let e = load_err("[limits.session]\nrate = \"1/day\"\nburst = 200000\n");
+        assert_eq!(e.key(), "limits.session.burst");
+        assert!(e.to_string().contains("spans"), "{e}");
+        load(
+            "[limits.session]\nrate = \"1/day\"\nburst = 1000\n",
+            &no_env,
+        )
+        .expect("valid");
+        let e = load_err("[store]\ntimeout_ms = 30000\n");
+        assert_eq!(e.key(), "store.timeout_ms");
+    }
+
+    #[test]
+    fn settings_that_admit_nothing_draw_a_warning() {
+        let c = load(
+            "[run]\nmode = \"whole_run\"\nmax_cost = \"1.00\"\n[limits.session]\nbudgets = [{ amount = \"0.50\", window = \"day\" }]\n",
+            &no_env,
+        )
+        .expect("valid");
+        let w = c.warnings();
+        assert!(
+            w.iter()
+                .any(|w| w.starts_with("run.max_cost") && w.contains("limits.session")),
+            "{w:?}"
+        );
+        let c = load(
+            "[models.m]\nupstream = \"mock\"\ninput_per_million = \"1\"\noutput_per_million = \"300\"\n",
+            &no_env,
+        )
+        .expect("valid");
+        let w = c.warnings();
+        assert!(
+            w.iter()
+                .any(|w| w.starts_with("models.m: 1024 output tokens")),
+            "{w:?}"
+        );
+        assert!(
+            w.iter().any(|w| w.starts_with("models.m.upstream")),
+            "{w:?}"
+        );
+        let quiet = load("", &no_env).expect("valid").warnings();
+        assert!(
+            !quiet
+                .iter()
+                .any(|w| w.starts_with("run.max_cost") || w.starts_with("models.")),
+            "{quiet:?}"
+        );
+    }
+
+    #[test]
+    fn an_empty_verifier_secret_is_refused() {
+        let e = load_err(
+            "[sessions]\nverifier_url = \"https://v.example.com/siteverify\"\nverifier_secret = \"\"\n",
+        );
+        assert_eq!(e.key(), "sessions.verifier_secret");
+    }
 
     #[test]
     fn short_tokens_draw_a_warning() {

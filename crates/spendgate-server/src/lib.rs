@@ -354,3 +354,6 @@ pub async fn serve(
     checker.abort();
     result
 }
+
+// A store call fails closed (503 `store_unavailable`) before the request it serves times out.
+const _: () = assert!((config::STORE_TIMEOUT_MS_MAX as u128) < API_REQUEST_TIMEOUT.as_millis());

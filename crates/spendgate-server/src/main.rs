@@ -153,6 +153,10 @@ async fn main() -> anyhow::Result<()> {
         Cmd::CheckConfig { config } => {
             let cfg = load_config(config.as_ref())?;
             print!("{}", cfg.render_effective());
+            // (on stderr: stdout stays the effective config, valid TOML)
+            for w in cfg.warnings() {
+                eprintln!("warning: {w}");
+            }
         }
         Cmd::MockUpstream {
             listen,

@@ -106,16 +106,22 @@ pub fn render_tune(reservations: &Value) -> String {
         let e = runs
             .entry(r["run_id"].as_str().unwrap_or("").to_string())
             .or_default();
-        e.cost += r["charged_micros"].as_u64().unwrap_or(0);
+        e.cost = e
+            .cost
+            .saturating_add(r["charged_micros"].as_u64().unwrap_or(0));
         if kind.starts_with("model:") {
-            e.rounds += 1;
+            e.rounds = e.rounds.saturating_add(1);
         } else if kind.starts_with("tool:") {
-            e.tools += 1;
+            e.tools = e.tools.saturating_add(1);
         }
     }
     let mut out = String::new();
     if runs.is_empty() {
-        let _ = writeln!(out, "no ended reservations to learn from yet");
+        let _ = writeln!(
+            out,
+            "no ended reservations to learn from yet (the ledger keeps a run's reservations \
+             for a minute after it ends: run this while traffic flows)"
+        );
         return out;
     }
     let col = |f: &dyn Fn(&RunUse) -> u64| {

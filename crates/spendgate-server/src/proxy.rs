@@ -889,8 +889,9 @@ pub async fn chat_completions(
     };
     let resp = match head {
         Ok(Ok(r)) => r,
-        Ok(Err(e)) if e.is_connect() => {
-            // The request never left: no paid work started.
+        Ok(Err(e)) if e.is_connect() || e.is_builder() => {
+            // The request never left (no connection, or no request could be built from the
+            // upstream's URL): no paid work started.
             tracing::warn!(error = %e, upstream = %model.upstream, "upstream unreachable; releasing the step");
             return Ok(fail(
                 guard,

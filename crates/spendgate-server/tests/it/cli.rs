@@ -34,6 +34,13 @@ fn check_config_prints_the_effective_config_with_secrets_masked() {
     );
     assert!(stdout.contains("SG_TEST_TOKEN"), "{stdout}");
     assert!(stdout.contains("2.5"), "effective budget shown:\n{stdout}");
+    // Warnings go to stderr (stdout stays the config): no admin token here.
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("warning: server.admin_tokens: no admin token is set"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("warning:"), "{stdout}");
 }
 
 #[test]

@@ -1247,6 +1247,15 @@ impl Validator<'_, '_> {
         let server = self.server(&raw.server)?;
         let (store, lease_ttl_ms) = self.store(&raw.store)?;
         let (sessions, create_per_ip, create_global) = self.sessions(&raw.sessions)?;
+        if store.kind == StoreKind::Redis && sessions.keys.is_empty() {
+            // Each replica would sign with a key of its own: a session (and a challenge)
+            // from one would be refused by the others.
+            return Err(self.err(
+                &KeyPath::of(&["sessions", "keys"]),
+                "no session key is set (or its environment variable is unset): replicas on \
+                 one Redis must share one",
+            ));
+        }
         let identity = self.identity(&raw.identity)?;
         let defaults = Policy::default();
         let limits = &raw.limits;
@@ -2268,6 +2277,21 @@ impl Config {
                 }
             }
         }
+        for (name, sp) in [
+            ("global", &p.global),
+            ("ip", &p.ip),
+            ("session", &p.session),
+            ("conversation", &p.conversation),
+        ] {
+            for (i, b) in sp.budgets.iter().enumerate() {
+                if b.amount == Micros::ZERO {
+                    w.push(format!(
+                        "limits.{name}.budgets[{i}]: an amount of 0 admits nothing (it is no \
+                         \"unlimited\"; leave the budget out for that)"
+                    ));
+                }
+            }
+        }
         for (name, m) in &self.models {
             let out = if run.shrink_to_fit {
                 run.min_output_tokens
@@ -2316,6 +2340,15 @@ impl Config {
             );
         }
         w.extend(self.unsatisfiable());
+        for (i, net) in self.server.trusted_proxies.iter().enumerate() {
+            if net.prefix_len() < 8 {
+                w.push(format!(
+                    "server.trusted_proxies[{i}]: {net} trusts X-Forwarded-For from (nearly) \
+                     any address: a client can then name any address and escape its per-address \
+                     limits; list only your reverse proxies"
+                ));
+            }
+        }
         for (name, m) in &self.models {
             if m.upstream == MOCK_UPSTREAM {
                 w.push(format!(
@@ -2561,6 +2594,35 @@ thresholds = [0.5, 0.8, 1.0]
                 .iter()
                 .any(|w| w.starts_with("run.max_cost") || w.starts_with("models.")),
             "{quiet:?}"
+        );
+    }
+
+    #[test]
+    fn replicas_on_redis_need_a_shared_session_key_and_risky_values_warn() {
+        let e = load_err("[store]\nkind = \"redis\"\n[sessions]\nkeys = []\n");
+        assert_eq!(e.key(), "sessions.keys");
+        load(
+            "[store]\nkind = \"redis\"\n[sessions]\nkeys = [\"0123456789abcdef0123\"]\n",
+            &no_env,
+        )
+        .expect("valid");
+        let c = load(
+            "[server]\ntrusted_proxies = [\"0.0.0.0/0\", \"10.0.0.0/8\"]\n[limits.ip]\nbudgets = [{ amount = \"0\", window = \"day\" }]\n",
+            &no_env,
+        )
+        .expect("valid");
+        let w = c.warnings();
+        assert!(
+            w.iter().any(|w| w.starts_with("server.trusted_proxies[0]")),
+            "{w:?}"
+        );
+        assert!(
+            !w.iter().any(|w| w.starts_with("server.trusted_proxies[1]")),
+            "{w:?}"
+        );
+        assert!(
+            w.iter().any(|w| w.starts_with("limits.ip.budgets[0]")),
+            "{w:?}"
         );
     }
 

@@ -131,7 +131,9 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Serve { config, listen } => {
             let mut cfg = load_config(config.as_ref())?;
             if let Some(l) = listen {
-                cfg.server.listen = l.parse().context("--listen must be HOST:PORT")?;
+                cfg.server.listen = l.parse().with_context(|| {
+                    format!("--listen {l:?} is not an address and port such as 127.0.0.1:8080 or [::]:8080")
+                })?;
             }
             for w in cfg.warnings() {
                 tracing::warn!("{w}");

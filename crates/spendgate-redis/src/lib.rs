@@ -649,7 +649,10 @@ impl RedisStore {
 
     /// `spendgate store accept-reset`: acknowledges that Redis lost or rolled back ledger
     /// data. Writes a new epoch; every store adopts it and resumes with what Redis now holds.
-    pub async fn accept_reset(opts: &RedisOptions) -> Result<(), StoreError> {
+    /// Returns the `ledger_seq` the deployment's ledger holds now (0: it is empty, which
+    /// after a reset of a deployment that had run is what the operator acknowledged, and on a
+    /// mistyped prefix is the sign of one).
+    pub async fn accept_reset(opts: &RedisOptions) -> Result<u64, StoreError> {
         let base = check_prefix(&opts.prefix)?;
         let conn = SlotConn::open(opts)?;
         let id = new_epoch_id(&opts.prefix);
@@ -668,13 +671,16 @@ impl RedisStore {
                 check_format(&f.s()?, &opts.prefix)?;
             }
             let argv = ["epoch_reset", now.as_str(), "", "0", "", id.as_str()];
-            fcall(&conn, &lib, false, &base, &argv, opts.timeout).await
+            let item = fcall(&conn, &lib, false, &base, &argv, opts.timeout).await?;
+            let mut f = protocol::Fields::new(item.list()?);
+            let (_ok, _id, _kind) = (f.s()?, f.s()?, f.s()?);
+            f.u()
         };
-        tokio::time::timeout(opts.timeout.max(Duration::from_secs(5)), fut)
+        let seq = tokio::time::timeout(opts.timeout.max(Duration::from_secs(5)), fut)
             .await
             .map_err(|_| StoreError::Timeout(opts.timeout))??;
-        tracing::warn!(prefix = %opts.prefix, epoch = %id, "ledger reset accepted: replicas resume with what Redis holds now");
-        Ok(())
+        tracing::warn!(prefix = %opts.prefix, epoch = %id, ledger_seq = seq, "ledger reset accepted: replicas resume with what Redis holds now");
+        Ok(seq)
     }
 
     fn now_arg(&self) -> String {

@@ -216,9 +216,19 @@ async fn main() -> anyhow::Result<()> {
             if cfg.store.kind != config::StoreKind::Redis {
                 bail!("store accept-reset applies to store.kind = \"redis\" only");
             }
-            spendgate_redis::RedisStore::accept_reset(&spendgate_server::redis_options(&cfg))
-                .await?;
-            println!("reset accepted: replicas admit again");
+            let seq =
+                spendgate_redis::RedisStore::accept_reset(&spendgate_server::redis_options(&cfg))
+                    .await?;
+            println!(
+                "reset accepted for store.prefix {:?}: replicas admit again with the ledger \
+                 Redis holds now (ledger_seq {seq}{})",
+                cfg.store.prefix,
+                if seq == 0 {
+                    ": empty; if this deployment had run, check store.url and store.prefix"
+                } else {
+                    ""
+                }
+            );
         }
     }
     Ok(())

@@ -287,7 +287,8 @@ async fn a_rolled_back_ledger_is_refused_until_accepted() {
         .command(&["COPY", &newer, &meta, "REPLACE"])
         .expect("COPY");
     assert!(s.summary().await.is_err());
-    RedisStore::accept_reset(&opts).await.expect("accept reset");
+    let seq = RedisStore::accept_reset(&opts).await.expect("accept reset");
+    assert!(seq > 0, "the rolled-back ledger is kept, with its sequence");
     admit(s, "r3").await;
 }
 

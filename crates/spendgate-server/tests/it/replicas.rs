@@ -242,6 +242,12 @@ async fn empty_redis_needs_accept_reset_and_evicting_redis_is_never_ready() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Redis came back empty: the reset says so (the same words on a mistyped prefix).
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("ledger_seq 0: empty; if this deployment had run"),
+        "{said}"
+    );
     for s in &servers {
         wait_ready(s).await;
         s.run(&session, "10.4.0.3", &format!("after-{}", s.port))

@@ -111,6 +111,7 @@ pub async fn reservations(
                     spendgate_core::ReservationKind::Tool { tool, .. } => format!("tool:{tool}"),
                     spendgate_core::ReservationKind::RunHold => "run_hold".to_string(),
                 },
+                "retry": matches!(r.kind, spendgate_core::ReservationKind::Model { retry: true, .. }),
                 "state": r.state.name(),
                 "reserved_micros": r.amount.0,
                 "charged_micros": r.charged.0,

@@ -69,6 +69,10 @@ enum Cmd {
         url: String,
         #[arg(long, env = "SPENDGATE_ADMIN_TOKEN", hide_env_values = true)]
         admin_token: String,
+        /// Sample for this long (polling every 20 s; the gateway keeps an ended run's
+        /// reservations for a minute), at most a day; 0: one look.
+        #[arg(long, default_value_t = 0)]
+        watch_seconds: u64,
     },
     /// Store maintenance.
     Store {
@@ -197,17 +201,31 @@ async fn main() -> anyhow::Result<()> {
             let v = spendgate_server::ops::admin_get(&http, &url, &admin_token, &path).await?;
             print!("{}", spendgate_server::ops::render_report(&v));
         }
-        Cmd::Tune { url, admin_token } => {
+        Cmd::Tune {
+            url,
+            admin_token,
+            watch_seconds,
+        } => {
+            use spendgate_server::ops;
             spendgate_server::install_crypto();
+            if watch_seconds > ops::TUNE_WATCH_MAX_S {
+                bail!("--watch-seconds is at most {}", ops::TUNE_WATCH_MAX_S);
+            }
             let http = reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(30))
                 .build()?;
-            let path = format!(
-                "/admin/v1/reservations?limit={}",
-                spendgate_server::ops::TUNE_ROWS_MAX
-            );
-            let v = spendgate_server::ops::admin_get(&http, &url, &admin_token, &path).await?;
-            print!("{}", spendgate_server::ops::render_tune(&v));
+            let path = format!("/admin/v1/reservations?limit={}", ops::TUNE_ROWS_MAX);
+            let until = std::time::Instant::now() + std::time::Duration::from_secs(watch_seconds);
+            let mut sample = ops::TuneSample::default();
+            loop {
+                sample.add(&ops::admin_get(&http, &url, &admin_token, &path).await?);
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    break;
+                }
+                tokio::time::sleep(left.min(ops::TUNE_POLL_EVERY)).await;
+            }
+            print!("{}", ops::render_tune(&sample.listing()));
         }
         Cmd::Store {
             action: StoreCmd::AcceptReset { config },

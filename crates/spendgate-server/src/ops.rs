@@ -6,8 +6,43 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::fmt::Write;
 
-/// Reservations read by `tune` at most (the admin API's row bound).
+/// Reservations read by one `tune` poll at most (the admin API's row bound; the newest).
 pub const TUNE_ROWS_MAX: usize = 1000;
+/// Reservations a watching `tune` keeps at most (past it, new ones are not sampled).
+pub const TUNE_ROWS_KEPT_MAX: usize = 200_000;
+/// How often a watching `tune` polls: well within the minute the ledger keeps an ended run's
+/// reservations, so a run that ends between polls is still seen.
+pub const TUNE_POLL_EVERY: std::time::Duration = std::time::Duration::from_secs(20);
+/// Longest `tune --watch-seconds`.
+pub const TUNE_WATCH_MAX_S: u64 = 86_400;
+
+/// Reservations seen over several polls of the admin API, by id (the latest state wins).
+#[derive(Default)]
+pub struct TuneSample {
+    rows: BTreeMap<String, Value>,
+}
+
+impl TuneSample {
+    /// Adds a `/admin/v1/reservations` answer.
+    pub fn add(&mut self, listing: &Value) {
+        for r in listing["reservations"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+        {
+            let Some(id) = r["id"].as_str() else { continue };
+            if self.rows.len() >= TUNE_ROWS_KEPT_MAX && !self.rows.contains_key(id) {
+                continue;
+            }
+            self.rows.insert(id.to_string(), r.clone());
+        }
+    }
+
+    /// The sample as one listing, for [`render_tune`].
+    pub fn listing(&self) -> Value {
+        serde_json::json!({ "reservations": self.rows.values().collect::<Vec<_>>() })
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpsError {
@@ -82,15 +117,18 @@ fn percentile(sorted: &[u64], p: f64) -> u64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-/// Percentiles of observed usage per run (cost, model rounds, tool calls) over the ended
-/// reservations the gateway still remembers, and bounds suggested from them: the p99 with
-/// half again as headroom, rounded up. Suggestions are a starting point, not capacity evidence.
+/// Percentiles of observed usage per run (cost, model rounds, retries, tool calls) over the
+/// runs whose every reservation has ended (a run with a step still held is not over, and
+/// would pull the figures down), and bounds suggested from them: the p99 with half again as
+/// headroom, rounded up. Suggestions are a starting point, not capacity evidence.
 pub fn render_tune(reservations: &Value) -> String {
     #[derive(Default)]
     struct RunUse {
         cost: u64,
         rounds: u64,
+        retries: u64,
         tools: u64,
+        open: bool,
     }
     let mut runs: BTreeMap<String, RunUse> = BTreeMap::new();
     for r in reservations["reservations"]
@@ -100,21 +138,30 @@ pub fn render_tune(reservations: &Value) -> String {
     {
         let state = r["state"].as_str().unwrap_or("");
         let kind = r["kind"].as_str().unwrap_or("");
-        if state == "held" || kind == "run_hold" {
+        if kind == "run_hold" {
             continue;
         }
         let e = runs
             .entry(r["run_id"].as_str().unwrap_or("").to_string())
             .or_default();
+        if state == "held" {
+            e.open = true;
+            continue;
+        }
         e.cost = e
             .cost
             .saturating_add(r["charged_micros"].as_u64().unwrap_or(0));
         if kind.starts_with("model:") {
-            e.rounds = e.rounds.saturating_add(1);
+            if r["retry"].as_bool() == Some(true) {
+                e.retries = e.retries.saturating_add(1);
+            } else {
+                e.rounds = e.rounds.saturating_add(1);
+            }
         } else if kind.starts_with("tool:") {
             e.tools = e.tools.saturating_add(1);
         }
     }
+    runs.retain(|_, r| !r.open);
     let mut out = String::new();
     if runs.is_empty() {
         let _ = writeln!(
@@ -131,6 +178,7 @@ pub fn render_tune(reservations: &Value) -> String {
     };
     let cost = col(&|r| r.cost);
     let rounds = col(&|r| r.rounds);
+    let retries = col(&|r| r.retries);
     let tools = col(&|r| r.tools);
     let _ = writeln!(out, "{} runs observed", runs.len());
     let _ = writeln!(
@@ -167,6 +215,13 @@ pub fn render_tune(reservations: &Value) -> String {
     );
     row(
         &mut out,
+        "retries",
+        &retries,
+        &|n| n.to_string(),
+        "run.max_retries",
+    );
+    row(
+        &mut out,
         "tool calls",
         &tools,
         &|n| n.to_string(),
@@ -192,8 +247,38 @@ mod tests {
         rows.push(
             json!({"run_id": "held", "kind": "model:m", "state": "held", "charged_micros": 0}),
         );
-        let out = render_tune(&json!({"reservations": rows}));
-        assert!(out.starts_with("10 runs observed"), "{out}");
+        // A run with a step still held is not over: none of its steps count.
+        rows.push(json!({"run_id": "r0", "kind": "model:m", "state": "held", "charged_micros": 0}));
+        rows.push(
+            json!({"run_id": "r11", "kind": "model:m", "state": "held", "charged_micros": 0}),
+        );
+        rows.push(json!({"run_id": "r11", "kind": "tool:t", "state": "committed", "charged_micros": 9_000_000}));
+        // Retries are counted apart from rounds.
+        for run in 1..10u64 {
+            rows.push(json!({"run_id": format!("r{run}"), "kind": "model:m", "retry": true, "state": "released", "charged_micros": 0}));
+        }
+        let mut sample = TuneSample::default();
+        let listing = |rows: &[Value]| {
+            let rows: Vec<Value> = rows
+                .iter()
+                .enumerate()
+                .map(|(i, r)| {
+                    let mut r = r.clone();
+                    r["id"] = json!(format!("s{i}"));
+                    r
+                })
+                .collect();
+            json!({ "reservations": rows })
+        };
+        // Two polls that overlap: each reservation counts once.
+        sample.add(&listing(&rows[..rows.len() / 2]));
+        sample.add(&listing(&rows));
+        let out = render_tune(&sample.listing());
+        assert!(out.starts_with("9 runs observed"), "{out}");
+        assert!(
+            out.contains("run.max_retries = 2"),
+            "one retry + half: {out}"
+        );
         assert!(
             out.contains("run.max_model_rounds = 5"),
             "p99 of 3 rounds + half: {out}"

@@ -112,6 +112,11 @@ async fn report_and_tune_read_a_running_gateway() {
         tune.contains("run.max_tool_calls = 3"),
         "p99 of 2 tool calls plus half: {tune}"
     );
+    // Sampling over several polls counts each reservation once.
+    let started = std::time::Instant::now();
+    let watched = run_cmd(&["tune", "--watch-seconds", "2"]);
+    assert!(started.elapsed() >= std::time::Duration::from_secs(2));
+    assert_eq!(watched, tune);
     let bad = spendgate()
         .args(["report", "--url", &server.url(""), "--admin-token", "wrong"])
         .output()

@@ -547,6 +547,10 @@ pub async fn step_kind(config: &Config, body: &StepBody) -> ApiResult<StepKind> 
             let m = config.models.get(model).ok_or_else(|| {
                 ApiError::model_not_allowed(format!("model {model:?} is not configured"))
             })?;
+            // 0 is refused: some upstreams (Ollama's) read an output bound of 0 as no limit.
+            if *max_output_tokens == Some(0) {
+                return Err(ApiError::invalid("max_output_tokens must be at least 1"));
+            }
             let prompt_tokens = match (prompt_tokens, prompt_text) {
                 (Some(n), None) => *n,
                 (None, Some(t)) => {

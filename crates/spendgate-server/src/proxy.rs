@@ -60,6 +60,9 @@ struct Caller {
     conversation: String,
     run: Option<String>,
     retry: bool,
+    /// A guest calling with its cookie (browser-direct): it wrote the whole history, so the
+    /// input bound covers every message, not only the last user message.
+    guest: bool,
 }
 
 fn header_str<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
@@ -91,6 +94,7 @@ fn caller(state: &api::AppState, peer: SocketAddr, headers: &HeaderMap) -> ApiRe
             conversation,
             run,
             retry,
+            guest: false,
         });
     }
     if !state.config.server.browser_direct {
@@ -124,6 +128,7 @@ fn caller(state: &api::AppState, peer: SocketAddr, headers: &HeaderMap) -> ApiRe
         conversation,
         run,
         retry,
+        guest: true,
     })
 }
 
@@ -136,6 +141,16 @@ fn content_text(content: &Value, out: &mut String) -> ApiResult<()> {
         Value::String(s) => out.push_str(s),
         Value::Array(parts) => {
             for p in parts {
+                // A part's other keys may be billed (`cache_control`: cache writes cost more
+                // than input) or read by an upstream as more text.
+                if let Some(extra) = p.as_object().and_then(|o| {
+                    o.keys()
+                        .find(|k| !matches!(k.as_str(), "type" | "text" | "refusal"))
+                }) {
+                    return Err(ApiError::invalid(format!(
+                        "content parts carry \"type\" and their text only, not {extra:?}"
+                    )));
+                }
                 let kind = p.get("type").and_then(Value::as_str);
                 let text = match kind {
                     Some("text") => p.get("text").and_then(Value::as_str),
@@ -182,11 +197,33 @@ fn check_priced_as_text(body: &Value) -> ApiResult<()> {
     }
     // `prediction`: its rejected tokens are billed as output beyond what the output bound
     // reserves.
-    for k in ["audio", "web_search_options", "prediction"] {
+    // `plugins` (OpenRouter's web search and others) are billed per use; `models` falls back
+    // to other models, at their prices.
+    for k in [
+        "audio",
+        "web_search_options",
+        "prediction",
+        "plugins",
+        "models",
+    ] {
         if set(k) {
             return Err(ApiError::invalid(format!(
                 "\"{k}\" is charged beyond the text tokens reserved here"
             )));
+        }
+    }
+    // Tools the upstream runs itself (web search, code interpreters) are billed per call;
+    // only tools the caller runs (functions) are bounded here.
+    if let Some(tools) = body.get("tools").and_then(Value::as_array) {
+        for t in tools {
+            let kind = t.get("type").and_then(Value::as_str);
+            if !matches!(kind, Some("function" | "custom")) {
+                return Err(ApiError::invalid(format!(
+                    "tools of type {} are run and billed by the upstream; only \"function\" \
+                     tools are accepted",
+                    kind.map_or_else(|| "(none)".to_string(), |k| format!("{k:?}"))
+                )));
+            }
         }
     }
     if let Some(tier) = body.get("service_tier").filter(|v| !v.is_null()) {
@@ -255,6 +292,8 @@ pub struct PromptTexts {
     pub bytes: u64,
     pub largest_tool_result: u64,
     pub last_user_bytes: u64,
+    /// Bytes of every message's text.
+    pub messages_bytes: u64,
 }
 
 /// The texts of [`prompt_tokens`], not yet counted (counting a large prompt is expensive:
@@ -305,6 +344,7 @@ pub fn prompt_texts(body: &Value) -> ApiResult<PromptTexts> {
         texts.push(content);
         overhead = overhead.saturating_add(TOKENS_PER_MESSAGE);
     }
+    let messages_bytes = texts.iter().map(|t| t.len() as u64).sum();
     for (k, v) in body.as_object().into_iter().flatten() {
         if !v.is_null() && !UNBILLED_FIELDS.contains(&k.as_str()) {
             texts.push(v.to_string());
@@ -317,6 +357,7 @@ pub fn prompt_texts(body: &Value) -> ApiResult<PromptTexts> {
         bytes,
         largest_tool_result,
         last_user_bytes,
+        messages_bytes,
     })
 }
 
@@ -534,15 +575,25 @@ fn usage_of(v: &Value) -> Option<TokenUsage> {
     if reasoning > completion_tokens {
         completion_tokens = completion_tokens.saturating_add(reasoning);
     }
-    let cached_tokens = u
-        .get("prompt_tokens_details")
-        .and_then(|d| d.get("cached_tokens"))
-        .and_then(Value::as_u64)
-        .unwrap_or(0);
+    // Some providers (xAI's) count reasoning outside `completion_tokens` but inside
+    // `total_tokens`: whatever the total holds beyond the prompt was generated.
+    if let Some(total) = u.get("total_tokens").and_then(Value::as_u64) {
+        completion_tokens = completion_tokens.max(total.saturating_sub(prompt_tokens));
+    }
+    let details = u.get("prompt_tokens_details");
+    let detail = |k: &str| {
+        details
+            .and_then(|d| d.get(k))
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    };
+    // Cache writes (OpenRouter's `cache_write_tokens`) are billed above the input price (up
+    // to twice it): each is charged once more at the input price.
+    let prompt_tokens = prompt_tokens.saturating_add(detail("cache_write_tokens"));
     Some(TokenUsage {
         prompt_tokens,
         completion_tokens,
-        cached_tokens,
+        cached_tokens: detail("cached_tokens"),
     })
 }
 
@@ -613,7 +664,13 @@ pub async fn chat_completions(
         .clone();
     let bounds = state.config.policy.run;
     let texts = prompt_texts(&req)?;
-    let (largest_tool_result, input_bytes) = (texts.largest_tool_result, texts.last_user_bytes);
+    let largest_tool_result = texts.largest_tool_result;
+    // The operator's backend composes the history; a guest (browser-direct) writes all of it.
+    let input_bytes = if who.guest {
+        texts.messages_bytes
+    } else {
+        texts.last_user_bytes
+    };
     if largest_tool_result > bounds.max_tool_result_bytes {
         return Err(ApiError::from(&Refusal {
             code: RefusalCode::RunBoundExceeded,
@@ -657,8 +714,9 @@ pub async fn chat_completions(
         match req.get(k) {
             None | Some(Value::Null) => {}
             Some(v) => {
-                let n = v.as_u64().ok_or_else(|| {
-                    ApiError::invalid(format!("\"{k}\" must be a non-negative integer"))
+                // 0 is refused: some upstreams (Ollama's) read it as "no limit".
+                let n = v.as_u64().filter(|n| *n > 0).ok_or_else(|| {
+                    ApiError::invalid(format!("\"{k}\" must be a positive integer"))
                 })?;
                 requested = Some(requested.map_or(n, |r| r.min(n)));
             }
@@ -1137,7 +1195,13 @@ struct SseTap {
     line: Vec<u8>,
     /// Inside a line longer than [`SSE_LINE_BYTES_MAX`]: passed through unread.
     overflow: bool,
+    /// The largest of each figure of every usage read (an upstream may send several, as
+    /// running totals; none is trusted below another).
     usage: Option<TokenUsage>,
+    /// Content arrived after the last usage: that usage does not cover it.
+    content_after_usage: bool,
+    /// The last event was a usage chunk without choices (OpenAI's final one).
+    settled: bool,
     done: bool,
     strip_usage: bool,
 }
@@ -1167,6 +1231,26 @@ impl SseTap {
         }
     }
 
+    /// The usage to commit when the stream ended cleanly: none if content followed it.
+    fn end_usage(&self) -> Option<TokenUsage> {
+        self.usage.filter(|_| !self.content_after_usage)
+    }
+
+    /// The usage to commit when the stream is cut (upstream lost, deadline, client gone):
+    /// only a final usage chunk, with nothing after it but the end; a running total on a
+    /// chunk with choices may be followed by more generation.
+    fn final_usage(&self) -> Option<TokenUsage> {
+        self.usage
+            .filter(|_| self.settled && !self.content_after_usage)
+    }
+
+    fn saw_content(&mut self) {
+        self.settled = false;
+        if self.usage.is_some() {
+            self.content_after_usage = true;
+        }
+    }
+
     /// Reads one whole line (with its `\n`); false when it is to be dropped.
     fn line(&mut self, line: &[u8]) -> bool {
         let text = line.strip_suffix(b"\n").unwrap_or(line);
@@ -1179,23 +1263,36 @@ impl SseTap {
             self.done = true;
             return true;
         }
+        if data.is_empty() {
+            return true;
+        }
         if !has_usage_object(data) {
+            self.saw_content();
             return true;
         }
         let Ok(v) = serde_json::from_slice::<Value>(data) else {
+            self.saw_content();
             return true;
         };
-        if let Some(u) = usage_of(&v) {
-            self.usage = Some(u);
-            let no_choices = v
-                .get("choices")
-                .and_then(Value::as_array)
-                .is_some_and(Vec::is_empty);
-            if self.strip_usage && no_choices {
-                return false;
-            }
-        }
-        true
+        let Some(u) = usage_of(&v) else {
+            self.saw_content();
+            return true;
+        };
+        self.usage = Some(match self.usage {
+            None => u,
+            Some(seen) => TokenUsage {
+                prompt_tokens: seen.prompt_tokens.max(u.prompt_tokens),
+                completion_tokens: seen.completion_tokens.max(u.completion_tokens),
+                cached_tokens: seen.cached_tokens.max(u.cached_tokens),
+            },
+        });
+        self.content_after_usage = false;
+        let no_choices = v
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(Vec::is_empty);
+        self.settled = no_choices;
+        !(self.strip_usage && no_choices)
     }
 
     /// What to forward of `chunk` now.
@@ -1245,8 +1342,10 @@ impl SseTap {
         } else {
             self.line.extend_from_slice(rest);
             if self.line.len() > SSE_LINE_BYTES_MAX {
-                // Too long to hold: pass it on unread (a usage in it is not trusted).
+                // Too long to hold: pass it on unread (a usage in it is not trusted, and
+                // it may be content after a usage read before).
                 self.overflow = true;
+                self.saw_content();
                 out.append(&mut self.line);
             }
         }
@@ -1315,11 +1414,11 @@ fn relay(
                     // The run's time is up (or it ended): the upstream connection is dropped
                     // with the stream, and the step is charged in full unless its usage was
                     // read whole.
-                    let how = match s.tap.usage {
+                    let how = match s.tap.final_usage() {
                         Some(u) => Resolution::Commit(Settlement::Tokens(u)),
                         None => Resolution::Unknown,
                     };
-                    tracing::warn!(usage_read = s.tap.usage.is_some(), "a proxied stream reached its run's deadline; cutting it");
+                    tracing::warn!(usage_read = s.tap.final_usage().is_some(), "a proxied stream reached its run's deadline; cutting it");
                     let _ = guard.resolve(how).await;
                     let event = sse_error(
                         "run_deadline_exceeded",
@@ -1332,7 +1431,7 @@ fn relay(
             match next {
                 Ok(Some(Ok(chunk))) => {
                     let out = s.tap.feed(chunk);
-                    guard.usage = s.tap.usage;
+                    guard.usage = s.tap.final_usage();
                     s.guard = Some(guard);
                     if out.is_empty() {
                         continue;
@@ -1342,7 +1441,7 @@ fn relay(
                 Ok(None) => {
                     // The stream ended: commit from a usage chunk read whole, else charge in full.
                     let tail = s.tap.finish();
-                    let how = match s.tap.usage {
+                    let how = match s.tap.end_usage() {
                         Some(u) => Resolution::Commit(Settlement::Tokens(u)),
                         None => Resolution::Unknown,
                     };
@@ -1360,7 +1459,7 @@ fn relay(
                 }
                 Ok(Some(Err(_))) | Err(_) => {
                     // Lost mid-stream: trust a usage chunk that was read whole, else unknown.
-                    let (how, message) = match s.tap.usage {
+                    let (how, message) = match s.tap.final_usage() {
                         Some(u) => (
                             Resolution::Commit(Settlement::Tokens(u)),
                             "the upstream stream was cut off after its usage; the call was charged at that usage",
@@ -1371,7 +1470,7 @@ fn relay(
                         ),
                     };
                     tracing::warn!(
-                        usage_read = s.tap.usage.is_some(),
+                        usage_read = s.tap.final_usage().is_some(),
                         "upstream stream failed mid-way"
                     );
                     let _ = guard.resolve(how).await;
@@ -1499,9 +1598,11 @@ mod tests {
     proptest::proptest! {
         /// Whatever the lines and wherever the stream is cut: a client that asked for usage
         /// gets every byte in order; one that did not gets every byte but the usage-only
-        /// lines; the usage read is the last one sent whole, and nothing else.
+        /// lines; the usage read is the largest of every one sent whole, trusted at a clean
+        /// end only when no content followed it, and at a cut only when it came in a final,
+        /// choices-less chunk with nothing after it.
         #[test]
-        fn tap_passes_every_byte_and_reads_the_last_usage(
+        fn tap_passes_every_byte_and_reads_every_usage(
             lines in proptest::collection::vec(line_strategy(), 0..24),
             crlf in proptest::bool::ANY,
             terminated in proptest::bool::ANY,
@@ -1510,20 +1611,58 @@ mod tests {
             let eol = if crlf { "\r\n" } else { "\n" };
             let mut stream = String::new();
             let mut stripped = String::new();
-            let mut last_usage = None;
+            // The model: the field-wise largest usage; whether content came after the last
+            // usage; whether the last event was a choices-less usage chunk.
+            let mut max_usage: Option<TokenUsage> = None;
+            let (mut after, mut settled) = (false, false);
+            let merge = |m: Option<TokenUsage>, u: &TokenUsage| {
+                Some(match m {
+                    None => *u,
+                    Some(m) => TokenUsage {
+                        prompt_tokens: m.prompt_tokens.max(u.prompt_tokens),
+                        completion_tokens: m.completion_tokens.max(u.completion_tokens),
+                        cached_tokens: m.cached_tokens.max(u.cached_tokens),
+                    },
+                })
+            };
             for (i, l) in lines.iter().enumerate() {
                 let end = if i + 1 < lines.len() || terminated { eol } else { "" };
                 let text = format!("{}{end}", l.text());
                 stream.push_str(&text);
-                match l {
-                    Line::Usage(u) => last_usage = Some(*u),
-                    Line::UsageWithChoice(u) => {
-                        last_usage = Some(*u);
-                        stripped.push_str(&text);
+                let content = match l {
+                    Line::Usage(u) => {
+                        max_usage = merge(max_usage, u);
+                        (after, settled) = (false, true);
+                        false
                     }
-                    _ => stripped.push_str(&text),
+                    Line::UsageWithChoice(u) => {
+                        max_usage = merge(max_usage, u);
+                        (after, settled) = (false, false);
+                        stripped.push_str(&text);
+                        false
+                    }
+                    Line::Delta(_) => {
+                        stripped.push_str(&text);
+                        true
+                    }
+                    Line::Other(t) => {
+                        stripped.push_str(&text);
+                        t.trim_end_matches('\r')
+                            .strip_prefix("data:")
+                            .is_some_and(|d| !d.trim().is_empty())
+                    }
+                    Line::Done | Line::Blank => {
+                        stripped.push_str(&text);
+                        false
+                    }
+                };
+                if content {
+                    settled = false;
+                    after |= max_usage.is_some();
                 }
             }
+            let end_usage = max_usage.filter(|_| !after);
+            let final_usage = max_usage.filter(|_| settled && !after);
             let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(stream.len())).collect();
             cuts.sort_unstable();
             for strip in [false, true] {
@@ -1537,7 +1676,9 @@ mod tests {
                 out.extend_from_slice(&tap.finish());
                 let expected = if strip { &stripped } else { &stream };
                 proptest::prop_assert_eq!(String::from_utf8_lossy(&out), expected.as_str());
-                proptest::prop_assert_eq!(tap.usage, last_usage);
+                proptest::prop_assert_eq!(tap.usage, max_usage);
+                proptest::prop_assert_eq!(tap.end_usage(), end_usage);
+                proptest::prop_assert_eq!(tap.final_usage(), final_usage);
                 proptest::prop_assert_eq!(tap.done, lines.iter().any(|l| matches!(l, Line::Done)));
             }
         }
@@ -1584,6 +1725,27 @@ mod tests {
         assert_eq!(usage(json!({})), Some(50));
         // More reasoning than completion: reported beside it, so both are charged.
         assert_eq!(usage(json!({"reasoning_tokens": 300})), Some(350));
+        // Reasoning beside completion but fewer (xAI's way): the total says what was made.
+        let u = usage_of(
+            &json!({"usage": {"prompt_tokens": 10, "completion_tokens": 300,
+            "total_tokens": 410, "completion_tokens_details": {"reasoning_tokens": 100}}}),
+        )
+        .expect("usage");
+        assert_eq!(u.completion_tokens, 400);
+        // A total at or below prompt + completion changes nothing.
+        let u = usage_of(
+            &json!({"usage": {"prompt_tokens": 10, "completion_tokens": 300,
+            "total_tokens": 310}}),
+        )
+        .expect("usage");
+        assert_eq!(u.completion_tokens, 300);
+        // Cache writes are charged once more at the input price.
+        let u = usage_of(
+            &json!({"usage": {"prompt_tokens": 5010, "completion_tokens": 5,
+            "prompt_tokens_details": {"cache_write_tokens": 5000, "cached_tokens": 7}}}),
+        )
+        .expect("usage");
+        assert_eq!((u.prompt_tokens, u.cached_tokens), (10_010, 7));
     }
 
     #[test]
@@ -1734,6 +1896,15 @@ mod tests {
                 "prediction": {"type": "content", "content": "x"}}),
             json!({"messages": [{"role": "assistant", "content": null, "audio": {"id": "audio_1"}},
                 {"role": "user", "content": "and?"}]}),
+            // Paid options of OpenAI-compatible gateways.
+            json!({"messages": [{"role": "user", "content": "hi"}],
+                "plugins": [{"id": "web", "max_results": 10}]}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "models": ["openai/o1-pro"]}),
+            json!({"messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "openrouter:web_search"}]}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f"}]}),
+            user(json!([{"type": "text", "text": "long context",
+                "cache_control": {"type": "ephemeral", "ttl": "1h"}}])),
         ];
         for b in &refused {
             let e = prompt_tokens(Tokenizer::Bytes, b).expect_err("refused");
@@ -1745,6 +1916,8 @@ mod tests {
                 {"role": "user", "content": "hi"}],
                 "modalities": ["text"], "service_tier": "auto", "audio": null}),
             json!({"messages": [{"role": "user", "content": "hi"}], "service_tier": "flex"}),
+            json!({"messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
         ];
         for b in &accepted {
             assert!(prompt_tokens(Tokenizer::Bytes, b).is_ok(), "{b}");

@@ -347,6 +347,14 @@ async fn bad_input_is_refused_cleanly() {
         )
         .await;
     assert_eq!((st, code(&v)), (400, "invalid_request"), "{v}");
+    // An output bound of 0 (some upstreams read it as no limit).
+    let (st, v) = server
+        .post(
+            &format!("/v1/runs/{run}/steps"),
+            json!({"kind": "model", "model": "m-1", "prompt_tokens": 10, "max_output_tokens": 0}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (400, "invalid_request"), "{v}");
     let (st, v) = server
         .post("/v1/steps/stp_nope/commit", json!({"units": 1}))
         .await;

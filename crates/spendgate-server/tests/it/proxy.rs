@@ -112,6 +112,8 @@ struct Opts {
     browser_direct: bool,
     /// `alerts.webhook_url`
     webhook: Option<String>,
+    /// `run.max_input_bytes`
+    max_input_bytes: u64,
 }
 
 impl Default for Opts {
@@ -131,6 +133,7 @@ impl Default for Opts {
             max_seconds: 120,
             browser_direct: false,
             webhook: None,
+            max_input_bytes: 16_384,
         }
     }
 }
@@ -164,6 +167,7 @@ budgets = [{{ amount = "{conv}", window = "day" }}]
 
 [run]
 max_seconds = {max_seconds}
+max_input_bytes = {max_input_bytes}
 max_context_tokens = 2000
 max_output_tokens = 100
 max_tool_result_bytes = 1000
@@ -215,6 +219,7 @@ base_url = "http://127.0.0.1:{down_port}/v1"
             .unwrap_or_default(),
         down_port = free_port(),
         max_seconds = o.max_seconds,
+        max_input_bytes = o.max_input_bytes,
         global = o.global_budget,
         global_dry_run = o.global_dry_run,
         conv = o.conversation_budget,
@@ -526,6 +531,25 @@ async fn calls_are_clamped_forwarded_and_charged_at_the_upstreams_usage() {
         Some(g.charge(&r.json()["usage"]).to_string())
     );
     replies.push(r);
+
+    // A bound of 0 (which some upstreams read as "no limit") never reaches the upstream.
+    let served = g.mock.stats().requests;
+    for k in ["max_tokens", "max_completion_tokens"] {
+        let r = g
+            .chat(
+                "c-zero",
+                json!({"model": MODEL, k: 0, "messages": user("hi")}),
+                &[],
+            )
+            .await;
+        assert_eq!(
+            (r.status, r.code()),
+            (400, "invalid_request".into()),
+            "{}",
+            r.text
+        );
+    }
+    assert_eq!(g.mock.stats().requests, served);
 
     // Streamed without asking for usage: the proxy asks for it, reads it, and does not pass
     // the usage chunk (it has no choices) to a client that did not ask.
@@ -1100,6 +1124,46 @@ async fn fault_modes_end_in_the_right_state_and_reconcile() {
     assert_eq!(global["reserved_micros"], 0);
     assert!(g.metric("spendgate_overruns_total ").await >= 2);
     assert!(g.metric("spendgate_unknown_outcomes_total ").await >= 6);
+}
+
+/// `run.max_input_bytes` bounds what the caller wrote: a guest calling with its cookie wrote
+/// the whole history, so every message counts; the operator's backend composes the history,
+/// so only its last user message does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guests_whole_history_is_its_input() {
+    let g = Gateway::start(Opts {
+        browser_direct: true,
+        max_input_bytes: 100,
+        ..Opts::default()
+    })
+    .await;
+    let history = json!({"model": MODEL, "messages": [
+        {"role": "user", "content": "x".repeat(150)},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "hi"}]});
+    let served = g.mock.stats().requests;
+    let guest = g.server.session().await;
+    let r = Gateway::send(
+        g.server
+            .http
+            .post(g.server.url("/v1/chat/completions"))
+            .header("cookie", format!("spendgate_session={guest}"))
+            .json(&history),
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (413, "payload_too_large".into()),
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        g.mock.stats().requests,
+        served,
+        "never reached the upstream"
+    );
+    let r = g.chat("backend", history, &[]).await;
+    assert_eq!(r.status, 200, "the backend's history: {}", r.text);
 }
 
 /// An overrun through the proxy (the upstream reports more output than was bounded) is

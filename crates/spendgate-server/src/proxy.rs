@@ -140,7 +140,14 @@ fn content_text(content: &Value, out: &mut String) -> ApiResult<()> {
     match content {
         Value::String(s) => out.push_str(s),
         Value::Array(parts) => {
-            for p in parts {
+            for (i, p) in parts.iter().enumerate() {
+                // Parts are counted apart: a newline between them is a boundary the
+                // tokenizer's pre-split never merges across, so the count is at least the
+                // sum of the parts' (an upstream that tokenizes each part is not under-
+                // counted by two parts that would merge into one token when joined).
+                if i > 0 {
+                    out.push('\n');
+                }
                 // A part's other keys may be billed (`cache_control`: cache writes cost more
                 // than input) or read by an upstream as more text.
                 if let Some(extra) = p.as_object().and_then(|o| {
@@ -1768,6 +1775,40 @@ mod tests {
         let plain = Bytes::from_static(b"{\"error\":\"nothing\"}");
         assert_eq!(redact(plain.clone(), key), plain);
         assert_eq!(redact(plain.clone(), ""), plain);
+    }
+
+    /// Text parts are counted at least as each would be alone: pieces that join into fewer
+    /// tokens ("hel" + "lo") are not under-counted.
+    #[test]
+    fn text_parts_count_at_least_their_sum() {
+        let pieces = [
+            "hel",
+            "lo",
+            " wor",
+            "ld",
+            "!",
+            "\u{e9}t\u{e9}",
+            "12",
+            "34",
+            "  ",
+            "x.",
+        ];
+        let parts: Vec<Value> = pieces
+            .iter()
+            .map(|t| json!({"type": "text", "text": t}))
+            .collect();
+        let body = json!({"messages": [{"role": "user", "content": parts}]});
+        let p = prompt_texts(&body).expect("texts");
+        let joined = p
+            .texts
+            .iter()
+            .map(|t| tokens::count(Tokenizer::O200kBase, t))
+            .sum::<u64>();
+        let apart = pieces
+            .iter()
+            .map(|t| tokens::count(Tokenizer::O200kBase, t))
+            .sum::<u64>();
+        assert!(joined >= apart, "{joined} < {apart}");
     }
 
     #[test]

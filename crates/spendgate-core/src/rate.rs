@@ -29,11 +29,12 @@ impl Rate {
         let syntax = || RateError::Syntax(text.to_string());
         let (n, unit) = text.trim().split_once('/').ok_or_else(syntax)?;
         let count: u64 = n.trim().parse().map_err(|_| syntax())?;
+        // The SPEC's words only: a one-letter "m" could be read as a month.
         let period_ms = match unit.trim() {
-            "second" | "s" => 1000,
-            "minute" | "m" => 60_000,
-            "hour" | "h" => 3_600_000,
-            "day" | "d" => 86_400_000,
+            "second" => 1000,
+            "minute" => 60_000,
+            "hour" => 3_600_000,
+            "day" => 86_400_000,
             _ => return Err(syntax()),
         };
         if count == 0 {
@@ -105,7 +106,16 @@ mod tests {
         let r = Rate::parse("10/hour").expect("valid");
         assert_eq!((r.count, r.period_ms, r.burst), (10, 3_600_000, 10));
         assert_eq!(Rate::parse("600/minute").expect("valid").period_ms, 60_000);
-        for bad in ["", "10", "10/week", "x/second", "0/second", "-1/second"] {
+        for bad in [
+            "",
+            "10",
+            "10/week",
+            "x/second",
+            "0/second",
+            "-1/second",
+            "10/m",
+            "10/s",
+        ] {
             assert!(Rate::parse(bad).is_err(), "{bad:?}");
         }
     }

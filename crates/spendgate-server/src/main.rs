@@ -97,7 +97,8 @@ fn env_lookup(name: &str) -> Option<String> {
 fn load_config(path: Option<&PathBuf>) -> anyhow::Result<Config> {
     match path {
         Some(p) => {
-            config::load_file(p, &env_lookup).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))
+            // (the error names the file and line itself)
+            config::load_file(p, &env_lookup).map_err(|e| anyhow::anyhow!("{e}"))
         }
         None => config::load("", &env_lookup).map_err(|e| anyhow::anyhow!("{e}")),
     }

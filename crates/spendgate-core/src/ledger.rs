@@ -1973,15 +1973,26 @@ impl Ledger {
         if self.idempotency.contains_key(&key) {
             return Ok(self.answer(false, swept));
         }
+        self.mark_used(key, String::new(), now.plus_ms(ttl_ms))?;
+        self.bump();
+        Ok(self.answer(true, true))
+    }
+
+    /// Records single-use `key` (with what it was used for) until `expires`.
+    fn mark_used(
+        &mut self,
+        key: String,
+        fingerprint: String,
+        expires: UnixMs,
+    ) -> Result<(), LedgerError> {
         if self.records_held() >= LEDGER_RECORDS_MAX {
             return Err(LedgerError::Full(LEDGER_RECORDS_MAX));
         }
-        let expires = now.plus_ms(ttl_ms);
         self.idempotency.insert(
             key.clone(),
             IdempotencyRecord {
                 key: key.clone(),
-                fingerprint: String::new(),
+                fingerprint,
                 outcome: IdempotentOutcome::Used,
                 expires,
             },
@@ -1989,8 +2000,7 @@ impl Ledger {
         self.timers
             .insert((expires, Timer::Idempotency(key.clone())));
         self.touch(Entity::Idempotency(key));
-        self.bump();
-        Ok(self.answer(true, true))
+        Ok(())
     }
 
     /// Every budget counter that applies to these scopes in the current windows.
@@ -2085,22 +2095,7 @@ impl Ledger {
                 }
                 return Ok(self.answer(value, swept));
             }
-            if self.records_held() >= LEDGER_RECORDS_MAX {
-                return Err(LedgerError::Full(LEDGER_RECORDS_MAX));
-            }
-            let expires = now.plus_ms(ADJUSTMENT_KEY_TTL_MS);
-            self.idempotency.insert(
-                key.clone(),
-                IdempotencyRecord {
-                    key: key.clone(),
-                    fingerprint,
-                    outcome: IdempotentOutcome::Used,
-                    expires,
-                },
-            );
-            self.timers
-                .insert((expires, Timer::Idempotency(key.clone())));
-            self.touch(Entity::Idempotency(key));
+            self.mark_used(key, fingerprint, now.plus_ms(ADJUSTMENT_KEY_TTL_MS))?;
         }
         for (key, limit) in &counters {
             let c = self.counter_mut(key, *limit);

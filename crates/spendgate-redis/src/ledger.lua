@@ -1559,91 +1559,94 @@ function OPS.set_cutoff(now, swept, A)
   return ok(changed or swept, { B01(engaged) })
 end
 
--- args: kind id amount
--- args: kind id amount factor (a wider address prefix's limit factor)
-function OPS.adjust(now, swept, A)
-  local kind, id, amount = A[1], A[2], N(A[3])
-  if kind == 'run' then return err({ 'invalid', 'adjust a run through its steps' }) end
-  local factor = mmax(N(A[4]) or 1, 1)
-  local scopes = { { kind, id, factor } }
-  local counters = budget_counters(scopes, now)
-  if #counters == 0 then return err({ 'invalid', 'no budget applies to ' .. disp(kind, id) }) end
-  -- once: applied once per key (Ledger::adjust); a repeat answers the lines as they are
-  local once = A[5] or ''
-  if once ~= '' then
-    local bad = check_id('adjustment key', once)
-    if bad then return err({ 'invalid', bad }) end
-    local key = 'once:adjust:' .. once
-    local fp = disp(kind, id) .. '|' .. S(factor) .. '|' .. A[3]
-    local seen = rcall('HGET', kIdem(key), 'fp')
-    if seen then
-      if seen ~= fp then return err({ 'conflict' }) end
-      if swept then bump() end
-      local out = { '1' }
-      for _, l in ipairs(lines(scopes, now)) do out[#out + 1] = l end
-      return ok(swept, out)
-    end
-    if records_held() >= RECORDS_MAX then return err({ 'full' }) end
-    local expires = now + 86400000 -- ADJUSTMENT_KEY_TTL_MS
+do -- (a block of its own: the main chunk is at Lua's 200-locals limit)
+  -- Records single-use `key` (with what it was used for, `fp`) until `expires`
+  -- (Ledger::mark_used); false when the ledger is full.
+  local function mark_used(key, fp, expires)
+    if records_held() >= RECORDS_MAX then return false end
     rcall('HSET', kIdem(key), 'key', key, 'fp', fp, 'kind', 'used', 'outcome', '', 'expires', S(expires))
     timer_add(expires, '3|' .. key)
     mincr('nrec', 1)
+    return true
   end
-  for _, k in ipairs(counters) do
-    local c = cload(k.enc)
-    c.limit = k.limit
-    local before = c.used
-    if amount >= 0 then
-      c.used = mmin(c.used + amount, MAX)
-    else
-      c.used = c.used - mmin(-amount, c.used)
-    end
-    -- what was applied (a credit stops at zero), so that used = charges + adjustments
-    c.adjusted = c.adjusted + (c.used - before)
-    if c.used > c.limit then c.overrun = 1 end
-    csave(c)
-  end
-  bump()
-  local out = { '0' }
-  for _, l in ipairs(lines(scopes, now)) do out[#out + 1] = l end
-  return ok(true, out)
-end
 
-do
-  local SWEEP_EXPIRIES = 256
-  local SWEEP_BATCH = 1024
-  function OPS.sweep(now, swept, A)
-    local n = expire_due(now, SWEEP_EXPIRIES)
-    local now_us = now * 1000
-    local idle = rcall('ZRANGEBYSCORE', K_RATES, '-inf', S(now_us), 'LIMIT', '0', S(SWEEP_BATCH))
-    for _, k in ipairs(idle) do rcall('ZREM', K_RATES, k) end
-    local stale = rcall('ZRANGEBYSCORE', K_CWIN, '-inf', S(now - RETENTION), 'LIMIT', '0', S(SWEEP_BATCH))
-    for _, e in ipairs(stale) do
-      local f = cread(e)
-      if not f then
-        rcall('ZREM', K_CWIN, e)
-      elseif f[3] == 0 then
-        cdel(e)
-        n = n + 1
+  -- args: kind id amount factor (a wider address prefix's limit factor) once ('' = none)
+  function OPS.adjust(now, swept, A)
+    local kind, id, amount = A[1], A[2], N(A[3])
+    if kind == 'run' then return err({ 'invalid', 'adjust a run through its steps' }) end
+    local factor = mmax(N(A[4]) or 1, 1)
+    local scopes = { { kind, id, factor } }
+    local counters = budget_counters(scopes, now)
+    if #counters == 0 then return err({ 'invalid', 'no budget applies to ' .. disp(kind, id) }) end
+    -- once: applied once per key (Ledger::adjust); a repeat answers the lines as they are
+    local once = A[5] or ''
+    if once ~= '' then
+      local bad = check_id('adjustment key', once)
+      if bad then return err({ 'invalid', bad }) end
+      local key = 'once:adjust:' .. once
+      local fp = disp(kind, id) .. '|' .. S(factor) .. '|' .. A[3]
+      local seen = rcall('HGET', kIdem(key), 'fp')
+      if seen then
+        if seen ~= fp then return err({ 'conflict' }) end
+        if swept then bump() end
+        local out = { '1' }
+        for _, l in ipairs(lines(scopes, now)) do out[#out + 1] = l end
+        return ok(swept, out)
       end
+      if not mark_used(key, fp, now + 86400000) then return err({ 'full' }) end -- ADJUSTMENT_KEY_TTL_MS
     end
-    return ok(n > 0, { S(n) })
+    for _, k in ipairs(counters) do
+      local c = cload(k.enc)
+      c.limit = k.limit
+      local before = c.used
+      if amount >= 0 then
+        c.used = mmin(c.used + amount, MAX)
+      else
+        c.used = c.used - mmin(-amount, c.used)
+      end
+      -- what was applied (a credit stops at zero), so that used = charges + adjustments
+      c.adjusted = c.adjusted + (c.used - before)
+      if c.used > c.limit then c.overrun = 1 end
+      csave(c)
+    end
+    bump()
+    local out = { '0' }
+    for _, l in ipairs(lines(scopes, now)) do out[#out + 1] = l end
+    return ok(true, out)
   end
-end
 
--- args: key ttl_ms (Ledger::consume_once: single-use tokens share the idempotency records)
-function OPS.consume_once(now, swept, A)
-  local bad = check_id('single-use key', A[1])
-  if bad then return err({ 'invalid', bad }) end
-  local key = 'once:' .. A[1]
-  if rcall('EXISTS', kIdem(key)) == 1 then return ok(swept, { '0' }) end
-  if records_held() >= RECORDS_MAX then return err({ 'full' }) end
-  local expires = now + N(A[2])
-  rcall('HSET', kIdem(key), 'key', key, 'fp', '', 'kind', 'used', 'outcome', '', 'expires', S(expires))
-  timer_add(expires, '3|' .. key)
-  mincr('nrec', 1)
-  bump()
-  return ok(true, { '1' })
+  do
+    local SWEEP_EXPIRIES = 256
+    local SWEEP_BATCH = 1024
+    function OPS.sweep(now, swept, A)
+      local n = expire_due(now, SWEEP_EXPIRIES)
+      local now_us = now * 1000
+      local idle = rcall('ZRANGEBYSCORE', K_RATES, '-inf', S(now_us), 'LIMIT', '0', S(SWEEP_BATCH))
+      for _, k in ipairs(idle) do rcall('ZREM', K_RATES, k) end
+      local stale = rcall('ZRANGEBYSCORE', K_CWIN, '-inf', S(now - RETENTION), 'LIMIT', '0', S(SWEEP_BATCH))
+      for _, e in ipairs(stale) do
+        local f = cread(e)
+        if not f then
+          rcall('ZREM', K_CWIN, e)
+        elseif f[3] == 0 then
+          cdel(e)
+          n = n + 1
+        end
+      end
+      return ok(n > 0, { S(n) })
+    end
+  end
+
+  -- args: key ttl_ms (Ledger::consume_once: single-use tokens share the idempotency records)
+  function OPS.consume_once(now, swept, A)
+    local bad = check_id('single-use key', A[1])
+    if bad then return err({ 'invalid', bad }) end
+    local key = 'once:' .. A[1]
+    if rcall('EXISTS', kIdem(key)) == 1 then return ok(swept, { '0' }) end
+    if not mark_used(key, '', now + N(A[2])) then return err({ 'full' }) end
+    bump()
+    return ok(true, { '1' })
+  end
 end
 
 ---------------------------------------------------------------- reads

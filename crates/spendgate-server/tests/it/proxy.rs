@@ -325,6 +325,28 @@ impl Gateway {
         Self::send(b).await
     }
 
+    /// A chat completion from a guest with its cookie alone (browser-direct).
+    fn guest_chat(&self, token: &str) -> reqwest::RequestBuilder {
+        self.server
+            .http
+            .post(self.server.url("/v1/chat/completions"))
+            .header("cookie", format!("spendgate_session={token}"))
+    }
+
+    /// `GET /v1/usage{query}` as a guest with its cookie.
+    async fn guest_usage(&self, token: &str, query: &str) -> Value {
+        self.server
+            .http
+            .get(self.server.url(&format!("/v1/usage{query}")))
+            .header("cookie", format!("spendgate_session={token}"))
+            .send()
+            .await
+            .expect("usage")
+            .json()
+            .await
+            .expect("json")
+    }
+
     /// Sends a request and reads its whole answer.
     async fn send(b: reqwest::RequestBuilder) -> Reply {
         let r = b.send().await.expect("send");
@@ -1143,14 +1165,7 @@ async fn a_guests_whole_history_is_its_input() {
         {"role": "user", "content": "hi"}]});
     let served = g.mock.stats().requests;
     let guest = g.server.session().await;
-    let r = Gateway::send(
-        g.server
-            .http
-            .post(g.server.url("/v1/chat/completions"))
-            .header("cookie", format!("spendgate_session={guest}"))
-            .json(&history),
-    )
-    .await;
+    let r = Gateway::send(g.guest_chat(&guest).json(&history)).await;
     assert_eq!(
         (r.status, r.code()),
         (413, "payload_too_large".into()),
@@ -1705,10 +1720,7 @@ async fn a_guests_conversation_is_its_own() {
         let g = g.clone();
         async move {
             let mut req = g
-                .server
-                .http
-                .post(g.server.url("/v1/chat/completions"))
-                .header("cookie", format!("spendgate_session={token}"))
+                .guest_chat(&token)
                 .header("spendgate-conversation", conversation)
                 .json(&body);
             if slow {
@@ -1743,17 +1755,7 @@ async fn a_guests_conversation_is_its_own() {
     assert_eq!(r.status, 200, "{}", r.text);
     // Each guest's usage of chat-1 is its own conversation's.
     for token in [&a, &b] {
-        let v: Value = g
-            .server
-            .http
-            .get(g.server.url("/v1/usage?conversation=chat-1"))
-            .header("cookie", format!("spendgate_session={token}"))
-            .send()
-            .await
-            .expect("usage")
-            .json()
-            .await
-            .expect("json");
+        let v = g.guest_usage(token, "?conversation=chat-1").await;
         let conv: Vec<&Value> = v["scopes"]
             .as_array()
             .expect("scopes")
@@ -1770,26 +1772,9 @@ async fn a_guests_conversation_is_its_own() {
     // A call that names no conversation is billed to the session's own, which the guest's
     // usage shows when it names none either.
     let c = g.server.session().await;
-    let r = Gateway::send(
-        g.server
-            .http
-            .post(g.server.url("/v1/chat/completions"))
-            .header("cookie", format!("spendgate_session={c}"))
-            .json(&hi),
-    )
-    .await;
+    let r = Gateway::send(g.guest_chat(&c).json(&hi)).await;
     assert_eq!(r.status, 200, "{}", r.text);
-    let v: Value = g
-        .server
-        .http
-        .get(g.server.url("/v1/usage"))
-        .header("cookie", format!("spendgate_session={c}"))
-        .send()
-        .await
-        .expect("usage")
-        .json()
-        .await
-        .expect("json");
+    let v = g.guest_usage(&c, "").await;
     let spent = |kind: &str| {
         v["scopes"]
             .as_array()

@@ -22,6 +22,22 @@ async fn create(server: &Server, xff: &str, body: Option<Value>) -> (u16, Option
     (status, retry, r.json().await.unwrap_or(Value::Null))
 }
 
+/// Solves the challenge of a `challenge_required` answer (8 bits) and posts it back.
+async fn create_solved(
+    server: &Server,
+    xff: &str,
+    refused: &Value,
+) -> (u16, Option<String>, Value) {
+    let nonce = refused["challenge"]["nonce"].as_str().expect("nonce");
+    let solution = spendgate_server::challenge::solve(nonce, 8);
+    create(
+        server,
+        xff,
+        Some(json!({"challenge": refused["challenge"], "solution": solution})),
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_creation_is_rate_limited_per_ip_prefix_and_globally() {
     let server = Server::start_with_sessions(
@@ -223,14 +239,7 @@ async fn adaptive_challenge_starts_under_pressure() {
         "quiet creation needs no challenge at first: {free}"
     );
     let v = challenged.expect("pressure turns the challenge on");
-    let nonce = v["challenge"]["nonce"].as_str().expect("nonce");
-    let solution = spendgate_server::challenge::solve(nonce, 8);
-    let (status, _, v) = create(
-        &server,
-        "203.0.113.99",
-        Some(json!({"challenge": v["challenge"], "solution": solution})),
-    )
-    .await;
+    let (status, _, v) = create_solved(&server, "203.0.113.99", &v).await;
     assert_eq!(status, 201, "{v}");
 }
 
@@ -263,14 +272,7 @@ async fn adaptive_challenge_follows_each_clients_own_pressure() {
     // Solve two challenges: the busy address's allowance of 4 is then used.
     for _ in 0..2 {
         let (_, _, v) = create(&server, busy, None).await;
-        let nonce = v["challenge"]["nonce"].as_str().expect("nonce");
-        let solution = spendgate_server::challenge::solve(nonce, 8);
-        let (status, _, v) = create(
-            &server,
-            busy,
-            Some(json!({"challenge": v["challenge"], "solution": solution})),
-        )
-        .await;
+        let (status, _, v) = create_solved(&server, busy, &v).await;
         assert_eq!(status, 201, "{v}");
     }
     // Past its rate the address is refused 429 before any challenge is looked at (a
@@ -310,14 +312,7 @@ async fn a_challenge_from_a_replica_with_another_first_key_is_accepted() {
     let new_first = start(format!("keys = [\"{OTHER_KEY}\", \"{SESSION_KEY}\"]"));
     let (status, _, v) = create(&old_first, "198.51.100.20", None).await;
     assert_eq!((status, code(&v)), (403, "challenge_required"), "{v}");
-    let nonce = v["challenge"]["nonce"].as_str().expect("nonce");
-    let solution = spendgate_server::challenge::solve(nonce, 8);
-    let (status, _, v) = create(
-        &new_first,
-        "198.51.100.20",
-        Some(json!({"challenge": v["challenge"], "solution": solution})),
-    )
-    .await;
+    let (status, _, v) = create_solved(&new_first, "198.51.100.20", &v).await;
     assert_eq!(status, 201, "{v}");
 }
 

@@ -42,6 +42,8 @@ prefix = \"ab$n\"
 timeout_ms = 1000"
   fi
   bench_config "$port" "$store" > "$dir/bench$n.toml"
+  # (builds before `store init` initialised a new prefix themselves)
+  [ "$STORE" = redis ] && { "$bin" store init --config "$dir/bench$n.toml" > /dev/null 2>&1 || true; }
   "$bin" serve --config "$dir/bench$n.toml" > "$dir/server$n.log" 2>&1 & pid=$!
   wait_url "http://127.0.0.1:$port/readyz"
   out=$(./target/release/spendgate-load --base "http://127.0.0.1:$port" --service-token "$BENCH_TOKEN" \

@@ -139,6 +139,7 @@ async fn main() -> Result<(), String> {
         timeout: Duration::from_secs(5),
         clock: ClockSource::Server,
     };
+    RedisStore::init(&opts).await.map_err(|e| e.to_string())?;
     let store = Arc::new(
         RedisStore::open(opts, common::policy(&kind))
             .await

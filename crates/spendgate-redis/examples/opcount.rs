@@ -130,6 +130,7 @@ async fn main() -> Result<(), String> {
         timeout: Duration::from_secs(60),
         clock: ClockSource::Server,
     };
+    RedisStore::init(&opts).await.map_err(|e| e.to_string())?;
     let store = RedisStore::open(opts, policy(&kind))
         .await
         .map_err(|e| e.to_string())?;

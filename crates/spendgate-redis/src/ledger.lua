@@ -1798,30 +1798,43 @@ local function main(KEYS, ARGV)
   end
 
   if op == 'epoch_init' then
-    local f = rcall('HMGET', K_META, 'epoch', 'epoch_kind', 'm')
+    -- A store's first contact reads the epoch; only `spendgate store init` (A[2] = 'create')
+    -- writes the first one, and only where no ledger is: a Redis that came back empty looks
+    -- exactly like a new deployment, so no replica may take one for the other.
+    local f = rcall('HMGET', K_META, 'epoch', 'epoch_kind', 'm', 'epoch_at')
     local seq = '0'
     if f[3] then seq = S(sunpack('<d', f[3])) end
-    if f[1] then return { 'OK', f[1], f[2] or 'init', seq } end
-    if rcall('EXISTS', K_META) == 1 then return { 'X', 'epoch_missing' } end
+    if f[1] then return { 'OK', f[1], f[2] or 'init', seq, f[4] or '0' } end
+    if A[2] ~= 'create' then return { 'X', 'epoch_missing' } end
+    if rcall('EXISTS', K_META, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ, K_GLOBALS) > 0 then
+      return { 'X', 'epoch_missing' }
+    end
     rcall('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'init', 'epoch_at', S(now))
-    return { 'OK', A[1], 'init', seq }
+    return { 'OK', A[1], 'init', seq, S(now) }
   end
   if op == 'epoch_reset' then
     rcall('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'reset', 'epoch_at', S(now))
     local m = rcall('HGET', K_META, 'm')
     local seq = '0'
     if m then seq = S(sunpack('<d', m)) end
-    return { 'OK', A[1], 'reset', seq }
+    return { 'OK', A[1], 'reset', seq, S(now) }
   end
 
   -- The epoch lives in the meta hash: one read checks it and loads the ledger's meta.
-  local meta = rcall('HMGET', K_META, 'epoch', 'm')
+  local meta = rcall('HMGET', K_META, 'epoch', 'm', 'epoch_kind', 'epoch_at')
   if not meta[1] then return { 'X', 'epoch_missing' } end
   if meta[1] ~= ARGV[3] then
-    return { 'X', 'epoch_changed', meta[1], rcall('HGET', K_META, 'epoch_kind') or 'init' }
+    return { 'X', 'epoch_changed', meta[1], meta[3] or 'init', meta[4] or '0' }
   end
   meta_unpack(meta[2])
-  if SEQ < N(ARGV[4]) then return { 'X', 'rolled_back', S(SEQ) } end
+  if meta[3] == 'rolled_back' then return { 'X', 'rolled_back', S(SEQ) } end
+  if SEQ < N(ARGV[4]) then
+    -- Marked in Redis, so that every replica (a restarted one too) refuses until an operator
+    -- accepts the reset, not only those that saw a higher seq. (A read-only call cannot
+    -- write: the replica's next write call marks it.)
+    redis.pcall('HSET', K_META, 'epoch_kind', 'rolled_back')
+    return { 'X', 'rolled_back', S(SEQ) }
+  end
   local clock = MV[1]
   if now < clock then now = clock end
   CC, RUNS, RDIRTY = clear(CC), clear(RUNS), clear(RDIRTY)

@@ -54,12 +54,14 @@
 //!   too. Loops are bounded: 256 expiries per call (per sweep too), bounded listings.
 //! * **Redis as a ledger.** `ready()` fails unless `maxmemory-policy` is `noeviction`
 //!   (admissions are refused too); it logs a warning when AOF is off or `appendfsync` is not
-//!   `always`. An epoch (fields of the meta hash `{prefix}:meta`) is written when a deployment is initialised.
+//!   `always`. An epoch (fields of the meta hash `{prefix}:meta`) is written when a deployment is
+//!   initialised ([`RedisStore::init`], `spendgate store init`; never by a replica).
 //!   Each store remembers the epoch id and the highest `ledger_seq` it has seen; a script that
 //!   finds the epoch missing (Redis came back empty), different (re-initialised) or the seq
 //!   lower (restored from an old snapshot) refuses, and the store answers
 //!   [`StoreError::Unavailable`] until [`RedisStore::accept_reset`] writes a new epoch, which
-//!   every store adopts.
+//!   every store adopts when it is newer than the one it knows. A detected rollback is
+//!   marked in the meta hash, so every store refuses, not only the one that saw it.
 //!
 //! Limitations, documented rather than hidden: operator adjustments are summed in a double
 //! (`Counter::adjusted` is exact while it stays below 2^53 in magnitude); a sweep processes at
@@ -134,6 +136,9 @@ struct EpochState {
     min_seq: u64,
     /// A rollback was detected: refuse until the epoch changes by an accepted reset.
     latched: bool,
+    /// When that epoch was written (Redis clock, ms): a reset is adopted only when it is
+    /// newer, so a Redis restored from a backup holding an older accepted reset is refused.
+    at: u64,
 }
 
 #[derive(Debug, Default)]
@@ -683,6 +688,53 @@ impl RedisStore {
         Ok(seq)
     }
 
+    /// `spendgate store init`: writes the first epoch of a new deployment (an empty prefix).
+    /// Replicas never do this themselves: a Redis that came back empty looks exactly like a
+    /// new deployment, and a replica that started on it would reopen a spent budget. Returns
+    /// `Ok(true)` when it initialised, `Ok(false)` when the prefix already holds a ledger
+    /// (nothing is changed; its layout is checked).
+    pub async fn init(opts: &RedisOptions) -> Result<bool, StoreError> {
+        let base = check_prefix(&opts.prefix)?;
+        let conn = SlotConn::open(opts)?;
+        let id = new_epoch_id(&opts.prefix);
+        let now = match &opts.clock {
+            ClockSource::Server => String::new(),
+            ClockSource::Manual(c) => c.now().0.to_string(),
+        };
+        let lib = library();
+        let fut = async {
+            let argv = [
+                "epoch_init",
+                now.as_str(),
+                "",
+                "0",
+                "",
+                id.as_str(),
+                "create",
+            ];
+            let item = fcall(&conn, &lib, false, &base, &argv, opts.timeout).await?;
+            let mut f = protocol::Fields::new(item.list()?);
+            match f.s()?.as_str() {
+                "OK" => {
+                    let found = f.s()?;
+                    check_format(&found, &opts.prefix)?;
+                    Ok(found == id)
+                }
+                _ => Err(unavailable(
+                    "redis holds ledger data under this prefix but no epoch key: not a new \
+                     deployment; if Redis lost data, run `spendgate store accept-reset`",
+                )),
+            }
+        };
+        let created = tokio::time::timeout(opts.timeout.max(Duration::from_secs(5)), fut)
+            .await
+            .map_err(|_| StoreError::Timeout(opts.timeout))??;
+        if created {
+            tracing::info!(prefix = %opts.prefix, epoch = %id, "ledger initialised");
+        }
+        Ok(created)
+    }
+
     fn now_arg(&self) -> String {
         match &self.opts.clock {
             ClockSource::Server => String::new(),
@@ -702,8 +754,8 @@ impl RedisStore {
         .await
     }
 
-    /// The epoch id and lowest acceptable seq for a call; initialises the deployment's epoch
-    /// on first contact with an empty prefix.
+    /// The epoch id and lowest acceptable seq for a call; reads the deployment's epoch on
+    /// first contact (an empty prefix is refused: see [`RedisStore::init`]).
     async fn epoch_args(&self) -> Result<(String, String), StoreError> {
         {
             let st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
@@ -728,17 +780,21 @@ impl RedisStore {
                 check_format(&id, &self.opts.prefix)?;
                 let _kind = f.s()?;
                 let seq = f.u()?;
+                let at = f.u()?;
                 let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
                 if st.id.is_none() {
                     st.id = Some(id);
                     st.min_seq = seq;
                     st.latched = false;
+                    st.at = at;
                 }
                 let min = st.min_seq.to_string();
                 Ok((st.id.clone().unwrap_or_default(), min))
             }
             _ => Err(unavailable(
-                "redis holds ledger data but no epoch key: refusing until `spendgate store accept-reset`",
+                "no ledger epoch under this prefix: a new deployment needs `spendgate store \
+                 init`; if Redis lost its data (restarted empty?), refusing until `spendgate \
+                 store accept-reset`",
             )),
         }
     }
@@ -799,11 +855,21 @@ impl RedisStore {
                     match f.s()?.as_str() {
                         "epoch_missing" => return Err(unavailable(
                             "ledger epoch key is missing: Redis lost its data (restarted empty?); \
-                             refusing until `spendgate store accept-reset`",
+                             refusing until `spendgate store accept-reset` (a new deployment \
+                             starts with `spendgate store init`)",
                         )),
                         "epoch_changed" => {
                             let id = f.s()?;
                             let kind = f.s()?;
+                            let at = f.u()?;
+                            let known_at = self.epoch.lock().unwrap_or_else(|p| p.into_inner()).at;
+                            if kind == "reset" && at <= known_at {
+                                return Err(unavailable(format!(
+                                    "ledger epoch went back to {id}, a reset older than the \
+                                     epoch this replica knows: Redis restored from an old \
+                                     backup? refusing until `spendgate store accept-reset`"
+                                )));
+                            }
                             if kind != "reset" {
                                 return Err(unavailable(
                                 "ledger epoch changed: Redis was re-initialised without an accepted \
@@ -816,6 +882,7 @@ impl RedisStore {
                             st.id = Some(id);
                             st.min_seq = 0;
                             st.latched = false;
+                            st.at = at;
                         }
                         "rolled_back" => {
                             let seq = f.u()?;

@@ -83,6 +83,12 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum StoreCmd {
+    /// Initialise the Redis ledger of a new deployment (once, on an empty store.prefix).
+    /// Replicas never initialise one themselves: a Redis that came back empty would look new.
+    Init {
+        #[arg(long, short, env = "SPENDGATE_CONFIG")]
+        config: Option<PathBuf>,
+    },
     /// Accept that the Redis ledger came back empty or rolled back, and reopen for admissions.
     AcceptReset {
         #[arg(long, short, env = "SPENDGATE_CONFIG")]
@@ -227,6 +233,24 @@ async fn main() -> anyhow::Result<()> {
                 tokio::time::sleep(left.min(ops::TUNE_POLL_EVERY)).await;
             }
             print!("{}", ops::render_tune(&sample.listing()));
+        }
+        Cmd::Store {
+            action: StoreCmd::Init { config },
+        } => {
+            let cfg = load_config(config.as_ref())?;
+            if cfg.store.kind != config::StoreKind::Redis {
+                bail!("store init applies to store.kind = \"redis\" only (sqlite initialises its file itself)");
+            }
+            let created =
+                spendgate_redis::RedisStore::init(&spendgate_server::redis_options(&cfg)).await?;
+            if created {
+                println!("ledger initialised for store.prefix {:?}", cfg.store.prefix);
+            } else {
+                println!(
+                    "store.prefix {:?} already holds a ledger: nothing changed",
+                    cfg.store.prefix
+                );
+            }
         }
         Cmd::Store {
             action: StoreCmd::AcceptReset { config },

@@ -235,14 +235,15 @@ async fn redis_back_empty_stays_closed_until_the_reset_is_accepted() {
     }
     assert!(matches!(s.summary().await, Err(StoreError::Unavailable(_))));
     assert!(store.ready().await.is_err());
-    // A second replica starting now must not silently initialise over the loss either:
-    // it sees an empty prefix and initialises... but the first keeps refusing.
-    let other = open(opts.clone(), policy()).await;
+    // A replica starting now (a deploy, a crash, autoscaling) must not initialise over the
+    // loss either: an empty prefix looks new, and only `spendgate store init` creates a ledger.
+    let other = open_only(opts.clone(), policy()).await;
     let r = store_of(&other).admit_run(run_req("r3"), None).await;
     assert!(
-        r.is_ok(),
-        "a fresh replica starts on an empty prefix: {r:?}"
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("epoch")),
+        "a replica started on an emptied Redis refuses: {r:?}"
     );
+    assert!(other.ready().await.is_err());
     assert!(matches!(
         s.admit_run(run_req("r4"), None).await,
         Err(StoreError::Unavailable(_))
@@ -282,6 +283,13 @@ async fn a_rolled_back_ledger_is_refused_until_accepted() {
         matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("rolled back")),
         "{r:?}"
     );
+    // Marked in Redis: a replica that never saw the higher seq (started now) refuses too.
+    let other = open_only(opts.clone(), policy()).await;
+    let r = store_of(&other).admit_run(run_req("r2b"), None).await;
+    assert!(
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("rolled back")),
+        "{r:?}"
+    );
     // Latched: even after other writers push the seq up again.
     server
         .command(&["COPY", &newer, &meta, "REPLACE"])
@@ -290,6 +298,69 @@ async fn a_rolled_back_ledger_is_refused_until_accepted() {
     let seq = RedisStore::accept_reset(&opts).await.expect("accept reset");
     assert!(seq > 0, "the rolled-back ledger is kept, with its sequence");
     admit(s, "r3").await;
+    admit(store_of(&other), "r3b").await;
+}
+
+/// An accepted reset is adopted only when it is newer than the epoch a replica knows: a Redis
+/// restored from a backup that holds an older accepted reset stays closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_older_accepted_reset_is_not_adopted() {
+    let server = server(false);
+    let opts = server_opts(&server, Duration::from_secs(2));
+    let store = open(opts.clone(), policy()).await;
+    let s = store_of(&store);
+    let meta = format!("{{{}}}:meta", opts.prefix);
+    let backup = format!("{{{}}}:meta-backup", opts.prefix);
+    admit(s, "r1").await;
+    RedisStore::accept_reset(&opts).await.expect("first reset");
+    admit(s, "r2").await;
+    server
+        .command(&["COPY", &meta, &backup, "REPLACE"])
+        .expect("COPY");
+    // (epoch times are milliseconds of the Redis clock)
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    RedisStore::accept_reset(&opts).await.expect("second reset");
+    admit(s, "r3").await;
+    server
+        .command(&["COPY", &backup, &meta, "REPLACE"])
+        .expect("COPY");
+    let r = s.admit_run(run_req("r4"), None).await;
+    assert!(
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("older")),
+        "{r:?}"
+    );
+    RedisStore::accept_reset(&opts).await.expect("third reset");
+    admit(s, "r5").await;
+}
+
+/// `store init` creates a ledger only on an empty prefix, once; a prefix that holds ledger
+/// keys but lost its epoch is not new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn init_creates_a_ledger_once_and_never_over_one() {
+    let server = server(false);
+    let opts = server_opts(&server, Duration::from_secs(2));
+    let store = open_only(opts.clone(), policy()).await;
+    let s = store_of(&store);
+    let r = s.admit_run(run_req("r0"), None).await;
+    assert!(
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("store init")),
+        "no ledger before init: {r:?}"
+    );
+    assert!(RedisStore::init(&opts).await.expect("init"), "initialised");
+    assert!(
+        !RedisStore::init(&opts).await.expect("init again"),
+        "left alone"
+    );
+    admit(s, "r1").await;
+    reserve(s, "r1", "x1").await.expect("reserved");
+    server
+        .command(&["DEL", &format!("{{{}}}:meta", opts.prefix)])
+        .expect("DEL");
+    let r = RedisStore::init(&opts).await;
+    assert!(
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("accept-reset")),
+        "{r:?}"
+    );
 }
 
 /// Data written by a build with another stored layout is refused, not misread; a reset does
@@ -312,7 +383,12 @@ async fn a_ledger_of_another_data_layout_is_refused() {
             "7",
         ])
         .expect("HSET");
-    let store = open(opts.clone(), policy()).await;
+    let r = RedisStore::init(&opts).await;
+    assert!(
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("data layout")),
+        "{r:?}"
+    );
+    let store = open_only(opts.clone(), policy()).await;
     let s = store_of(&store);
     let r = s.admit_run(run_req("r1"), None).await;
     assert!(
@@ -483,8 +559,11 @@ async fn sixteen_tasks_on_four_replicas_grant_exactly_the_budget() {
 async fn open_does_not_need_redis_and_service_starts_when_it_arrives() {
     let mut server = server(true);
     let opts = server_opts(&server, Duration::from_millis(300));
+    RedisStore::init(&opts)
+        .await
+        .expect("init (kept by the AOF)");
     server.stop().expect("stop");
-    let store = open(opts, policy()).await;
+    let store = open_only(opts, policy()).await;
     assert!(store.ready().await.is_err(), "not ready without Redis");
     let start = Instant::now();
     let r = store_of(&store).admit_run(run_req("r1"), None).await;

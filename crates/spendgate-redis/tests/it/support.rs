@@ -167,7 +167,17 @@ pub fn options(server: &RedisServer, prefix: &str, clock: Option<Arc<dyn Clock>>
     }
 }
 
+/// Opens a store on `opts.prefix`, first initialising the deployment there when it is new,
+/// as an operator does once with `spendgate store init`.
 pub async fn open(opts: RedisOptions, policy: Policy) -> RedisStore {
+    RedisStore::init(&opts)
+        .await
+        .unwrap_or_else(|e| panic!("init redis store: {e}"));
+    open_only(opts, policy).await
+}
+
+/// Opens a store without initialising anything (a replica starting on what Redis holds).
+pub async fn open_only(opts: RedisOptions, policy: Policy) -> RedisStore {
     RedisStore::open(opts, policy)
         .await
         .unwrap_or_else(|e| panic!("open redis store: {e}"))

@@ -153,20 +153,47 @@ impl Server {
         Server::start_redis_with_env(url, prefix, extra, &[])
     }
 
-    /// A replica on a Redis store, started with these environment variables.
+    /// A replica on a Redis store, started with these environment variables, after `spendgate
+    /// store init` (with them too) for the prefix.
     pub fn start_redis_with_env(
         url: &str,
         prefix: &str,
         extra: &str,
         env: &[(&str, &str)],
     ) -> Server {
+        Server::start_redis_full(url, prefix, extra, env, true)
+    }
+
+    /// As [`Server::start_redis_with_env`], without `store init` (a replica on what Redis holds).
+    pub fn start_redis_replica(
+        url: &str,
+        prefix: &str,
+        extra: &str,
+        env: &[(&str, &str)],
+    ) -> Server {
+        Server::start_redis_full(url, prefix, extra, env, false)
+    }
+
+    fn start_redis_full(
+        url: &str,
+        prefix: &str,
+        extra: &str,
+        env: &[(&str, &str)],
+        init: bool,
+    ) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
         let store = format!("kind = \"redis\"\nurl = \"{url}\"\nprefix = \"{prefix}\"");
-        let env = env
+        let env: Vec<(String, String)> = env
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        Server::start_full(dir, &store, DEFAULT_SESSIONS, extra, env)
+        let config = |port| config_text_with_sessions(port, &store, DEFAULT_SESSIONS, extra);
+        let init_env = env.clone();
+        Server::start_with(dir, config, env, move |path| {
+            if init {
+                store_init(path, &init_env)
+            }
+        })
     }
 
     /// A server on sqlite with its own `[sessions]` settings.
@@ -211,9 +238,20 @@ impl Server {
         config_text: impl FnOnce(u16) -> String,
         env: Vec<(String, String)>,
     ) -> Server {
+        Server::start_with(dir, config_text, env, |_| {})
+    }
+
+    /// As [`Server::start_config`], running `before` on the written config file first.
+    fn start_with(
+        dir: tempfile::TempDir,
+        config_text: impl FnOnce(u16) -> String,
+        env: Vec<(String, String)>,
+        before: impl FnOnce(&std::path::Path),
+    ) -> Server {
         let port = free_port();
         let config = dir.path().join("spendgate.toml");
         std::fs::write(&config, config_text(port)).expect("write config");
+        before(&config);
         spendgate_server::install_crypto();
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(20))
@@ -416,4 +454,20 @@ pub fn start_demo(dir: &std::path::Path) -> (ChildGuard, u16) {
         panic!("spendgate demo did not start:\n{}", child.output());
     }
     (child, port)
+}
+
+/// `spendgate store init --config PATH`, as an operator runs it once for a new Redis
+/// deployment (it leaves a prefix that already holds a ledger alone).
+pub fn store_init(config: &std::path::Path, env: &[(String, String)]) {
+    let out = Command::new(env!("CARGO_BIN_EXE_spendgate"))
+        .args(["store", "init", "--config"])
+        .arg(config)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .output()
+        .expect("run spendgate store init");
+    assert!(
+        out.status.success(),
+        "store init: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -229,6 +229,11 @@ async fn empty_redis_needs_accept_reset_and_evicting_redis_is_never_ready() {
     redis.stop().expect("stop");
     redis.restart().expect("restart empty");
     tokio::time::sleep(Duration::from_millis(300)).await;
+    // A replica restarted now (deploy, crash, autoscaling) must not take the empty Redis
+    // for a new deployment.
+    let mut servers = servers;
+    servers[1].kill();
+    servers[1].spawn();
     for s in &servers {
         s.assert_closed(&session, "Redis came back empty").await;
     }
@@ -402,7 +407,7 @@ async fn a_replica_reaches_redis_over_tls_and_verifies_its_certificate() {
         .expect("a count");
     assert!(keys > 0, "the ledger went to this Redis");
 
-    let doubting = Server::start_redis_with_env(
+    let doubting = Server::start_redis_replica(
         &url,
         "tls",
         TOOL_BUDGET,

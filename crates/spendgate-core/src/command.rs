@@ -88,6 +88,14 @@ impl Command {
         )
     }
 
+    /// Whether the answer `reply` (to a command that does not need durability itself) must
+    /// still be durable before it is given: a first commit above its reservation (an
+    /// overrun). Losing it would charge only the reserved amount, less than the usage the
+    /// caller was told was charged, and reopen a scope the overrun closed.
+    pub fn reply_needs_durability(reply: &Reply) -> bool {
+        matches!(reply, Reply::Resolved(a) if a.value.overrun && !a.value.repeated)
+    }
+
     /// Whether the command only reads.
     pub fn is_read(&self) -> bool {
         matches!(

@@ -21,13 +21,19 @@
 //! - Group commit: the writer takes the first queued command, then up to [`BATCH_MAX`] more
 //!   without waiting, applies each at the clock's `now`, and writes every changed entity in
 //!   one `BEGIN IMMEDIATE … COMMIT`. A command that needs durability
-//!   ([`Command::needs_durability`]) is answered only after that commit and its fsync; other
-//!   commands are answered as soon as they are applied, and a batch of only such commands is
-//!   written without an fsync of its own (the next durable commit's fsync covers it): losing
-//!   one only errs towards charging more.
+//!   ([`Command::needs_durability`]), or whose answer does (a first commit above its
+//!   reservation: [`Command::reply_needs_durability`]), is answered only after that commit
+//!   and its fsync; other commands are answered as soon as they are applied, and a batch of
+//!   only such commands is written without an fsync of its own (the next durable commit's
+//!   fsync covers it): losing one only errs towards charging more.
+//! - An admission still queued when its caller stopped waiting (store timeout: it answered
+//!   503) is dropped unapplied.
 //! - If the write fails, it is rolled back, the ledger is reloaded from the file (dropping
 //!   every change not on disk) and every command of the batch not yet answered is answered
-//!   with [`StoreError::Unavailable`].
+//!   with [`StoreError::Unavailable`]; `ready` fails until a write succeeds again. After an
+//!   I/O error or corruption the file's content is not known (Linux may drop unsynced pages
+//!   and report it once): the store refuses everything until the process restarts and
+//!   SQLite recovers the file.
 
 use crate::{Clock, Store, StoreError};
 use async_trait::async_trait;
@@ -38,6 +44,7 @@ use spendgate_core::{
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -77,6 +84,10 @@ pub struct SqliteOptions {
     /// A hard cap on the database size; past it writes fail and the store refuses new work
     /// (fail closed). `None`: no cap beyond the disk.
     pub max_file_bytes: Option<u64>,
+    /// For tests of failing disks: while it holds a nonzero SQLite result code (such as
+    /// `SQLITE_FULL` = 13 or `SQLITE_IOERR` = 10), every write fails with that code before
+    /// it reaches the file. `None` in production.
+    pub write_fault: Option<Arc<AtomicI32>>,
 }
 
 impl SqliteOptions {
@@ -87,6 +98,7 @@ impl SqliteOptions {
             batch_max: BATCH_MAX,
             lock_wait: Duration::from_millis(LOCK_WAIT_MS_DEFAULT),
             max_file_bytes: None,
+            write_fault: None,
         }
     }
 }
@@ -132,6 +144,9 @@ impl SqliteStore {
             rx,
             batch_max: opts.batch_max.max(1),
             broken: None,
+            fatal: false,
+            write_failing: None,
+            write_fault: opts.write_fault.clone(),
             buf: Vec::with_capacity(1024),
             synced: true,
         };
@@ -406,8 +421,16 @@ struct Writer {
     rx: Receiver<Msg>,
     batch_max: usize,
     /// Why the ledger is not being served: a failed write could not be followed by a reload.
-    /// Every batch retries the reload first.
+    /// Every batch retries the reload first, unless `fatal`.
     broken: Option<String>,
+    /// The file failed in a way after which what it holds is not known (an I/O error, which
+    /// on Linux may have dropped earlier unsynced pages while the next fsync succeeds, or
+    /// corruption): nothing is served again until the process restarts and recovers it.
+    fatal: bool,
+    /// The last write failed (full disk, say) and none has succeeded since: `ready` says so,
+    /// even though the ledger was reloaded and small batches may still fit.
+    write_failing: Option<String>,
+    write_fault: Option<Arc<AtomicI32>>,
     buf: Vec<u8>,
     /// Whether the connection is at `synchronous=FULL` (every commit fsynced).
     synced: bool,
@@ -421,7 +444,7 @@ impl Writer {
         let mut pending: Vec<Pending> = Vec::with_capacity(self.batch_max);
         // Ends when every sender is gone (the store was dropped) and the queue is empty.
         while let Ok(first) = self.rx.recv() {
-            if self.broken.is_some() {
+            if self.broken.is_some() && !self.fatal {
                 self.reload();
             }
             let mut failed = self.handle(first, &mut pending);
@@ -435,21 +458,37 @@ impl Writer {
                 }
             }
             let result = if failed {
-                Err("the ledger failed while applying a command".to_string())
+                Err(WriteError {
+                    message: "the ledger failed while applying a command".to_string(),
+                    fatal: false,
+                })
             } else {
                 // Only a batch holding a command that needs durability waits for the disk.
                 let durable = !pending.is_empty();
                 self.commit(durable)
             };
             match result {
-                Ok(()) => {
+                Ok(wrote) => {
+                    if wrote {
+                        self.write_failing = None;
+                    }
                     for (tx, answer) in pending.drain(..) {
                         let _ = tx.send(answer);
                     }
                 }
-                Err(e) => {
-                    tracing::error!(error = %e, "sqlite write failed; reloading the ledger from disk");
-                    self.reload();
+                Err(WriteError { message: e, fatal }) => {
+                    if fatal {
+                        tracing::error!(error = %e, "sqlite file failed; refusing every command until a restart recovers it");
+                        self.ledger.clear_changes();
+                        self.fatal = true;
+                        self.broken = Some(format!(
+                            "sqlite file failed ({e}); refusing until spendgate restarts"
+                        ));
+                    } else {
+                        tracing::error!(error = %e, "sqlite write failed; reloading the ledger from disk");
+                        self.reload();
+                    }
+                    self.write_failing = Some(format!("the last sqlite write failed: {e}"));
                     let err = StoreError::Unavailable(format!("sqlite write failed: {e}"));
                     for (tx, _) in pending.drain(..) {
                         let _ = tx.send(Err(err.clone()));
@@ -476,7 +515,7 @@ impl Writer {
                 failed
             }
             Msg::Ping(tx) => {
-                let _ = tx.send(match &self.broken {
+                let _ = tx.send(match self.broken.as_ref().or(self.write_failing.as_ref()) {
                     None => Ok(()),
                     Some(e) => Err(StoreError::Unavailable(e.clone())),
                 });
@@ -497,6 +536,13 @@ impl Writer {
                     let _ = tx.send(Err(StoreError::Unavailable(e.clone())));
                     return false;
                 }
+                if tx.is_closed()
+                    && matches!(cmd, Command::AdmitRun { .. } | Command::ReserveStep { .. })
+                {
+                    // Its caller gave up waiting (store timeout: it answered 503): a hold
+                    // nobody will use would only block a slot and be charged at expiry.
+                    return false;
+                }
                 let now = self.clock.now();
                 let (ledger, policy) = (&mut self.ledger, &self.policy);
                 let applied = catch_unwind(AssertUnwindSafe(|| ledger.apply(policy, now, &cmd)));
@@ -510,7 +556,9 @@ impl Writer {
                         return true;
                     }
                 };
-                if cmd.needs_durability() {
+                let durable = cmd.needs_durability()
+                    || answer.as_ref().is_ok_and(Command::reply_needs_durability);
+                if durable {
                     pending.push((tx, answer));
                 } else {
                     let _ = tx.send(answer);
@@ -527,16 +575,25 @@ impl Writer {
     /// the machine can lose only such a trailing run of non-durable transactions: commits,
     /// releases and finishes, whose loss only errs towards charging more (the holds expire and
     /// are charged in full). A crash of the process loses nothing written.
-    fn commit(&mut self, durable: bool) -> Result<(), String> {
+    /// Returns whether anything was written.
+    fn commit(&mut self, durable: bool) -> Result<bool, WriteError> {
         let changes = self.ledger.take_dirty();
         if changes.is_empty() {
-            return Ok(());
+            return Ok(false);
+        }
+        let injected = self
+            .write_fault
+            .as_ref()
+            .map_or(0, |f| f.load(Ordering::Relaxed));
+        if injected != 0 {
+            return Err(WriteError::from(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(injected),
+                Some("injected write fault".into()),
+            )));
         }
         if self.synced != durable {
             let level = if durable { "FULL" } else { "NORMAL" };
-            self.conn
-                .pragma_update(None, "synchronous", level)
-                .map_err(|e| e.to_string())?;
+            self.conn.pragma_update(None, "synchronous", level)?;
             self.synced = durable;
         }
         write_changes(
@@ -545,7 +602,8 @@ impl Writer {
             &changes,
             &mut self.runs,
             &mut self.buf,
-        )
+        )?;
+        Ok(true)
     }
 
     /// Rebuilds the ledger from the file, dropping every change that is not on disk.
@@ -572,6 +630,27 @@ impl Writer {
     }
 }
 
+/// Why a write failed, and whether the file may be trusted after it.
+struct WriteError {
+    message: String,
+    /// An I/O error or corruption: see `Writer::fatal`. A full disk, a size cap or a busy
+    /// lock is not (the transaction was rolled back whole).
+    fatal: bool,
+}
+
+impl From<rusqlite::Error> for WriteError {
+    fn from(e: rusqlite::Error) -> WriteError {
+        let fatal = matches!(
+            e.sqlite_error_code(),
+            Some(ErrorCode::SystemIoFailure | ErrorCode::DatabaseCorrupt | ErrorCode::NotADatabase)
+        );
+        WriteError {
+            message: e.to_string(),
+            fatal,
+        }
+    }
+}
+
 /// Writes the current record of every changed entity (read from `ledger` without cloning)
 /// in one transaction.
 fn write_changes(
@@ -580,8 +659,8 @@ fn write_changes(
     changes: &[Entity],
     runs: &mut ReservationRuns,
     buf: &mut Vec<u8>,
-) -> Result<(), String> {
-    let e = |e: rusqlite::Error| e.to_string();
+) -> Result<(), WriteError> {
+    let e = WriteError::from;
     // Rolled back on drop unless committed.
     let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
     {
@@ -601,7 +680,10 @@ fn write_changes(
                 Some(r) => {
                     buf.clear();
                     *buf =
-                        postcard::to_extend(&r, std::mem::take(buf)).map_err(|e| e.to_string())?;
+                        postcard::to_extend(&r, std::mem::take(buf)).map_err(|e| WriteError {
+                            message: e.to_string(),
+                            fatal: false,
+                        })?;
                     upsert.execute((key.as_str(), buf.as_slice())).map_err(e)?;
                     if let RecordRef::Reservation(res) = r {
                         if !runs.contains_key(&res.id) {

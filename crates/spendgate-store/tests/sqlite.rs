@@ -598,7 +598,8 @@ async fn a_failed_write_is_rolled_back_and_refused() {
         .await
         .expect("inspect");
     assert!(!present);
-    store.ready().await.expect("ready after a failed write");
+    // (`ready` fails until a write succeeds again: a sweep's small write may, here; see
+    // `an_overrun_commit_is_answered_only_when_written` for a disk that keeps failing.)
     check_invariants(&store).await;
     let in_memory = snapshot(&store).await;
     let summary = s.summary().await.expect("summary");
@@ -777,4 +778,151 @@ fn crash_child() {
         drop(store);
     });
     panic!("the crash child should have been killed");
+}
+
+/// A store whose writes fail, while `fault` holds a SQLite result code.
+fn open_faulty(
+    path: &Path,
+    clock: ManualClock,
+) -> (SqliteStore, Arc<std::sync::atomic::AtomicI32>) {
+    let fault = Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let mut opts = SqliteOptions::new(path);
+    opts.write_fault = Some(fault.clone());
+    let store = SqliteStore::open(opts, policy(), Arc::new(clock)).expect("open");
+    (store, fault)
+}
+
+const SQLITE_IOERR: i32 = 10;
+const SQLITE_FULL: i32 = 13;
+
+fn overrun_usage() -> Resolution {
+    Resolution::Commit(Settlement::Tokens(TokenUsage {
+        prompt_tokens: 100,
+        completion_tokens: 100_000,
+        cached_tokens: 0,
+    }))
+}
+
+/// A commit above its reservation (an overrun) is answered only once it is on disk: a write
+/// that fails answers it unavailable, and the retry after the disk recovers charges it.
+/// (Answered before the write, the overrun would be lost with the reload: charged only the
+/// reservation at expiry, and the scope it closed reopened.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overrun_commit_is_answered_only_when_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, fault) = open_faulty(&db_path(&dir), ManualClock::new(T0));
+    let s: &dyn Store = &store;
+    admit(s, "r1").await;
+    let step = reserve(s, model_step("r1", "big")).await;
+    fault.store(SQLITE_FULL, Ordering::Relaxed);
+    let r = s
+        .resolve(ReservationId("big".into()), overrun_usage())
+        .await;
+    assert!(
+        matches!(&r, Err(StoreError::Unavailable(m)) if m.contains("sqlite write failed")),
+        "{r:?}"
+    );
+    let held = store
+        .inspect(|l| l.reservation(&ReservationId("big".into())).map(|r| r.state))
+        .await
+        .expect("inspect");
+    assert_eq!(held, Some(ReservationState::Held), "reloaded from disk");
+    assert!(store.ready().await.is_err(), "not ready while writes fail");
+    fault.store(0, Ordering::Relaxed);
+    let done = s
+        .resolve(ReservationId("big".into()), overrun_usage())
+        .await
+        .expect("commit after the disk recovered");
+    assert!(done.value.overrun && !done.value.repeated, "{done:?}");
+    assert!(done.value.charged > step.reserved);
+    store.ready().await.expect("ready once a write succeeded");
+    let line = global_usage(s).await;
+    assert_eq!(line.used, done.value.charged);
+    check_invariants(&store).await;
+}
+
+/// An I/O error leaves the file's content unknown (Linux may drop unsynced pages and report
+/// it once): the store refuses everything, reads and pings included, until a restart
+/// recovers the file; a full disk only fails that batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_io_error_closes_the_store_until_a_restart() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let (store, fault) = open_faulty(&path, clock.clone());
+    let s: &dyn Store = &store;
+    admit(s, "r1").await;
+    fault.store(SQLITE_FULL, Ordering::Relaxed);
+    assert!(s.admit_run(run_request("r2"), None).await.is_err());
+    fault.store(0, Ordering::Relaxed);
+    admit(s, "r3").await;
+
+    fault.store(SQLITE_IOERR, Ordering::Relaxed);
+    assert!(s.admit_run(run_request("r4"), None).await.is_err());
+    fault.store(0, Ordering::Relaxed);
+    for _ in 0..3 {
+        let r = s.admit_run(run_request("r5"), None).await;
+        assert!(
+            matches!(&r, Err(StoreError::Unavailable(m)) if m.contains("until spendgate restarts")),
+            "{r:?}"
+        );
+    }
+    assert!(s.summary().await.is_err());
+    assert!(store.ready().await.is_err());
+    drop(store);
+    let store = open(&path, Arc::new(clock));
+    let runs = store
+        .inspect(|l| ["r1", "r2", "r3", "r4", "r5"].map(|r| l.run(&RunId(r.into())).is_some()))
+        .await
+        .expect("inspect");
+    assert_eq!(runs, [true, false, true, false, false]);
+    store.ready().await.expect("ready after the restart");
+}
+
+/// An admission whose caller stopped waiting (its store timeout passed while it was queued)
+/// is not applied: nobody would use the hold, which would only take a slot and be charged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_whose_caller_gave_up_is_not_applied() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = Arc::new(open(&db_path(&dir), Arc::new(ManualClock::new(T0))));
+    admit(&*store, "r1").await;
+    // Keeps the writer busy, as a slow disk would.
+    let busy = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            store
+                .inspect(|_| std::thread::sleep(Duration::from_millis(400)))
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(100),
+        (&*store as &dyn Store).reserve_step(tool_step("r1", "late"), None),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the writer was busy");
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(50),
+        (&*store as &dyn Store).admit_run(run_request("late-run"), None),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the writer was busy");
+    busy.await.expect("join").expect("inspect");
+    let (step, run) = store
+        .inspect(|l| {
+            (
+                l.reservation(&ReservationId("late".into())).is_some(),
+                l.run(&RunId("late-run".into())).is_some(),
+            )
+        })
+        .await
+        .expect("inspect");
+    assert!(
+        !step && !run,
+        "applied after its caller left: step {step}, run {run}"
+    );
+    assert_eq!(global_usage(&*store).await.reserved, Micros::ZERO);
+    // A caller that waits is served as before.
+    reserve(&*store, tool_step("r1", "on-time")).await;
 }

@@ -52,7 +52,8 @@
 //! * **Check before writing.** An operation decides completely before its first write; the
 //!   only writes that may precede a refusal are due expiries, which the core applies first
 //!   too. Loops are bounded: 256 expiries per call (per sweep too), bounded listings.
-//! * **Redis as a ledger.** `ready()` fails unless `maxmemory-policy` is `noeviction`
+//! * **Redis as a ledger.** `ready()` fails unless the node is a primary and
+//!   `maxmemory-policy` is `noeviction`
 //!   (admissions are refused too); it logs a warning when AOF is off or `appendfsync` is not
 //!   `always`. An epoch (fields of the meta hash `{prefix}:meta`) is written when a deployment is
 //!   initialised ([`RedisStore::init`], `spendgate store init`; never by a replica).
@@ -95,6 +96,12 @@ const LATCHED_MIN_SEQ: &str = "9007199254740992";
 const PREFIX_BYTES_MAX: usize = 64;
 /// Cluster redirections (`MOVED`) one call follows at most.
 const REDIRECTS_MAX: usize = 2;
+/// A connection to `store.url`'s node that timed out or answered as a node that cannot serve
+/// (read-only, loading) is replaced by a new one (the name resolved again), at most this
+/// often: redis-rs reconnects only on a dropped connection, so a half-open one (a host gone
+/// without a reset, a name or address moved to a new primary) would otherwise fail every
+/// call until the kernel gives up on it, many minutes later.
+const RECONNECT_EVERY: Duration = Duration::from_secs(1);
 /// Attempts of one call when the epoch changed under it by an accepted reset.
 const EPOCH_ATTEMPTS: usize = 3;
 
@@ -247,10 +254,19 @@ async fn fcall(
     argv: &[&str],
     timeout: Duration,
 ) -> Result<Item, StoreError> {
+    // Shorter than the caller's own bound (`store.timeout_ms`), so that a timeout is seen
+    // here, where it can replace the connection.
+    let answer_within = timeout - timeout / 10;
     for _ in 0..=REDIRECTS_MAX {
         let node = slot.current();
         let mut conn = node.conn.clone();
-        match fcall_on(&mut conn, lib, read, base, argv).await {
+        let answer =
+            tokio::time::timeout(answer_within, fcall_on(&mut conn, lib, read, base, argv)).await;
+        let Ok(answer) = answer else {
+            slot.failed(&node);
+            return Err(StoreError::Timeout(timeout));
+        };
+        match answer {
             Ok(v) => return Item::from_value(v),
             Err(e) if e.code() == Some("MOVED") => {
                 let Some((addr, _slot)) = e.redirect_node() else {
@@ -342,6 +358,8 @@ struct SlotConn {
     info: redis::ConnectionInfo,
     timeout: Duration,
     node: Mutex<Arc<Node>>,
+    /// When the configured node's connection was last replaced ([`RECONNECT_EVERY`]).
+    reconnected: Mutex<Option<Instant>>,
     /// Bumped at every switch, so that the server checks (eviction policy, persistence) run
     /// again on the new node.
     generation: AtomicU64,
@@ -356,6 +374,7 @@ impl SlotConn {
             info,
             timeout: opts.timeout,
             node: Mutex::new(Arc::new(node)),
+            reconnected: Mutex::new(None),
             generation: AtomicU64::new(0),
         })
     }
@@ -421,10 +440,15 @@ impl SlotConn {
     }
 
     /// The connection to `from` failed or timed out: when it was a redirection, the next call
-    /// goes to the configured node again.
+    /// goes to the configured node again; when it was the configured node, a new connection
+    /// to it replaces this one (at most every [`RECONNECT_EVERY`]).
     fn failed(&self, from: &Arc<Node>) {
         if from.redirected_to.is_none() {
-            return;
+            let mut last = self.reconnected.lock().unwrap_or_else(|p| p.into_inner());
+            if last.is_some_and(|t| t.elapsed() < RECONNECT_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
         }
         match Node::configured(&self.info, self.timeout) {
             Ok(node) => self.switch(from, node),
@@ -914,13 +938,11 @@ impl RedisStore {
             .query_async::<redis::Value>(&mut conn)
             .await
             .map_err(map)?;
-        let mem: String = redis::cmd("INFO")
+        // (several sections in one INFO: Redis 7 and Valkey)
+        let info: String = redis::cmd("INFO")
             .arg("memory")
-            .query_async(&mut conn)
-            .await
-            .map_err(map)?;
-        let persistence: String = redis::cmd("INFO")
             .arg("persistence")
+            .arg("replication")
             .query_async(&mut conn)
             .await
             .map_err(map)?;
@@ -931,14 +953,22 @@ impl RedisStore {
             .await
             .ok()
             .and_then(|v| v.get(1).cloned());
-        let policy = info_field(&mem, "maxmemory_policy").unwrap_or("unknown");
-        let fault = (policy != "noeviction").then(|| {
-            format!(
+        let policy = info_field(&info, "maxmemory_policy").unwrap_or("unknown");
+        let role = info_field(&info, "role").unwrap_or("unknown");
+        let fault = if policy != "noeviction" {
+            Some(format!(
                 "redis maxmemory-policy is {policy}: Redis may evict ledger keys and forget \
                  spending; set maxmemory-policy to noeviction"
-            )
-        });
-        let aof = info_field(&persistence, "aof_enabled") == Some("1");
+            ))
+        } else if role != "master" {
+            Some(format!(
+                "the redis node is a {role}, not a primary: it cannot record spending; point \
+                 store.url at the primary"
+            ))
+        } else {
+            None
+        };
+        let aof = info_field(&info, "aof_enabled") == Some("1");
         let warning = match (aof, fsync.as_deref()) {
             (false, _) => Some(
                 "redis AOF is off: a Redis restart loses acknowledged ledger writes (spend and \

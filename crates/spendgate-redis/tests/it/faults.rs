@@ -595,3 +595,132 @@ async fn the_server_clock_is_the_one_clock() {
     let lines = s.usage(vec![(ScopeKey::global(), 1)]).await.expect("usage");
     assert_eq!(lines[0].window, Window::Day.at(UnixMs(created)));
 }
+
+/// A TCP relay to Redis whose established connections can be frozen: their bytes stop
+/// flowing both ways while the sockets stay open, as with a host gone without a reset or a
+/// name moved to a new primary. New connections relay normally.
+struct FreezingRelay {
+    port: u16,
+    frozen: Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FreezingRelay {
+    async fn start(to: u16) -> FreezingRelay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind relay");
+        let port = listener.local_addr().expect("relay address").port();
+        let frozen = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let gen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (f, g) = (frozen.clone(), gen.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                // A connection made after a freeze is a new one: it relays.
+                if f.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                    g.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                let mine = g.load(std::sync::atomic::Ordering::SeqCst);
+                let (f, g) = (f.clone(), g.clone());
+                tokio::spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await else {
+                        return;
+                    };
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let live = move || {
+                        !f.load(std::sync::atomic::Ordering::SeqCst)
+                            && g.load(std::sync::atomic::Ordering::SeqCst) == mine
+                    };
+                    let live2 = live.clone();
+                    let up = relay(&mut cr, &mut sw, live);
+                    let down = relay(&mut sr, &mut cw, live2);
+                    let _ = tokio::join!(up, down);
+                });
+            }
+        });
+        FreezingRelay { port, frozen, task }
+    }
+
+    /// Freezes every connection open now.
+    fn freeze(&self) {
+        self.frozen.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for FreezingRelay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Copies `from` to `to` while `live()`; once it is not, holds the bytes (never closes).
+async fn relay(
+    from: &mut tokio::net::tcp::OwnedReadHalf,
+    to: &mut tokio::net::tcp::OwnedWriteHalf,
+    live: impl Fn() -> bool,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        while !live() {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// A connection that stops answering without closing (half-open) is replaced: service
+/// resumes within a few seconds, not when the kernel gives up on the socket many minutes
+/// later. Meanwhile every call is refused within its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_connection_is_replaced() {
+    let server = server(false);
+    let relay = FreezingRelay::start(server.port()).await;
+    let mut opts = server_opts(&server, Duration::from_millis(300));
+    opts.url = format!("redis://127.0.0.1:{}/0", relay.port);
+    let store = open(opts, policy()).await;
+    let s = store_of(&store);
+    admit(s, "r1").await;
+    relay.freeze();
+    let start = Instant::now();
+    let r = s.admit_run(run_req("r2"), None).await;
+    assert!(matches!(r, Err(ref e) if e.is_unavailable()), "{r:?}");
+    assert!(
+        start.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        start.elapsed()
+    );
+    let took = eventually(Duration::from_secs(5), || async {
+        s.admit_run(run_req("r3"), None).await.map(|_| ())
+    })
+    .await;
+    assert!(took < Duration::from_secs(5));
+    store.ready().await.expect("ready on the new connection");
+}
+
+/// A Redis that is a replica of another is no ledger: never ready, nothing admitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_node_is_never_ready() {
+    let primary = server(false);
+    let replica = server(false);
+    let port = primary.port().to_string();
+    replica
+        .command(&["REPLICAOF", "127.0.0.1", &port])
+        .expect("REPLICAOF");
+    let opts = server_opts(&replica, Duration::from_secs(2));
+    let store = open_only(opts, policy()).await;
+    let r = store.ready().await;
+    assert!(
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("not a primary")),
+        "{r:?}"
+    );
+    let r = store_of(&store).admit_run(run_req("r1"), None).await;
+    assert!(matches!(r, Err(ref e) if e.is_unavailable()), "{r:?}");
+}

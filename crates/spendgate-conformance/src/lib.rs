@@ -93,6 +93,7 @@ macro_rules! __with_conformance_cases {
             ledger_seq,
             whole_run_reserves_and_reconciles,
             whole_run_expiry_charges_the_hold,
+            whole_run_overrun_reaches_the_scopes_at_commit,
             cutoff_refuses_admission,
             dry_run_reports_instead_of_refusing,
             hammer_one_budget,

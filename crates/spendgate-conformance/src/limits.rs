@@ -420,6 +420,55 @@ pub async fn whole_run_reserves_and_reconciles(b: &dyn Backend) {
     check_ledger(&s, &Who::new("s1", "c3", "192.0.2.1/32").scopes()).await;
 }
 
+/// `whole_run`: a step's overrun reaches the run's scopes at its commit (the hold grows to
+/// what the run was charged), as in `per_step`, not only when the run ends: meanwhile the
+/// scopes must not admit what the overrun already spent.
+pub async fn whole_run_overrun_reaches_the_scopes_at_commit(b: &dyn Backend) {
+    let s = whole_run_store(b, 30_000).await;
+    let w = Who::new("s1", "c1", "192.0.2.1/32");
+    admit(&s, w.run("r1")).await;
+    reserve(&s, micros_step("r1", "a", 10_000)).await;
+    let c = resolve(&s, "a", units(90_000)).await.value;
+    assert!(c.overrun, "{c:?}");
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Session), (0, 90_000), "the hold grew");
+    assert_eq!(ur(&lines, ScopeKind::Global), (0, 90_000));
+    assert_eq!(
+        hold_of(&reservations(&s).await, "r1").amount,
+        Micros(90_000)
+    );
+    // The session has 120_000 - 90_000 = 30_000 left: no room for a hold of 50_000.
+    let r = admit_refused(&s, Who::new("s1", "c2", "192.0.2.1/32").run("r2")).await;
+    refusal(&r, RefusalCode::BudgetExhausted, ScopeKind::Session);
+    let f = finish(&s, "r1").await.value;
+    assert_eq!(f.charged, Micros(90_000));
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Session), (90_000, 0));
+    let all = reservations(&s).await;
+    let h = hold_of(&all, "r1");
+    assert_eq!(
+        (h.state, h.charged),
+        (ReservationState::Committed, Micros(90_000))
+    );
+
+    // Grown past a scope's limit, the hold is an overrun there: the scope is closed.
+    let w2 = Who::new("s2", "c3", "192.0.2.2/32");
+    admit(&s, w2.run("r3")).await;
+    reserve(&s, micros_step("r3", "b", 10_000)).await;
+    resolve(&s, "b", units(150_000)).await;
+    let lines = check_ledger(&s, &w2.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Session), (0, 150_000));
+    assert!(line(&lines, ScopeKind::Session).overrun);
+    b.advance(30_001);
+    sweep(&s).await;
+    let lines = check_ledger(&s, &w2.scopes()).await;
+    assert_eq!(
+        ur(&lines, ScopeKind::Session),
+        (150_000, 0),
+        "expired at its grown hold"
+    );
+}
+
 /// `whole_run`: a run whose lease lapses is charged its whole hold (or its steps' charges,
 /// if an overrun took them above it).
 pub async fn whole_run_expiry_charges_the_hold(b: &dyn Backend) {

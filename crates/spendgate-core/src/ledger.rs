@@ -1114,6 +1114,43 @@ impl Ledger {
         }
     }
 
+    /// `whole_run`: after a step's overrun, the run's hold grows to what the run was charged
+    /// when that is more, so that its scopes count the overrun at once (as `per_step` charges
+    /// it to them at commit), not only when the run ends. Held beyond a scope's limit, it is
+    /// an overrun there: the scope admits nothing more until its window resets.
+    fn grow_run_hold(&mut self, run_id: &RunId) {
+        let Some(run) = self.runs.get(run_id) else {
+            return;
+        };
+        let Some(hold_id) = run.hold.clone() else {
+            return;
+        };
+        let run_used = self
+            .counters
+            .get(&run.counter_key())
+            .map(|c| c.used)
+            .unwrap_or_default();
+        let Some(hold) = self.reservations.get_mut(&hold_id) else {
+            return;
+        };
+        if hold.state != ReservationState::Held || run_used <= hold.amount {
+            return;
+        }
+        let delta = Micros(run_used.0 - hold.amount.0);
+        // (a hold is not counted in the stats' held sum: nothing to recount)
+        hold.amount = run_used;
+        let keys = hold.counters.clone();
+        self.touch(Entity::Reservation(hold_id));
+        for key in keys {
+            let limit = self.counters.get(&key).map(|c| c.limit).unwrap_or_default();
+            let c = self.counter_mut(&key, limit);
+            c.reserved = c.reserved.add_capped(delta);
+            if c.used.add_capped(c.reserved) > c.limit {
+                c.overrun = true;
+            }
+        }
+    }
+
     fn renew(&mut self, run_id: &RunId, now: UnixMs, ttl_ms: u64) -> Option<UnixMs> {
         let run = self.runs.get_mut(run_id)?;
         if run.state != RunState::Active {
@@ -1796,6 +1833,9 @@ impl Ledger {
             _ => false,
         };
         self.settle(step_id, state, charged, now);
+        if charged > amount {
+            self.grow_run_hold(&run_id);
+        }
         if too_large {
             if let Some(res) = self.reservations.get_mut(step_id) {
                 res.result_too_large = true;

@@ -1453,6 +1453,27 @@ function OPS.resolve(now, swept, A)
   end
   f[S_BIG] = I01(too_large)
   settle(id, new, charged, now, nil, f)
+  if charged > amount then
+    -- Ledger::grow_run_hold: whole_run, the hold grows to what the run was charged, so that
+    -- its scopes count an overrun at once.
+    local run = run_get(f[S_RUN])
+    local hid = run and run_imm(run, true)[R_HOLD] or ''
+    if hid ~= '' then
+      local h = res_get(hid)
+      local used = cload(RUN_C .. f[S_RUN]).used
+      if h and h[S_STATE] == 'held' and used > h[S_AMOUNT] then
+        local delta = used - h[S_AMOUNT]
+        h[S_AMOUNT] = used
+        res_put(hid, h)
+        for _, e in ipairs(h[S_COUNTERS]) do
+          local c = cload(e)
+          c.reserved = mmin(c.reserved + delta, MAX)
+          if mmin(c.used + c.reserved, MAX) > c.limit then c.overrun = 1 end
+          csave(c)
+        end
+      end
+    end
+  end
   renew(f[S_RUN], now, P.ttl)
   bump()
   return ok(true, { new, charged, amount, I01(charged > amount), 0, f[S_BIG] })

@@ -544,6 +544,17 @@ pub async fn adjustments_apply_once_per_key(b: &dyn Backend) {
     }
     let lines = usage(&s, &[(session.clone(), 1)]).await;
     assert_eq!(line(&lines, ScopeKind::Session).used, Micros(300));
+
+    // A charge on top of what is held, past the limit: I1's exception, the scope is closed.
+    let w = Who::new("s1", "c1", "192.0.2.1/32");
+    admit(&s, w.run("r1")).await;
+    reserve(&s, micros_step("r1", "a", 600_000)).await;
+    let a = adjust(400_000, None).await.expect("applied");
+    let l = line(&a.value.lines, ScopeKind::Session);
+    assert_eq!((l.used.0, l.reserved.0), (400_300, 600_000));
+    assert!(l.overrun, "{l:?}");
+    let r = reserve_refused(&s, micros_step("r1", "b", 1)).await;
+    refusal(&r, RefusalCode::BudgetExhausted, ScopeKind::Session);
 }
 
 /// With the cutoff engaged nothing new is admitted (runs or steps); work already admitted

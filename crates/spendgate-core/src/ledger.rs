@@ -2152,7 +2152,9 @@ impl Ledger {
             c.adjusted = c
                 .adjusted
                 .saturating_add(i64::try_from(delta).unwrap_or(i64::MAX));
-            if c.used > c.limit {
+            // A charge on top of what is held may take the scope past its limit (I1's
+            // exception, as an overrun): it is closed for the rest of its window.
+            if c.used.add_capped(c.reserved) > c.limit {
                 c.overrun = true;
             }
         }

@@ -1627,7 +1627,7 @@ do -- (a block of its own: the main chunk is at Lua's 200-locals limit)
       end
       -- what was applied (a credit stops at zero), so that used = charges + adjustments
       c.adjusted = c.adjusted + (c.used - before)
-      if c.used > c.limit then c.overrun = 1 end
+      if mmin(c.used + c.reserved, MAX) > c.limit then c.overrun = 1 end
       csave(c)
     end
     bump()

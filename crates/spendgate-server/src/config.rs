@@ -2290,6 +2290,13 @@ impl Config {
                          \"unlimited\"; leave the budget out for that)"
                     ));
                 }
+                if b.window == Window::Lifetime && name != "global" {
+                    w.push(format!(
+                        "limits.{name}.budgets[{i}]: a lifetime budget keeps one counter per \
+                         {name} for ever (no window ends to drop it): the store grows with every \
+                         new {name} (memory, and the sqlite file or Redis); prefer a month"
+                    ));
+                }
             }
         }
         for (name, m) in &self.models {
@@ -2622,6 +2629,25 @@ thresholds = [0.5, 0.8, 1.0]
         );
         assert!(
             w.iter().any(|w| w.starts_with("limits.ip.budgets[0]")),
+            "{w:?}"
+        );
+        let c = load(
+            "[limits.session]
+budgets = [{ amount = \"1\", window = \"lifetime\" }]
+[limits.global]
+budgets = [{ amount = \"1\", window = \"lifetime\" }]
+",
+            &no_env,
+        )
+        .expect("valid");
+        let w = c.warnings();
+        assert!(
+            w.iter()
+                .any(|w| w.starts_with("limits.session.budgets[0]: a lifetime budget")),
+            "{w:?}"
+        );
+        assert!(
+            !w.iter().any(|w| w.starts_with("limits.global.budgets[0]")),
             "{w:?}"
         );
     }

@@ -74,9 +74,13 @@ pub fn parse_amount(text: &str) -> Result<Micros, AmountError> {
     if whole.is_empty() || !digits(whole) || !digits(frac) || (s.contains('.') && frac.is_empty()) {
         return Err(AmountError::Syntax(text.to_string()));
     }
-    if frac.len() > 6 {
-        return Err(AmountError::TooPrecise(text.to_string()));
-    }
+    // Zeros past the sixth decimal change nothing ("1.0000000" is exact); any other digit
+    // there would have to be rounded.
+    let frac = match frac.get(6..) {
+        Some(rest) if rest.bytes().all(|b| b == b'0') => &frac[..6],
+        Some(_) => return Err(AmountError::TooPrecise(text.to_string())),
+        None => frac,
+    };
     let too_large = || AmountError::TooLarge(text.to_string());
     let whole: u64 = whole.parse().map_err(|_| too_large())?;
     let mut frac_micros: u64 = 0;
@@ -182,6 +186,12 @@ mod tests {
         assert_eq!(parse_amount("1000"), Ok(Micros(1_000_000_000)));
         assert_eq!(parse_amount("0.000001"), Ok(Micros(1)));
         assert_eq!(parse_amount(" 0.075 "), Ok(Micros(75_000)));
+        assert_eq!(parse_amount("1.0000000"), Ok(Micros(1_000_000)));
+        assert_eq!(parse_amount("0.00000100"), Ok(Micros(1)));
+        assert!(matches!(
+            parse_amount("1.0000000100"),
+            Err(AmountError::TooPrecise(_))
+        ));
     }
 
     #[test]

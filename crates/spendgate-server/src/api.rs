@@ -585,6 +585,13 @@ pub async fn step_kind(config: &Config, body: &StepBody) -> ApiResult<StepKind> 
             let price = config.tools.get(tool).ok_or_else(|| {
                 ApiError::model_not_allowed(format!("tool {tool:?} has no configured price"))
             })?;
+            if *units == Some(0) && price.per_unit > Micros::ZERO {
+                // It would hold nothing (admitted even on a spent budget), and its commit
+                // would then be an overrun.
+                return Err(ApiError::invalid(format!(
+                    "units must be at least 1 for tool {tool:?}, which is priced per unit"
+                )));
+            }
             Ok(StepKind::Tool {
                 tool: tool.clone(),
                 price: *price,

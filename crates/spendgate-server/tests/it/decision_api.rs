@@ -132,6 +132,9 @@ tokenizer = "bytes"
 
 [tools.web_search]
 per_call = "0.01"
+
+[tools.pages]
+per_unit = "0.001"
 "#;
 
 /// Acceptance: one active run per conversation; finish frees it; each run bound refuses with
@@ -352,6 +355,14 @@ async fn bad_input_is_refused_cleanly() {
         .post(
             &format!("/v1/runs/{run}/steps"),
             json!({"kind": "model", "model": "m-1", "prompt_tokens": 10, "max_output_tokens": 0}),
+        )
+        .await;
+    assert_eq!((st, code(&v)), (400, "invalid_request"), "{v}");
+    // A tool priced per unit reserved for 0 units would hold nothing, even on a spent budget.
+    let (st, v) = server
+        .post(
+            &format!("/v1/runs/{run}/steps"),
+            json!({"kind": "tool", "tool": "pages", "units": 0}),
         )
         .await;
     assert_eq!((st, code(&v)), (400, "invalid_request"), "{v}");

@@ -21,11 +21,12 @@
 //!   concatenated `text` parts of array content, plus the tool-call arguments of assistant
 //!   messages.
 //! - `cached_tokens` = 0, or `min(N, prompt_tokens)` with the header `x-mock-cached-tokens: N`.
-//! - `completion_tokens` = `min(length, max_tokens)`, where `length` is
-//!   [`MockConfig::completion_tokens`] or the header `x-mock-completion-tokens: N`, and
+//! - `completion_tokens` = `min(length, max_tokens) + extra`, where `length` is
+//!   [`MockConfig::completion_tokens`] or the header `x-mock-completion-tokens: N`,
 //!   `max_tokens` is the smaller of the body's `max_tokens` and `max_completion_tokens` when
-//!   either is present (a `null` counts as absent). The result is capped at
-//!   [`MAX_COMPLETION_TOKENS`].
+//!   either is present (a `null` counts as absent), and `extra` is 0 or the header
+//!   `x-mock-extra-completion-tokens: N` (an upstream that does not honour the output
+//!   bound). The result is capped at [`MAX_COMPLETION_TOKENS`].
 //! - The answer is `completion_tokens` words `"tok0 tok1 tok2 ..."`, one token each.
 //!   `finish_reason` is `"length"` when `max_tokens` cut the answer short, `"stop"` otherwise.
 //! - Non-streaming answers carry `usage: {prompt_tokens, completion_tokens, total_tokens,
@@ -35,6 +36,11 @@
 //!   paced by the token rate when it is nonzero, then one chunk with an empty delta and the
 //!   `finish_reason`, then — only when the body has `stream_options.include_usage: true` — a
 //!   chunk with `"choices": []` and the usage, then `data: [DONE]\n\n`.
+//! - With the header `x-mock-running-usage: 1` (streams), every content chunk and the finish
+//!   chunk also carry the running usage, as some providers send it: the prompt tokens, the
+//!   completion tokens sent so far, and `cached_tokens` = the header
+//!   `x-mock-running-cached-tokens: N` (capped at the prompt tokens) or else the final
+//!   count. The final usage chunk (when asked for) reports the final usage as usual.
 //!
 //! # Timing
 //! `latency_ms` ([`MockConfig::latency_ms`] or the header `x-mock-latency-ms`) is waited before
@@ -69,6 +75,22 @@
 //!   `"tool_calls"`. The query has `completion_tokens` words, which is what the usage reports.
 //!   Streaming sends it in OpenAI delta form: the first chunk has the call's `index`, `id`,
 //!   `type`, `name` and the first argument fragment; later chunks only argument fragments.
+//! - `content_after_usage`: streaming: after the usage chunk, one more content chunk of one
+//!   token (counted), then `[DONE]`: a usage that does not cover everything sent.
+//!   Non-streaming: behave.
+//! - `error_event`: streaming: the content chunks, then instead of the finish chunk an error
+//!   event `{"error": {...}, "usage": {...}}` carrying the usage so far, then `[DONE]`.
+//!   Non-streaming: behave.
+//! - `clean_cut`: streaming: the first 2 content chunks (fewer if the answer is shorter),
+//!   then the body ends cleanly, without a finish chunk, usage or `[DONE]` (an upstream that
+//!   failed mid-generation but closed its body). Non-streaming: behave.
+//! - `no_done`: streaming: everything but the final `[DONE]`; the body ends cleanly after
+//!   the usage chunk (or the finish chunk). Non-streaming: behave.
+//! - `http_307`: status 307 with `location: /v1/models` (a client that follows it sends its
+//!   POST there and is refused 405). No usage counted.
+//! - `odd_headers`: behave, and the answer also carries the headers [`ODD_HEADERS`]: repeated
+//!   ones, `spendgate-*` ones a gateway must not pass for its own, and hop-by-hop ones (one
+//!   named by `Connection`).
 //!
 //! # What the stats count (the ground truth)
 //! - `requests`: every `POST /v1/chat/completions` received, refused ones included.
@@ -76,7 +98,8 @@
 //!   `"invalid_request"` for those refused with 4xx before any fault mode applied); the values
 //!   add up to `requests`.
 //! - `completed`: answers that finished: a non-streaming answer with status 200 was produced,
-//!   or a stream sent its `[DONE]`.
+//!   or a stream sent its `[DONE]` (`error_event` excluded) or, with `no_done`, its last
+//!   chunk.
 //! - `prompt_tokens`, `cached_tokens`, `completion_tokens`: the tokens the mock generated and
 //!   would bill, counted when generation starts (after the latency wait):
 //!   - a non-streaming answer counts its full usage when it is produced (with `usage_over`
@@ -89,7 +112,7 @@
 //!   - `hang` and the non-streaming `drop_mid_stream` count the full prompt (and cached) tokens
 //!     and no completion tokens: they emit none;
 //!   - `http_504` counts the full usage of the answer it did not deliver;
-//!   - `http_429`, `http_500` and refused requests count nothing; neither does a request whose
+//!   - `http_429`, `http_500`, `http_307` and refused requests count nothing; neither does a request whose
 //!     client went away during the latency wait.
 //! - `max_tokens_seen`: for each accepted request, the smaller of `max_tokens` /
 //!   `max_completion_tokens` it carried, or 0 when it carried neither; the last 1024 values.
@@ -126,6 +149,19 @@ pub const MAX_TOKENS_SEEN_KEPT: usize = 1024;
 /// Longest a `hang` holds a request, and the cap on any configured wait.
 pub const MAX_WAIT: Duration = Duration::from_secs(600);
 
+/// The extra headers of the `odd_headers` fault, in order (`vary` and `link` twice).
+pub const ODD_HEADERS: [(&str, &str); 9] = [
+    ("vary", "accept-encoding"),
+    ("vary", "origin"),
+    ("link", "<https://example.com/a>; rel=\"a\""),
+    ("link", "<https://example.com/b>; rel=\"b\""),
+    ("spendgate-outcome", "released"),
+    ("spendgate-charged-micros", "0"),
+    ("connection", "x-mock-hop"),
+    ("x-mock-hop", "1"),
+    ("proxy-authenticate", "Basic realm=\"mock\""),
+];
+
 /// The model the mock lists.
 pub const MODEL_ID: &str = "mock-model";
 
@@ -135,6 +171,12 @@ pub const FAULT_HEADER: &str = "x-mock-fault";
 pub const COMPLETION_TOKENS_HEADER: &str = "x-mock-completion-tokens";
 /// Header setting the reported cached prompt tokens.
 pub const CACHED_TOKENS_HEADER: &str = "x-mock-cached-tokens";
+/// Header adding completion tokens beyond the output bound (generated and reported).
+pub const EXTRA_COMPLETION_TOKENS_HEADER: &str = "x-mock-extra-completion-tokens";
+/// Header `x-mock-running-usage: 1`: streamed content chunks carry the running usage.
+pub const RUNNING_USAGE_HEADER: &str = "x-mock-running-usage";
+/// Header setting the cached tokens the running usages report (default: the final count).
+pub const RUNNING_CACHED_TOKENS_HEADER: &str = "x-mock-running-cached-tokens";
 /// Header overriding the latency before the first byte, in milliseconds.
 pub const LATENCY_HEADER: &str = "x-mock-latency-ms";
 /// Header overriding the token rate (0 = as fast as possible).
@@ -344,10 +386,16 @@ pub(crate) enum Fault {
     UsageOver,
     ToolCall,
     Http504,
+    ContentAfterUsage,
+    ErrorEvent,
+    CleanCut,
+    NoDone,
+    Http307,
+    OddHeaders,
 }
 
 impl Fault {
-    const ALL: [Fault; 9] = [
+    const ALL: [Fault; 15] = [
         Fault::None,
         Fault::Http429,
         Fault::Http500,
@@ -357,6 +405,12 @@ impl Fault {
         Fault::UsageOver,
         Fault::ToolCall,
         Fault::Http504,
+        Fault::ContentAfterUsage,
+        Fault::ErrorEvent,
+        Fault::CleanCut,
+        Fault::NoDone,
+        Fault::Http307,
+        Fault::OddHeaders,
     ];
 
     fn name(self) -> &'static str {
@@ -370,6 +424,12 @@ impl Fault {
             Fault::UsageOver => "usage_over",
             Fault::ToolCall => "tool_call",
             Fault::Http504 => "http_504",
+            Fault::ContentAfterUsage => "content_after_usage",
+            Fault::ErrorEvent => "error_event",
+            Fault::CleanCut => "clean_cut",
+            Fault::NoDone => "no_done",
+            Fault::Http307 => "http_307",
+            Fault::OddHeaders => "odd_headers",
         }
     }
 
@@ -401,15 +461,23 @@ pub(crate) struct Plan {
     pub(crate) latency: Duration,
     /// Stamp each streamed content chunk with its send time ([`STAMP_HEADER`]).
     pub(crate) stamp: bool,
+    /// The cached tokens of the running usage on every streamed content chunk
+    /// ([`RUNNING_USAGE_HEADER`]), when it is sent.
+    pub(crate) running_cached: Option<u64>,
 }
 
 impl Plan {
     pub(crate) fn usage(&self) -> Value {
+        self.usage_with(self.completion_tokens, self.cached_tokens)
+    }
+
+    /// A usage of `completion_tokens` so far with `cached_tokens`.
+    pub(crate) fn usage_with(&self, completion_tokens: u64, cached_tokens: u64) -> Value {
         json!({
             "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens.saturating_add(self.completion_tokens),
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens.saturating_add(completion_tokens),
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
             "completion_tokens_details": {"reasoning_tokens": 0},
         })
     }
@@ -518,6 +586,9 @@ fn plan_request(
     let tokens_per_second =
         header_u64(headers, TOKENS_PER_SECOND_HEADER)?.unwrap_or(config.tokens_per_second);
     let stamp = header_u64(headers, STAMP_HEADER)?.unwrap_or(0) != 0;
+    let extra = header_u64(headers, EXTRA_COMPLETION_TOKENS_HEADER)?.unwrap_or(0);
+    let running_usage = header_u64(headers, RUNNING_USAGE_HEADER)?.unwrap_or(0) != 0;
+    let running_cached = header_u64(headers, RUNNING_CACHED_TOKENS_HEADER)?;
 
     let prompt_tokens = prompt_tokens_of(body);
     let clamped = max_tokens.map_or(length, |m| length.min(m));
@@ -527,7 +598,10 @@ fn plan_request(
         _ if clamped < length => (clamped, "length"),
         _ => (clamped, "stop"),
     };
-    let completion_tokens = completion_tokens.min(MAX_COMPLETION_TOKENS);
+    let completion_tokens = completion_tokens
+        .saturating_add(extra)
+        .min(MAX_COMPLETION_TOKENS);
+    let cached_tokens = cached.min(prompt_tokens);
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -541,13 +615,15 @@ fn plan_request(
         fault,
         max_tokens,
         prompt_tokens,
-        cached_tokens: cached.min(prompt_tokens),
+        cached_tokens,
         completion_tokens,
         finish_reason,
         chunk_tokens: config.chunk_tokens.max(1),
         tokens_per_second,
         latency: Duration::from_millis(latency_ms).min(MAX_WAIT),
         stamp,
+        running_cached: running_usage
+            .then(|| running_cached.map_or(cached_tokens, |c| c.min(prompt_tokens))),
     })
 }
 
@@ -632,6 +708,19 @@ async fn chat_completions(
         tokio::time::sleep(plan.latency).await;
     }
 
+    let odd_headers = plan.fault == Fault::OddHeaders;
+    let mut response = answer(mock, plan).await;
+    if odd_headers {
+        let headers = response.headers_mut();
+        for (k, v) in ODD_HEADERS {
+            headers.append(k, HeaderValue::from_static(v));
+        }
+    }
+    response
+}
+
+/// The answer to a planned request, after its latency.
+async fn answer(mock: MockUpstream, plan: Plan) -> Response {
     match plan.fault {
         Fault::Http429 => {
             let mut response = error_response(
@@ -651,6 +740,18 @@ async fn chat_completions(
             None,
             "mock upstream: internal error (fault http_500)",
         ),
+        Fault::Http307 => {
+            let mut response = error_response(
+                StatusCode::TEMPORARY_REDIRECT,
+                "invalid_request_error",
+                None,
+                "mock upstream: moved (fault http_307)",
+            );
+            response
+                .headers_mut()
+                .insert(header::LOCATION, HeaderValue::from_static("/v1/models"));
+            response
+        }
         Fault::Http504 => {
             mock.count_prompt(plan.prompt_tokens, plan.cached_tokens);
             mock.count_completion(plan.completion_tokens);

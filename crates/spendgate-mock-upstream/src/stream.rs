@@ -17,6 +17,10 @@ enum Phase {
     Content,
     Finish,
     Usage,
+    /// `content_after_usage`: one more content chunk after the usage.
+    Trailing,
+    /// `error_event`: an error event with the usage so far, in place of the finish chunk.
+    Error,
     Done,
     Abort,
     End,
@@ -30,7 +34,7 @@ struct Generator {
     chunks_sent: u64,
 }
 
-/// How many content chunks `drop_mid_stream` sends before it aborts.
+/// How many content chunks `drop_mid_stream` and `clean_cut` send before they end.
 const CHUNKS_BEFORE_DROP: u64 = 2;
 
 /// Build the streaming response for `plan`.
@@ -71,13 +75,17 @@ impl Generator {
                 self.phase = if self.plan.include_usage && self.plan.fault != Fault::NoUsage {
                     Phase::Usage
                 } else {
-                    Phase::Done
+                    self.after_usage()
                 };
                 let finish_reason = self.plan.finish_reason;
                 Some(Ok(self.chunk(json!({}), Some(finish_reason))))
             }
             Phase::Usage => {
-                self.phase = Phase::Done;
+                self.phase = if self.plan.fault == Fault::ContentAfterUsage {
+                    Phase::Trailing
+                } else {
+                    self.after_usage()
+                };
                 let plan = &self.plan;
                 Some(Ok(sse(&json!({
                     "id": plan.id,
@@ -88,6 +96,36 @@ impl Generator {
                     "choices": [],
                     "usage": plan.usage(),
                 }))))
+            }
+            Phase::Trailing => {
+                self.phase = Phase::Done;
+                let (from, to) = (self.next_token, self.next_token.saturating_add(1));
+                self.mock.count_completion(1);
+                self.next_token = to;
+                Some(Ok(
+                    self.chunk(json!({"content": tokens::words(from, to)}), None)
+                ))
+            }
+            Phase::Error => {
+                self.phase = Phase::Done;
+                let plan = &self.plan;
+                Some(Ok(sse(&json!({
+                    "id": plan.id,
+                    "object": "chat.completion.chunk",
+                    "created": plan.created,
+                    "model": plan.model,
+                    "error": {
+                        "message": "mock upstream: failed mid-stream (fault error_event)",
+                        "type": "server_error",
+                        "param": null,
+                        "code": null,
+                    },
+                    "usage": plan.usage_with(self.next_token, plan.cached_tokens),
+                }))))
+            }
+            Phase::Done if self.plan.fault == Fault::ErrorEvent => {
+                self.phase = Phase::End;
+                Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
             }
             Phase::Done => {
                 self.phase = Phase::End;
@@ -139,23 +177,36 @@ impl Generator {
         } else {
             json!({"content": tokens::words(from, to)})
         };
+        self.next_token = to;
         let bytes = self.chunk(delta, None);
         if first {
             self.mock
                 .count_prompt(self.plan.prompt_tokens, self.plan.cached_tokens);
         }
         self.mock.count_completion(to - from);
-        self.next_token = to;
         self.chunks_sent = self.chunks_sent.saturating_add(1);
         let content_done = to >= total;
-        if self.plan.fault == Fault::DropMidStream
-            && (content_done || self.chunks_sent >= CHUNKS_BEFORE_DROP)
-        {
+        let cut = content_done || self.chunks_sent >= CHUNKS_BEFORE_DROP;
+        if self.plan.fault == Fault::DropMidStream && cut {
             self.phase = Phase::Abort;
+        } else if self.plan.fault == Fault::CleanCut && cut {
+            self.phase = Phase::End;
+        } else if content_done && self.plan.fault == Fault::ErrorEvent {
+            self.phase = Phase::Error;
         } else if content_done {
             self.phase = Phase::Finish;
         }
         bytes
+    }
+
+    /// What follows the usage chunk (or the finish chunk, when there is none).
+    fn after_usage(&mut self) -> Phase {
+        if self.plan.fault == Fault::NoDone {
+            self.mock.count_completed();
+            Phase::End
+        } else {
+            Phase::Done
+        }
     }
 
     fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Bytes {
@@ -177,6 +228,11 @@ impl Generator {
             // OpenAI sends `"usage": null` on every chunk but the last when usage was asked for.
             if plan.include_usage && plan.fault != Fault::NoUsage {
                 obj.insert("usage".to_owned(), Value::Null);
+            }
+            // The running usage (`x-mock-running-usage`): `next_token` counts the tokens sent
+            // up to this chunk's end.
+            if let Some(cached) = plan.running_cached {
+                obj.insert("usage".to_owned(), plan.usage_with(self.next_token, cached));
             }
             if plan.stamp {
                 let sent = std::time::SystemTime::now()

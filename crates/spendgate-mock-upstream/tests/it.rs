@@ -723,3 +723,197 @@ async fn client_going_away_counts_only_emitted_tokens() {
     );
     assert_eq!(stats.completion_tokens % 4, 0);
 }
+
+/// A streamed request with usage asked for, and `headers`: (body text, whether it errored).
+async fn stream_with(m: &Mock, headers: &[(&str, &str)]) -> (String, bool) {
+    let mut req = body(true);
+    req["stream_options"] = json!({"include_usage": true});
+    let mut b = m.chat(&req);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let resp = b.send().await.expect("send");
+    assert_eq!(resp.status(), 200);
+    read_stream(resp).await
+}
+
+#[tokio::test]
+async fn running_usage_on_every_chunk() {
+    let m = Mock::default().await;
+    let prompt = prompt_tokens_of(&body(true));
+    let (text, errored) = stream_with(
+        &m,
+        &[
+            ("x-mock-running-usage", "1"),
+            ("x-mock-cached-tokens", "2"),
+            ("x-mock-running-cached-tokens", "7"),
+        ],
+    )
+    .await;
+    assert!(!errored);
+    let events = events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks = json_events(&events);
+    // 4 content chunks of 4 tokens, the finish chunk, the usage chunk.
+    assert_eq!(chunks.len(), 6, "{text}");
+    let running: Vec<(u64, u64)> = chunks[..5]
+        .iter()
+        .map(|c| {
+            assert_eq!(c["usage"]["prompt_tokens"], prompt, "{c}");
+            (
+                c["usage"]["completion_tokens"]
+                    .as_u64()
+                    .expect("completion"),
+                c["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .expect("cached"),
+            )
+        })
+        .collect();
+    assert_eq!(running, [(4, 7), (8, 7), (12, 7), (16, 7), (16, 7)]);
+    assert_eq!(chunks[5]["choices"], json!([]));
+    assert_eq!(chunks[5]["usage"]["completion_tokens"], 16);
+    assert_eq!(
+        chunks[5]["usage"]["prompt_tokens_details"]["cached_tokens"],
+        2
+    );
+    let stats = m.mock.stats();
+    assert_eq!((stats.completion_tokens, stats.cached_tokens), (16, 2));
+    assert_eq!(stats.completed, 1);
+}
+
+#[tokio::test]
+async fn extra_completion_tokens_go_past_max_tokens() {
+    let m = Mock::default().await;
+    let mut req = body(false);
+    req["max_tokens"] = json!(3);
+    let v: Value = m
+        .chat(&req)
+        .header("x-mock-extra-completion-tokens", "5")
+        .send()
+        .await
+        .expect("send")
+        .json()
+        .await
+        .expect("json");
+    assert_eq!(v["usage"]["completion_tokens"], 8);
+    assert_eq!(v["choices"][0]["message"]["content"], words(8));
+    assert_eq!(m.mock.stats().completion_tokens, 8);
+}
+
+#[tokio::test]
+async fn content_after_usage_fault() {
+    let m = Mock::default().await;
+    let (text, errored) = stream_with(&m, &[("x-mock-fault", "content_after_usage")]).await;
+    assert!(!errored);
+    let events = events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks = json_events(&events);
+    let usage_at = chunks
+        .iter()
+        .position(|c| c["usage"].is_object())
+        .expect("a usage chunk");
+    assert_eq!(chunks[usage_at]["usage"]["completion_tokens"], 16);
+    assert_eq!(usage_at + 2, chunks.len(), "one chunk after the usage");
+    assert_eq!(content_of(&chunks), format!("{} tok16", words(16)));
+    let stats = m.mock.stats();
+    assert_eq!(stats.completion_tokens, 17);
+    assert_eq!(stats.by_fault.get("content_after_usage"), Some(&1));
+}
+
+#[tokio::test]
+async fn error_event_fault() {
+    let m = Mock::default().await;
+    let (text, errored) = stream_with(&m, &[("x-mock-fault", "error_event")]).await;
+    assert!(!errored, "the body itself ends cleanly");
+    let events = events(&text);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks = json_events(&events);
+    let last = chunks.last().expect("chunks");
+    assert_eq!(last["error"]["type"], "server_error", "{last}");
+    assert_eq!(last["usage"]["completion_tokens"], 16);
+    assert!(last.get("choices").is_none());
+    assert!(chunks
+        .iter()
+        .all(|c| c["choices"][0]["finish_reason"].is_null()));
+    let stats = m.mock.stats();
+    assert_eq!((stats.completion_tokens, stats.completed), (16, 0));
+}
+
+#[tokio::test]
+async fn clean_cut_and_no_done_faults() {
+    let m = Mock::default().await;
+    let (text, errored) = stream_with(&m, &[("x-mock-fault", "clean_cut")]).await;
+    assert!(!errored, "a clean end");
+    assert!(!text.contains("[DONE]"));
+    let chunks = json_events(&events(&text));
+    assert_eq!(chunks.len(), 2);
+    assert_eq!(content_of(&chunks), words(8));
+    assert!(chunks.iter().all(|c| c["usage"].is_null()));
+    let stats = m.mock.stats();
+    assert_eq!((stats.completion_tokens, stats.completed), (8, 0));
+
+    m.mock.reset();
+    let (text, errored) = stream_with(&m, &[("x-mock-fault", "no_done")]).await;
+    assert!(!errored);
+    assert!(!text.contains("[DONE]"));
+    let chunks = json_events(&events(&text));
+    let last = chunks.last().expect("chunks");
+    assert_eq!(last["choices"], json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 16);
+    let stats = m.mock.stats();
+    assert_eq!((stats.completion_tokens, stats.completed), (16, 1));
+}
+
+#[tokio::test]
+async fn http_307_fault() {
+    let m = Mock::default().await;
+    let no_redirects = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .expect("client");
+    let resp = no_redirects
+        .post(m.url("/v1/chat/completions"))
+        .header("x-mock-fault", "http_307")
+        .json(&body(false))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(resp.status(), 307);
+    assert_eq!(
+        resp.headers().get("location").and_then(|v| v.to_str().ok()),
+        Some("/v1/models")
+    );
+    let stats = m.mock.stats();
+    assert_eq!(stats.by_fault.get("http_307"), Some(&1));
+    assert_eq!((stats.prompt_tokens, stats.completion_tokens), (0, 0));
+}
+
+#[tokio::test]
+async fn odd_headers_fault() {
+    let m = Mock::default().await;
+    for stream in [false, true] {
+        let resp = m
+            .chat(&body(stream))
+            .header("x-mock-fault", "odd_headers")
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(resp.status(), 200);
+        let all = |k: &str| -> Vec<String> {
+            resp.headers()
+                .get_all(k)
+                .iter()
+                .filter_map(|v| v.to_str().ok().map(str::to_owned))
+                .collect()
+        };
+        assert_eq!(all("vary"), ["accept-encoding", "origin"]);
+        assert_eq!(all("link").len(), 2);
+        assert_eq!(all("spendgate-outcome"), ["released"]);
+        assert_eq!(all("x-mock-hop"), ["1"]);
+        assert!(all("connection").iter().any(|c| c.contains("x-mock-hop")));
+        assert_eq!(all("proxy-authenticate").len(), 1);
+        let (text, errored) = read_stream(resp).await;
+        assert!(!errored && text.contains("tok15"), "{text}");
+    }
+}

@@ -9,6 +9,8 @@
 //!   other error status (a gateway's 502 or 504, which may follow the work) → `unknown`;
 //! - connection lost, timeout, client gone mid-stream, an answer without usage → `unknown`,
 //!   charged in full; unless a usage chunk had already been read whole, which is trusted.
+//!   A stream's usage is trusted at its end only after `[DONE]` or a final (choices-less)
+//!   usage chunk, with no content and no error event after it.
 
 use crate::api::{self, Shared};
 use crate::config::Tokenizer;
@@ -1209,8 +1211,28 @@ struct SseTap {
     content_after_usage: bool,
     /// The last event was a usage chunk without choices (OpenAI's final one).
     settled: bool,
+    /// `data: [DONE]` arrived.
     done: bool,
+    /// An event reported an error (an `error` object, or a choice that finished with
+    /// `"error"`): no usage of this stream is trusted, one carried by the error included.
+    failed: bool,
     strip_usage: bool,
+}
+
+/// Whether a stream's event reports an error: an `error` object (OpenAI's and OpenRouter's
+/// mid-stream errors) or a choice whose `finish_reason` is `"error"`.
+fn is_error_event(v: &Value) -> bool {
+    v.get("error").is_some_and(|e| !e.is_null())
+        || v.get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(|cs| {
+                cs.iter()
+                    .any(|c| c.get("finish_reason").and_then(Value::as_str) == Some("error"))
+            })
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 /// True when a `data:` payload has `"usage": {` (not `"usage": null`), without parsing it.
@@ -1238,9 +1260,13 @@ impl SseTap {
         }
     }
 
-    /// The usage to commit when the stream ended cleanly: none if content followed it.
+    /// The usage to commit when the stream ended cleanly: none if content followed it, if
+    /// an event reported an error, or if the stream ended neither with `[DONE]` nor right
+    /// after a final usage chunk (an upstream that failed mid-generation may close its body
+    /// cleanly after a running total).
     fn end_usage(&self) -> Option<TokenUsage> {
-        self.usage.filter(|_| !self.content_after_usage)
+        self.usage
+            .filter(|_| !self.content_after_usage && !self.failed && (self.done || self.settled))
     }
 
     /// The usage to commit when the stream is cut (upstream lost, deadline, client gone):
@@ -1248,7 +1274,7 @@ impl SseTap {
     /// chunk with choices may be followed by more generation.
     fn final_usage(&self) -> Option<TokenUsage> {
         self.usage
-            .filter(|_| self.settled && !self.content_after_usage)
+            .filter(|_| self.settled && !self.content_after_usage && !self.failed)
     }
 
     fn saw_content(&mut self) {
@@ -1274,6 +1300,12 @@ impl SseTap {
             return true;
         }
         if !has_usage_object(data) {
+            // Parsed only when it may be an error event (`"error"` as a key or a value).
+            if contains(data, b"\"error\"")
+                && serde_json::from_slice::<Value>(data).is_ok_and(|v| is_error_event(&v))
+            {
+                self.failed = true;
+            }
             self.saw_content();
             return true;
         }
@@ -1285,21 +1317,25 @@ impl SseTap {
             self.saw_content();
             return true;
         };
+        // The largest of each figure, but the fewest cached tokens: more cached is cheaper.
         self.usage = Some(match self.usage {
             None => u,
             Some(seen) => TokenUsage {
                 prompt_tokens: seen.prompt_tokens.max(u.prompt_tokens),
                 completion_tokens: seen.completion_tokens.max(u.completion_tokens),
-                cached_tokens: seen.cached_tokens.max(u.cached_tokens),
+                cached_tokens: seen.cached_tokens.min(u.cached_tokens),
             },
         });
         self.content_after_usage = false;
+        let error = is_error_event(&v);
+        self.failed |= error;
         let no_choices = v
             .get("choices")
             .and_then(Value::as_array)
             .is_some_and(Vec::is_empty);
-        self.settled = no_choices;
-        !(self.strip_usage && no_choices)
+        self.settled = no_choices && !error;
+        // An error event always reaches the client, usage or not.
+        error || !(self.strip_usage && no_choices)
     }
 
     /// What to forward of `chunk` now.
@@ -1450,14 +1486,16 @@ fn relay(
                     let tail = s.tap.finish();
                     let how = match s.tap.end_usage() {
                         Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-                        None => Resolution::Unknown,
+                        None => {
+                            tracing::warn!(
+                                usage_read = s.tap.usage.is_some(),
+                                error_event = s.tap.failed,
+                                "upstream stream ended without a usage to trust; charging the step in full"
+                            );
+                            Resolution::Unknown
+                        }
                     };
                     guard.state.metrics.upstream_call(s.started.elapsed());
-                    if how == Resolution::Unknown {
-                        tracing::warn!(
-                            "upstream stream ended without usage; charging the step in full"
-                        );
-                    }
                     let _ = guard.resolve(how).await;
                     if tail.is_empty() {
                         return None;
@@ -1605,9 +1643,10 @@ mod tests {
     proptest::proptest! {
         /// Whatever the lines and wherever the stream is cut: a client that asked for usage
         /// gets every byte in order; one that did not gets every byte but the usage-only
-        /// lines; the usage read is the largest of every one sent whole, trusted at a clean
-        /// end only when no content followed it, and at a cut only when it came in a final,
-        /// choices-less chunk with nothing after it.
+        /// lines; the usage read is the largest of every one sent whole (the fewest cached
+        /// tokens), trusted at a clean end only when no content followed it and the stream
+        /// sent `[DONE]` or ended on a final, choices-less chunk, and at a cut only when it
+        /// came in a final, choices-less chunk with nothing after it.
         #[test]
         fn tap_passes_every_byte_and_reads_every_usage(
             lines in proptest::collection::vec(line_strategy(), 0..24),
@@ -1618,8 +1657,9 @@ mod tests {
             let eol = if crlf { "\r\n" } else { "\n" };
             let mut stream = String::new();
             let mut stripped = String::new();
-            // The model: the field-wise largest usage; whether content came after the last
-            // usage; whether the last event was a choices-less usage chunk.
+            // The model: the field-wise largest usage (the smallest cached count); whether
+            // content came after the last usage; whether the last event was a choices-less
+            // usage chunk.
             let mut max_usage: Option<TokenUsage> = None;
             let (mut after, mut settled) = (false, false);
             let merge = |m: Option<TokenUsage>, u: &TokenUsage| {
@@ -1628,7 +1668,7 @@ mod tests {
                     Some(m) => TokenUsage {
                         prompt_tokens: m.prompt_tokens.max(u.prompt_tokens),
                         completion_tokens: m.completion_tokens.max(u.completion_tokens),
-                        cached_tokens: m.cached_tokens.max(u.cached_tokens),
+                        cached_tokens: m.cached_tokens.min(u.cached_tokens),
                     },
                 })
             };
@@ -1668,7 +1708,8 @@ mod tests {
                     after |= max_usage.is_some();
                 }
             }
-            let end_usage = max_usage.filter(|_| !after);
+            let done = lines.iter().any(|l| matches!(l, Line::Done));
+            let end_usage = max_usage.filter(|_| !after && (done || settled));
             let final_usage = max_usage.filter(|_| settled && !after);
             let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(stream.len())).collect();
             cuts.sort_unstable();
@@ -1686,9 +1727,99 @@ mod tests {
                 proptest::prop_assert_eq!(tap.usage, max_usage);
                 proptest::prop_assert_eq!(tap.end_usage(), end_usage);
                 proptest::prop_assert_eq!(tap.final_usage(), final_usage);
-                proptest::prop_assert_eq!(tap.done, lines.iter().any(|l| matches!(l, Line::Done)));
+                proptest::prop_assert_eq!(tap.done, done);
             }
         }
+    }
+
+    fn tap_of(stream: &str) -> SseTap {
+        let mut tap = SseTap::new(false);
+        let out = tap.feed(Bytes::copy_from_slice(stream.as_bytes()));
+        assert_eq!(out, stream.as_bytes(), "passed through whole");
+        assert!(tap.finish().is_empty());
+        tap
+    }
+
+    fn usage(p: u64, c: u64, cached: u64) -> TokenUsage {
+        TokenUsage {
+            prompt_tokens: p,
+            completion_tokens: c,
+            cached_tokens: cached,
+        }
+    }
+
+    /// More cached tokens cost less: of several usages, the fewest cached is kept.
+    #[test]
+    fn tap_keeps_the_fewest_cached_tokens() {
+        let tap = tap_of(concat!(
+            "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":{\"prompt_tokens\":1000,\"completion_tokens\":0,\"prompt_tokens_details\":{\"cached_tokens\":800}}}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1000,\"completion_tokens\":100,\"prompt_tokens_details\":{\"cached_tokens\":0}}}\n\n",
+            "data: [DONE]\n\n",
+        ));
+        assert_eq!(tap.end_usage(), Some(usage(1000, 100, 0)));
+        assert_eq!(tap.final_usage(), Some(usage(1000, 100, 0)));
+    }
+
+    /// An error event's usage is never trusted, nor any usage of its stream; the event
+    /// reaches a client that did not ask for usage too.
+    #[test]
+    fn tap_does_not_trust_a_stream_that_reported_an_error() {
+        let content = "data: {\"choices\":[{\"delta\":{\"content\":\"error\"}}]}\n\n";
+        let errors = [
+            "data: {\"error\":{\"message\":\"overloaded\"},\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":0}}\n\n",
+            "data: {\"choices\":[],\"error\":{\"message\":\"x\"},\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":0}}\n\n",
+            "data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"error\"}],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":1}}\n\n",
+            "data: {\"error\":{\"message\":\"no usage here\"}}\n\n",
+        ];
+        let final_usage =
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":1}}\n\n";
+        for e in errors {
+            for stream in [
+                format!("{content}{e}data: [DONE]\n\n"),
+                format!("{content}{e}{final_usage}data: [DONE]\n\n"),
+                format!("{final_usage}{e}"),
+            ] {
+                let tap = tap_of(&stream);
+                assert!(tap.failed, "{stream}");
+                assert_eq!(tap.end_usage(), None, "{stream}");
+                assert_eq!(tap.final_usage(), None, "{stream}");
+            }
+            let mut strip = SseTap::new(true);
+            let out = strip.feed(Bytes::copy_from_slice(e.as_bytes()));
+            assert!(
+                String::from_utf8_lossy(&out).contains("\"error\""),
+                "an error event is never dropped: {e}"
+            );
+        }
+        // A content token that happens to be "error" is content, not an error.
+        let tap = tap_of(&format!("{content}{final_usage}data: [DONE]\n\n"));
+        assert!(!tap.failed);
+        assert_eq!(tap.end_usage(), Some(usage(9, 1, 0)));
+        let tap = tap_of(&format!(
+            "{content}data: {{\"error\":null}}\n\n{final_usage}"
+        ));
+        assert!(!tap.failed);
+    }
+
+    /// A clean end trusts a usage only after `[DONE]` or a final, choices-less usage chunk.
+    #[test]
+    fn tap_trusts_a_clean_end_only_after_done_or_a_final_usage() {
+        let running = "data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4}}\n\n";
+        let final_usage =
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":5}}\n\n";
+        assert_eq!(tap_of(running).end_usage(), None);
+        assert_eq!(
+            tap_of(&format!("{running}data: [DONE]\n\n")).end_usage(),
+            Some(usage(9, 4, 0))
+        );
+        assert_eq!(
+            tap_of(&format!("{running}{final_usage}")).end_usage(),
+            Some(usage(9, 5, 0))
+        );
+        assert_eq!(
+            tap_of(&format!("{running}{final_usage}: comment\n\n")).end_usage(),
+            Some(usage(9, 5, 0))
+        );
     }
 
     #[test]

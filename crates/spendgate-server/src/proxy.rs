@@ -10,7 +10,8 @@
 //! - connection lost, timeout, client gone mid-stream, an answer without usage → `unknown`,
 //!   charged in full; unless a usage chunk had already been read whole, which is trusted.
 //!   A stream's usage is trusted at its end only after `[DONE]` or a final (choices-less)
-//!   usage chunk, with no content and no error event after it.
+//!   usage chunk, with no content and no error event after it; a usage read but not trusted
+//!   that costs more than the reservation is committed (an overrun) rather than `unknown`.
 
 use crate::api::{self, Shared};
 use crate::config::Tokenizer;
@@ -372,7 +373,8 @@ pub fn prompt_texts(body: &Value) -> ApiResult<PromptTexts> {
 
 /// Resolves a step exactly once; if dropped unresolved (client gone, task cancelled), the
 /// step is resolved from the usage already read whole, else marked `unknown` (charged in
-/// full), and a one-step run is finished. Resolution runs on its own task, so a client going
+/// full; or at a usage read that costs more, see [`StepGuard::unsure`]), and a one-step run
+/// is finished. Resolution runs on its own task, so a client going
 /// away while the store answers cannot cut it short. While the step is unresolved, its run's
 /// lease is renewed, so that a call longer than `store.lease_ttl_s` keeps its slots (one
 /// generation per conversation) and is not expired under a live holder; the lease never
@@ -383,6 +385,11 @@ struct StepGuard {
     run: Option<RunId>,
     /// A usage the proxy finished reading (trusted even if the stream is cut later).
     usage: Option<TokenUsage>,
+    /// The largest usage read, trusted or not (see [`StepGuard::unsure`]).
+    seen: Option<TokenUsage>,
+    /// The step's price and reservation: what a usage read would cost, against the hold.
+    price: ModelPrice,
+    reserved: Micros,
     /// The task renewing the run's lease; stopped when the step is resolved.
     renewal: Option<tokio::task::AbortHandle>,
     /// When the call must stop ([`StepGuard::stopped`]): the run's deadline once known, or
@@ -403,7 +410,7 @@ impl StepGuard {
     /// first renewal, at once, learns it.
     fn new(
         state: Shared,
-        step: ReservationId,
+        (step, price, reserved): (ReservationId, ModelPrice, Micros),
         run_id: RunId,
         own_run: bool,
         deadline: Option<UnixMs>,
@@ -450,6 +457,9 @@ impl StepGuard {
             step: Some(step),
             run: own_run.then_some(run_id),
             usage: None,
+            seen: None,
+            price,
+            reserved,
             renewal: Some(renewal),
             stop,
         }
@@ -480,6 +490,14 @@ impl StepGuard {
                 }
             }
         }
+    }
+
+    /// How to resolve a step whose usage cannot be trusted (content came after it, the
+    /// stream was cut after a running total, an event reported an error): `unknown`, charged
+    /// the reservation; unless a usage read (`seen`) costs more than that, which is then
+    /// committed as an overrun (charged, counted and alerted), never charged less.
+    fn unsure(&self, seen: Option<TokenUsage>) -> Resolution {
+        unsure(self.price, self.reserved, seen)
     }
 
     fn take(&mut self) -> Option<(ReservationId, Option<RunId>)> {
@@ -559,11 +577,19 @@ impl Drop for StepGuard {
         };
         let how = match self.usage {
             Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-            None => Resolution::Unknown,
+            None => self.unsure(self.seen),
         };
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(Self::settle(self.state.clone(), step, run, how));
         }
+    }
+}
+
+/// See [`StepGuard::unsure`].
+fn unsure(price: ModelPrice, reserved: Micros, seen: Option<TokenUsage>) -> Resolution {
+    match seen {
+        Some(u) if price.charge(&u) > reserved => Resolution::Commit(Settlement::Tokens(u)),
+        _ => Resolution::Unknown,
     }
 }
 
@@ -858,7 +884,7 @@ pub async fn chat_completions(
     state.metrics.admitted("proxy_step");
     let guard = StepGuard::new(
         state.clone(),
-        step_id.clone(),
+        (step_id.clone(), model.price, reserved.reserved),
         run_id.clone(),
         own_run,
         run_deadline,
@@ -1106,8 +1132,11 @@ async fn abandon(state: &api::AppState, step: &ReservationId, run: Option<&RunId
 const FORWARDED_HEADERS: &[&str] = &[
     "x-mock-fault",
     "x-mock-completion-tokens",
+    "x-mock-extra-completion-tokens",
     "x-mock-latency-ms",
     "x-mock-cached-tokens",
+    "x-mock-running-usage",
+    "x-mock-running-cached-tokens",
     "x-mock-tokens-per-second",
     "x-mock-stamp",
 ];
@@ -1459,7 +1488,7 @@ fn relay(
                     // read whole.
                     let how = match s.tap.final_usage() {
                         Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-                        None => Resolution::Unknown,
+                        None => guard.unsure(s.tap.usage),
                     };
                     tracing::warn!(usage_read = s.tap.final_usage().is_some(), "a proxied stream reached its run's deadline; cutting it");
                     let _ = guard.resolve(how).await;
@@ -1475,6 +1504,7 @@ fn relay(
                 Ok(Some(Ok(chunk))) => {
                     let out = s.tap.feed(chunk);
                     guard.usage = s.tap.final_usage();
+                    guard.seen = s.tap.usage;
                     s.guard = Some(guard);
                     if out.is_empty() {
                         continue;
@@ -1490,9 +1520,9 @@ fn relay(
                             tracing::warn!(
                                 usage_read = s.tap.usage.is_some(),
                                 error_event = s.tap.failed,
-                                "upstream stream ended without a usage to trust; charging the step in full"
+                                "upstream stream ended without a usage to trust; charging the step in full (or at a usage read above it)"
                             );
-                            Resolution::Unknown
+                            guard.unsure(s.tap.usage)
                         }
                     };
                     guard.state.metrics.upstream_call(s.started.elapsed());
@@ -1509,10 +1539,16 @@ fn relay(
                             Resolution::Commit(Settlement::Tokens(u)),
                             "the upstream stream was cut off after its usage; the call was charged at that usage",
                         ),
-                        None => (
-                            Resolution::Unknown,
-                            "the upstream stream was cut off or stalled; the call was charged in full",
-                        ),
+                        None => match guard.unsure(s.tap.usage) {
+                            Resolution::Unknown => (
+                                Resolution::Unknown,
+                                "the upstream stream was cut off or stalled; the call was charged in full",
+                            ),
+                            how => (
+                                how,
+                                "the upstream stream was cut off or stalled; the call was charged at the usage it reported, above its reservation",
+                            ),
+                        },
                     };
                     tracing::warn!(
                         usage_read = s.tap.final_usage().is_some(),
@@ -1819,6 +1855,25 @@ mod tests {
         assert_eq!(
             tap_of(&format!("{running}{final_usage}: comment\n\n")).end_usage(),
             Some(usage(9, 5, 0))
+        );
+    }
+
+    /// A usage that is not trusted is committed only when it costs more than the hold.
+    #[test]
+    fn an_untrusted_usage_above_the_reservation_is_committed() {
+        let price = ModelPrice {
+            input_per_million: Micros(1_000_000),
+            cached_input_per_million: Micros(1_000_000),
+            output_per_million: Micros(2_000_000),
+        };
+        let u = usage(10, 5, 0);
+        assert_eq!(price.charge(&u), Micros(20));
+        assert_eq!(unsure(price, Micros(20), Some(u)), Resolution::Unknown);
+        assert_eq!(unsure(price, Micros(100), Some(u)), Resolution::Unknown);
+        assert_eq!(unsure(price, Micros(19), None), Resolution::Unknown);
+        assert_eq!(
+            unsure(price, Micros(19), Some(u)),
+            Resolution::Commit(Settlement::Tokens(u))
         );
     }
 

@@ -1789,3 +1789,116 @@ async fn a_guests_conversation_is_its_own() {
         "the session's own conversation, with the call's spend: {v}"
     );
 }
+
+/// The `usage` objects of a streamed reply's events, in order.
+fn usages(r: &Reply) -> Vec<Value> {
+    r.events()
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(e).ok())
+        .filter_map(|v| v.get("usage").filter(|u| u.is_object()).cloned())
+        .collect()
+}
+
+/// A stream's usage is trusted only when it covers the whole answer: sent last (no content
+/// after it), in no error event, and followed by `[DONE]` or in a final, choices-less chunk.
+/// Else the step is charged in full (`unknown`), unless a usage read costs more than the
+/// reservation: that usage is then committed, an overrun. Of several usages, the fewest cached
+/// tokens are kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn untrusted_stream_usages_are_charged_in_full_or_above() {
+    // One micro a prompt token, half one cached, 100 an output token: a usage past a small
+    // output bound costs more than the reservation whatever the prompt bound.
+    let g = Gateway::start(Opts {
+        prices: Prices {
+            input: 1_000_000,
+            cached: 500_000,
+            output: 100_000_000,
+        },
+        ..Opts::default()
+    })
+    .await;
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    enum Expect {
+        /// `unknown`, charged the reservation.
+        InFull,
+        /// Committed at the last usage the stream sent, above the reservation.
+        Overrun,
+        /// Committed at what the mock served.
+        Served,
+    }
+    use Expect::*;
+    let fault = |f| ("x-mock-fault", f);
+    const RUNNING: (&str, &str) = ("x-mock-running-usage", "1");
+    const EXTRA: (&str, &str) = ("x-mock-extra-completion-tokens", "20");
+    /// The mock's headers, the request's `max_tokens`, the outcome.
+    type Case = (Vec<(&'static str, &'static str)>, Option<u64>, Expect);
+    let cases: Vec<Case> = vec![
+        // Content after the usage.
+        (vec![fault("content_after_usage")], None, InFull),
+        (vec![fault("content_after_usage"), EXTRA], Some(1), Overrun),
+        // Cut after a running usage.
+        (vec![fault("drop_mid_stream"), RUNNING], None, InFull),
+        (
+            vec![fault("drop_mid_stream"), RUNNING, EXTRA],
+            Some(1),
+            Overrun,
+        ),
+        // An error event carrying a usage, then [DONE].
+        (vec![fault("error_event")], None, InFull),
+        (vec![fault("error_event"), EXTRA], Some(1), Overrun),
+        // A clean end after a running usage, without [DONE] or a final usage chunk.
+        (vec![fault("clean_cut"), RUNNING], None, InFull),
+        (vec![fault("clean_cut"), RUNNING, EXTRA], Some(1), Overrun),
+        // A clean end right after the final usage chunk, without [DONE]: trusted.
+        (vec![fault("no_done")], None, Served),
+        (vec![fault("no_done"), RUNNING], None, Served),
+        // Running usages, then the final one and [DONE]: trusted.
+        (vec![RUNNING], None, Served),
+        // The running usages report more cached tokens than the final one.
+        (
+            vec![RUNNING, ("x-mock-running-cached-tokens", "1000")],
+            None,
+            Served,
+        ),
+    ];
+    let mut total = 0;
+    for (i, (headers, max_tokens, expect)) in cases.into_iter().enumerate() {
+        let what = format!("{headers:?} max_tokens={max_tokens:?}");
+        let mut body = json!({"model": MODEL, "stream": true,
+            "stream_options": {"include_usage": true}, "messages": user(&"x".repeat(200))});
+        if let Some(m) = max_tokens {
+            body["max_tokens"] = json!(m);
+        }
+        let before = g.mock.stats();
+        let r = g.chat(&format!("untrusted-{i}"), body, &headers).await;
+        assert_eq!(r.status, 200, "{what}: {}", r.text);
+        r.assert_no_key();
+        let row = g.reservation(&r.step()).await;
+        let served = priced_delta(g.prices, &before, &g.mock.stats());
+        let charged = row["charged_micros"].as_u64().expect("charged");
+        let reserved = row["reserved_micros"].as_u64().expect("reserved");
+        match expect {
+            InFull => {
+                assert_eq!(row["state"], "unknown", "{what}: {row}");
+                assert_eq!(charged, reserved, "{what}");
+                assert!(served <= charged, "{what}: {served} > {charged}");
+            }
+            Overrun => {
+                let last = usages(&r).pop().expect("a usage reached the client");
+                assert_eq!(row["state"], "committed", "{what}: {row}");
+                assert_eq!(row["overrun"], true, "{what}: {row}");
+                assert_eq!(charged, g.charge(&last), "{what}: {last}");
+                assert!(charged > reserved, "{what}");
+            }
+            Served => {
+                assert_eq!(row["state"], "committed", "{what}: {row}");
+                assert_eq!(charged, served, "{what}: {}", r.text);
+            }
+        }
+        total += charged;
+    }
+    let global = g.global().await;
+    assert_eq!(global["used_micros"], total, "the books reconcile");
+    assert_eq!(global["reserved_micros"], 0);
+    assert!(g.metric("spendgate_overruns_total ").await >= 4);
+}

@@ -632,28 +632,44 @@ fn usage_of(v: &Value) -> Option<TokenUsage> {
     })
 }
 
-/// Response headers passed through from the upstream (hop-by-hop and length headers are not).
+/// Response headers passed through from the upstream, every value of a repeated one (`vary`,
+/// `link`, `www-authenticate`). Not passed: hop-by-hop headers (those named in the upstream's
+/// `Connection` too), length headers, cookies, and `spendgate-*`, which are ours alone (an
+/// upstream's `spendgate-outcome` must not pass for spendgate's).
 fn pass_headers(from: &reqwest::header::HeaderMap, to: &mut HeaderMap) {
+    let named: Vec<String> = from
+        .get_all(reqwest::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .filter(|t| !t.is_empty())
+        .collect();
     for (k, v) in from {
         let name = k.as_str();
         if matches!(
             name,
             "connection"
                 | "keep-alive"
+                | "proxy-authenticate"
+                | "proxy-authorization"
+                | "proxy-connection"
                 | "transfer-encoding"
                 | "content-length"
                 | "te"
                 | "trailer"
                 | "upgrade"
                 | "set-cookie"
-        ) {
+        ) || name.starts_with("spendgate-")
+            || named.iter().any(|n| n == name)
+        {
             continue;
         }
         if let (Ok(n), Ok(v)) = (
             HeaderName::from_bytes(k.as_ref()),
             HeaderValue::from_bytes(v.as_bytes()),
         ) {
-            to.insert(n, v);
+            to.append(n, v);
         }
     }
 }
@@ -1875,6 +1891,41 @@ mod tests {
             unsure(price, Micros(19), Some(u)),
             Resolution::Commit(Settlement::Tokens(u))
         );
+    }
+
+    #[test]
+    fn upstream_headers_pass_whole_but_ours_and_hop_by_hop() {
+        let mut from = reqwest::header::HeaderMap::new();
+        for (k, v) in [
+            ("vary", "accept-encoding"),
+            ("vary", "origin"),
+            ("link", "<a>; rel=a"),
+            ("link", "<b>; rel=b"),
+            ("connection", "keep-alive, X-Hop"),
+            ("x-hop", "1"),
+            ("proxy-authenticate", "Basic"),
+            ("spendgate-outcome", "committed"),
+            ("spendgate-charged-micros", "0"),
+            ("set-cookie", "a=b"),
+            ("x-request-id", "r1"),
+        ] {
+            from.append(
+                reqwest::header::HeaderName::from_static(k),
+                reqwest::header::HeaderValue::from_static(v),
+            );
+        }
+        let mut to = HeaderMap::new();
+        pass_headers(&from, &mut to);
+        let all = |k: &str| -> Vec<&str> {
+            to.get_all(k)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect()
+        };
+        assert_eq!(all("vary"), ["accept-encoding", "origin"]);
+        assert_eq!(all("link"), ["<a>; rel=a", "<b>; rel=b"]);
+        assert_eq!(all("x-request-id"), ["r1"]);
+        assert_eq!(to.len(), 5, "{to:?}");
     }
 
     #[test]

@@ -1902,3 +1902,47 @@ async fn untrusted_stream_usages_are_charged_in_full_or_above() {
     assert_eq!(global["reserved_micros"], 0);
     assert!(g.metric("spendgate_overruns_total ").await >= 4);
 }
+
+/// The upstream's headers reach the client whole (each value of a repeated one), but not its
+/// `spendgate-*` headers, which would pass for ours, nor hop-by-hop ones (those its
+/// `Connection` names included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_headers_pass_whole_but_ours_and_hop_by_hop() {
+    let g = Gateway::start(Opts::default()).await;
+    for stream in [false, true] {
+        let r = g
+            .chat(
+                &format!("headers-{stream}"),
+                json!({"model": MODEL, "stream": stream, "messages": user("hi")}),
+                &[("x-mock-fault", "odd_headers")],
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let all = |k: &str| -> Vec<&str> {
+            r.headers
+                .get_all(k)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .collect()
+        };
+        assert_eq!(
+            all("vary"),
+            ["accept-encoding", "origin"],
+            "stream={stream}"
+        );
+        assert_eq!(all("link").len(), 2, "stream={stream}");
+        assert!(all("x-mock-hop").is_empty(), "named by Connection");
+        assert!(all("proxy-authenticate").is_empty());
+        let row = g.reservation(&r.step()).await;
+        assert_eq!(row["state"], "committed", "{row}");
+        if stream {
+            // A stream is resolved after its head: no outcome header at all.
+            assert!(all("spendgate-outcome").is_empty(), "{:?}", r.headers);
+            assert!(all("spendgate-charged-micros").is_empty());
+        } else {
+            assert_eq!(all("spendgate-outcome"), ["committed"]);
+            let charged = row["charged_micros"].as_u64().expect("charged").to_string();
+            assert_eq!(all("spendgate-charged-micros"), [charged.as_str()]);
+        }
+    }
+}

@@ -124,6 +124,9 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(proxy::UPSTREAM_IDLE_CONNECTIONS_MAX)
         .connect_timeout(Duration::from_secs(5))
+        // A redirect is answered to the client as an upstream error, never followed (a 307
+        // or 308 would send a paid request again, to wherever it points).
+        .redirect(reqwest::redirect::Policy::none())
         .build()
         .map_err(|e| ServerError::Http(e.to_string()))?;
     let upstreams = config

@@ -5,8 +5,9 @@
 //! Terminal states:
 //! - upstream answered with usage (streamed or not) → `committed` at the observed usage;
 //! - upstream answered an error status that says no work was done ([`NO_WORK_STATUSES`]: a
-//!   refusal, 500, 503) and the upstream is configured `release_on_error` → `released`; any
-//!   other error status (a gateway's 502 or 504, which may follow the work) → `unknown`;
+//!   refusal, 500, 503; or a redirect, which is not followed) and the upstream is configured
+//!   `release_on_error` → `released`; any other error status (a gateway's 502 or 504, which
+//!   may follow the work) → `unknown`;
 //! - connection lost, timeout, client gone mid-stream, an answer without usage → `unknown`,
 //!   charged in full; unless a usage chunk had already been read whole, which is trusted.
 //!   A stream's usage is trusted at its end only after `[DONE]` or a final (choices-less)
@@ -1046,14 +1047,28 @@ pub async fn chat_completions(
         // An error answer: by default no paid work started.
         let bytes = read_capped(resp, deadline, guard.stopped()).await;
         state.metrics.upstream_call(started.elapsed());
+        // A redirect is not followed (the client has none of our credentials for where it
+        // points, and a 307 would send the paid request again): it did no work either.
         let how = if upstream.release_on_error
             && bytes.is_some()
-            && NO_WORK_STATUSES.contains(&status.as_u16())
+            && (NO_WORK_STATUSES.contains(&status.as_u16()) || status.is_redirection())
         {
             Resolution::Release
         } else {
             Resolution::Unknown
         };
+        if status.is_redirection() {
+            tracing::error!(upstream = %model.upstream, %status, "the upstream answered a redirect, which is not followed; check upstreams.{}.base_url", model.upstream);
+            return Ok(fail(
+                guard,
+                how,
+                extra_only(out_headers),
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "the upstream answered a redirect, which spendgate does not follow; tell the operator",
+            )
+            .await);
+        }
         if matches!(status.as_u16(), 401 | 403) {
             // The upstream refused our key: an operator problem, not the client's key.
             tracing::error!(upstream = %model.upstream, %status, "the upstream refused spendgate's credentials; check upstreams.{}.api_key", model.upstream);

@@ -1903,6 +1903,40 @@ async fn untrusted_stream_usages_are_charged_in_full_or_above() {
     assert!(g.metric("spendgate_overruns_total ").await >= 4);
 }
 
+/// A redirect from the upstream is not followed: the client gets a 502 `upstream_error`
+/// (without the upstream's `Location`), and the step is released like any answer that did
+/// no work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_redirect_is_not_followed() {
+    let g = Gateway::start(Opts::default()).await;
+    for stream in [false, true] {
+        let before = g.mock.stats();
+        let r = g
+            .chat(
+                &format!("redirect-{stream}"),
+                json!({"model": MODEL, "stream": stream, "messages": user("hi")}),
+                &[("x-mock-fault", "http_307")],
+            )
+            .await;
+        assert_eq!(
+            (r.status, r.code()),
+            (502, "upstream_error".into()),
+            "{}",
+            r.text
+        );
+        assert_eq!(r.header("location"), None);
+        assert_eq!(r.header("x-should-retry").as_deref(), Some("false"));
+        assert_eq!(r.header("spendgate-outcome").as_deref(), Some("released"));
+        let row = g.reservation(&r.step()).await;
+        assert_eq!(row["state"], "released", "{row}");
+        assert_eq!(row["charged_micros"], 0);
+        let after = g.mock.stats();
+        assert_eq!(after.requests, before.requests + 1, "one attempt");
+        assert_eq!(priced_delta(g.prices, &before, &after), 0);
+    }
+    assert_eq!(g.global().await["used_micros"], 0);
+}
+
 /// The upstream's headers reach the client whole (each value of a repeated one), but not its
 /// `spendgate-*` headers, which would pass for ours, nor hop-by-hop ones (those its
 /// `Connection` names included).

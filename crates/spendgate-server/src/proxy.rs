@@ -973,9 +973,13 @@ pub async fn chat_completions(
     if !upstream.api_key.is_empty() {
         builder = builder.bearer_auth(&upstream.api_key);
     }
-    for h in FORWARDED_HEADERS {
-        if let Some(v) = headers.get(*h) {
-            builder = builder.header(*h, v.clone());
+    // The mock's controls: from the operator's backend, or to the built-in mock (the demo);
+    // a guest does not choose how an upstream behaves (a hang, a slow pace, cached tokens).
+    if !who.guest || model.upstream == crate::config::MOCK_UPSTREAM {
+        for h in FORWARDED_HEADERS {
+            if let Some(v) = headers.get(*h) {
+                builder = builder.header(*h, v.clone());
+            }
         }
     }
     let started = Instant::now();

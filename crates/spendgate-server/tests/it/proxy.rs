@@ -114,6 +114,8 @@ struct Opts {
     webhook: Option<String>,
     /// `run.max_input_bytes`
     max_input_bytes: u64,
+    /// More config, appended (more `[models.*]` and `[upstreams.*]`).
+    extra: String,
 }
 
 impl Default for Opts {
@@ -134,6 +136,7 @@ impl Default for Opts {
             browser_direct: false,
             webhook: None,
             max_input_bytes: 16_384,
+            extra: String::new(),
         }
     }
 }
@@ -211,7 +214,9 @@ tokenizer = "bytes"
 
 [upstreams.down]
 base_url = "http://127.0.0.1:{down_port}/v1"
+{extra}
 {alerts}"#,
+        extra = o.extra,
         alerts = o
             .webhook
             .as_ref()
@@ -1709,42 +1714,41 @@ async fn a_call_past_its_runs_deadline_is_cut_and_charged_in_full() {
 /// conversation budget; the same guest naming it again is one conversation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guests_conversation_is_its_own() {
+    // A guest cannot pace the mock (its `x-mock-*` headers are not forwarded): a second
+    // mock, slow by its own config, serves "slow-model".
+    let (slow_port, slow_task) = slow_mock().await;
     let g = Arc::new(
         Gateway::start(Opts {
             browser_direct: true,
+            extra: slow_model_config(slow_port),
             ..Opts::default()
         })
         .await,
     );
-    let guest = |token: String, conversation: &'static str, body: Value, slow: bool| {
+    let guest = |token: String, conversation: &'static str, body: Value| {
         let g = g.clone();
         async move {
-            let mut req = g
+            let req = g
                 .guest_chat(&token)
                 .header("spendgate-conversation", conversation)
                 .json(&body);
-            if slow {
-                req = req
-                    .header("x-mock-completion-tokens", "20")
-                    .header("x-mock-tokens-per-second", "10");
-            }
             Gateway::send(req).await
         }
     };
     let a = g.server.session().await;
     let b = g.server.session().await;
-    let slow = json!({"model": MODEL, "stream": true, "messages": user("a long story")});
-    let long = tokio::spawn(guest(a.clone(), "chat-1", slow.clone(), true));
+    let slow = json!({"model": "slow-model", "stream": true, "messages": user("a long story")});
+    let long = tokio::spawn(guest(a.clone(), "chat-1", slow.clone()));
     // (the mock streams 20 tokens at 10 a second: two seconds of generation)
     tokio::time::sleep(Duration::from_millis(500)).await;
     let hi = json!({"model": MODEL, "messages": user("hi")});
-    let r = guest(b.clone(), "chat-1", hi.clone(), false).await;
+    let r = guest(b.clone(), "chat-1", hi.clone()).await;
     assert_eq!(
         r.status, 200,
         "another guest's chat-1 is another conversation: {}",
         r.text
     );
-    let r = guest(a.clone(), "chat-1", hi.clone(), false).await;
+    let r = guest(a.clone(), "chat-1", hi.clone()).await;
     assert_eq!(
         (r.status, r.code()),
         (429, "concurrency_limited".into()),
@@ -1788,6 +1792,43 @@ async fn a_guests_conversation_is_its_own() {
         spent("conversation") > Some(0),
         "the session's own conversation, with the call's spend: {v}"
     );
+    slow_task.abort();
+}
+
+/// A mock answering 20 tokens at 10 a second (two seconds a stream) by its own config: its
+/// port and task.
+async fn slow_mock() -> (u16, tokio::task::JoinHandle<std::io::Result<()>>) {
+    let slow = MockUpstream::new(MockConfig {
+        completion_tokens: 20,
+        tokens_per_second: 10,
+        ..MockConfig::default()
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind slow mock");
+    let port = listener.local_addr().expect("slow mock addr").port();
+    (port, tokio::spawn(slow.serve(listener)))
+}
+
+/// `[models.slow-model]` on the [`slow_mock`] at `port`, priced as [`MODEL`] by default.
+fn slow_model_config(port: u16) -> String {
+    let p = Opts::default().prices;
+    format!(
+        r#"
+[models.slow-model]
+upstream = "slow"
+input_per_million = "{input}"
+cached_input_per_million = "{cached}"
+output_per_million = "{output}"
+tokenizer = "bytes"
+
+[upstreams.slow]
+base_url = "http://127.0.0.1:{port}/v1"
+"#,
+        input = amount(p.input),
+        cached = amount(p.cached),
+        output = amount(p.output),
+    )
 }
 
 /// The `usage` objects of a streamed reply's events, in order.
@@ -1979,4 +2020,45 @@ async fn upstream_headers_pass_whole_but_ours_and_hop_by_hop() {
             assert_eq!(all("spendgate-charged-micros"), [charged.as_str()]);
         }
     }
+}
+
+/// A guest (browser-direct) does not choose how the upstream behaves: its `x-mock-*` headers
+/// are not forwarded; the operator's backend's are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guests_mock_headers_are_not_forwarded() {
+    let g = Gateway::start(Opts {
+        browser_direct: true,
+        ..Opts::default()
+    })
+    .await;
+    let body = json!({"model": MODEL, "messages": user("hi")});
+    let controls = [
+        ("x-mock-completion-tokens", "3"),
+        ("x-mock-cached-tokens", "5"),
+    ];
+    let guest = g.server.session().await;
+    let mut req = g.guest_chat(&guest).json(&body);
+    for (k, v) in controls {
+        req = req.header(k, v);
+    }
+    let r = Gateway::send(req.header("x-mock-fault", "http_500")).await;
+    assert_eq!(
+        r.status, 200,
+        "the guest's fault is not forwarded: {}",
+        r.text
+    );
+    let usage = &r.json()["usage"];
+    assert_eq!(usage["completion_tokens"], 16, "{usage}");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 0,
+        "{usage}"
+    );
+    let r = g.chat("backend", body, &controls).await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let usage = &r.json()["usage"];
+    assert_eq!(usage["completion_tokens"], 3, "{usage}");
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 5,
+        "{usage}"
+    );
 }

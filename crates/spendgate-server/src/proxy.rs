@@ -40,6 +40,14 @@ pub const UPSTREAM_BODY_BYTES_MAX: usize = 16 * 1024 * 1024;
 pub const SSE_LINE_BYTES_MAX: usize = 1024 * 1024;
 /// Messages in one request.
 pub const MESSAGES_MAX: usize = 4096;
+/// Pauses before each retry of a proxied step's resolution that could not reach the store
+/// (about 4 s in all; the hold expires, charged in full, if none lands first).
+pub const SETTLE_RETRY_PAUSES: [Duration; 4] = [
+    Duration::from_millis(250),
+    Duration::from_millis(500),
+    Duration::from_secs(1),
+    Duration::from_secs(2),
+];
 /// The shortest period between two renewals of a proxied run's lease.
 pub const LEASE_RENEWAL_MIN: Duration = Duration::from_millis(100);
 /// Error statuses by which the upstream itself says it did no paid work: the request was
@@ -509,6 +517,9 @@ impl StepGuard {
         Some((step, self.run.take()))
     }
 
+    /// Resolves a step (and finishes a one-step run). When the store cannot be reached, the
+    /// resolution is tried again in the background, [`SETTLE_RETRY_PAUSES`] apart: the hold
+    /// stays until then, and expires charged in full if no retry lands first (I3).
     async fn settle(
         state: Shared,
         step: ReservationId,
@@ -521,6 +532,46 @@ impl StepGuard {
         if let Some(run) = run {
             cmds.push(Command::Finish { run });
         }
+        match Self::settle_once(&state, cmds.clone(), unknown, &step_name, false).await {
+            Ok(a) => Some(a),
+            Err(e @ (StoreError::Unavailable(_) | StoreError::Timeout(_))) => {
+                tracing::warn!(error = %e, step = %step_name, "could not resolve a proxied step; retrying (else it expires and is charged in full)");
+                tokio::spawn(async move {
+                    for pause in SETTLE_RETRY_PAUSES {
+                        tokio::time::sleep(pause).await;
+                        match Self::settle_once(&state, cmds.clone(), unknown, &step_name, true)
+                            .await
+                        {
+                            Ok(_) => return,
+                            Err(StoreError::Unavailable(_) | StoreError::Timeout(_)) => {}
+                            Err(e) => {
+                                tracing::warn!(error = %e, step = %step_name, "could not resolve a proxied step on a retry; it will expire and be charged in full");
+                                return;
+                            }
+                        }
+                    }
+                    tracing::warn!(step = %step_name, "could not resolve a proxied step after retries; it will expire and be charged in full");
+                });
+                None
+            }
+            Err(e) => {
+                // The hold stays; it expires and is charged in full.
+                tracing::warn!(error = %e, "could not resolve a proxied step; it will expire and be charged in full");
+                None
+            }
+        }
+    }
+
+    /// One attempt of [`StepGuard::settle`]; counts and alerts what it applied. `retried`: an
+    /// earlier attempt failed, so an answer that repeats an outcome repeats that attempt's
+    /// (it applied after all), which nobody counted yet.
+    async fn settle_once(
+        state: &api::AppState,
+        cmds: Vec<Command>,
+        unknown: bool,
+        step_name: &str,
+        retried: bool,
+    ) -> Result<Applied<Resolved>, StoreError> {
         let mut answers = state.store.execute_many(cmds).await.into_iter();
         let r = match answers.next() {
             Some(Ok(Reply::Resolved(a))) => Ok(a),
@@ -530,35 +581,29 @@ impl StepGuard {
             Some(Err(e)) => Err(e),
             None => Err(StoreError::Unavailable("no answer".into())),
         };
-        if let Some(Err(e)) = answers.next() {
-            tracing::warn!(error = %e, "could not finish a one-step proxy run; its lease will expire");
-        }
-        match r {
-            Ok(a) => {
-                if !a.value.repeated {
-                    if unknown {
-                        state.metrics.unknown_outcome();
-                    }
-                    if a.value.overrun {
-                        state.metrics.overrun();
-                        state
-                            .alerts
-                            .overrun(&step_name, a.value.reserved.0, a.value.charged.0);
-                        tracing::warn!(
-                            charged = a.value.charged.0,
-                            reserved = a.value.reserved.0,
-                            "overrun: upstream usage above the reservation, charged in full"
-                        );
-                    }
-                }
-                Some(a)
-            }
-            Err(e) => {
-                // The hold stays; it expires and is charged in full.
-                tracing::warn!(error = %e, "could not resolve a proxied step; it will expire and be charged in full");
-                None
+        if r.is_ok() {
+            if let Some(Err(e)) = answers.next() {
+                tracing::warn!(error = %e, "could not finish a one-step proxy run; its lease will expire");
             }
         }
+        let a = r?;
+        if !a.value.repeated || retried {
+            if unknown {
+                state.metrics.unknown_outcome();
+            }
+            if a.value.overrun {
+                state.metrics.overrun();
+                state
+                    .alerts
+                    .overrun(step_name, a.value.reserved.0, a.value.charged.0);
+                tracing::warn!(
+                    charged = a.value.charged.0,
+                    reserved = a.value.reserved.0,
+                    "overrun: upstream usage above the reservation, charged in full"
+                );
+            }
+        }
+        Ok(a)
     }
 
     async fn resolve(mut self, how: Resolution) -> Option<Applied<Resolved>> {

@@ -2062,3 +2062,74 @@ async fn a_guests_mock_headers_are_not_forwarded() {
         "{usage}"
     );
 }
+
+/// I3: a step's resolution that cannot reach the store is tried again: when the store is back
+/// before the hold expires, the step is committed at its usage rather than left held, to
+/// expire charged in full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resolution_the_store_refused_is_retried() {
+    let redis = spendgate_testkit::RedisServer::start(spendgate_testkit::RedisOptions::default())
+        .expect("redis");
+    let mock = Mock::start().await;
+    let opts = Opts::default();
+    let server = Server::start_redis(&redis.url(), "retry", &gateway_config(mock.port, &opts));
+    let ready = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = server.http.get(server.url("/readyz")).send().await;
+        if r.is_ok_and(|r| r.status().as_u16() == 200) {
+            break;
+        }
+        assert!(Instant::now() < ready, "never ready");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let session = server.session().await;
+    let g = Gateway {
+        server,
+        mock,
+        session,
+        prices: opts.prices,
+    };
+    let before = g.mock.stats();
+    // One second of streaming: 20 tokens at 20 a second.
+    let r = g
+        .request(
+            "retry",
+            &json!({"model": MODEL, "stream": true, "messages": user("slowly")}),
+        )
+        .header("x-mock-tokens-per-second", "20")
+        .header("x-mock-completion-tokens", "20")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 200);
+    let step = r
+        .headers()
+        .get("spendgate-step")
+        .and_then(|v| v.to_str().ok())
+        .expect("step")
+        .to_string();
+    let mut body = r.bytes_stream();
+    let first = tokio::time::timeout(Duration::from_secs(5), body.next())
+        .await
+        .expect("first chunk in time");
+    assert!(matches!(first, Some(Ok(_))));
+    // Redis now refuses every write (out of memory under `noeviction`): the commit at the
+    // stream's end fails at once.
+    redis
+        .command(&["CONFIG", "SET", "maxmemory", "1"])
+        .expect("maxmemory");
+    let mut text = Vec::new();
+    while let Some(chunk) = body.next().await {
+        text.extend_from_slice(&chunk.expect("chunk"));
+    }
+    assert!(String::from_utf8_lossy(&text).contains("[DONE]"));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    redis
+        .command(&["CONFIG", "SET", "maxmemory", "0"])
+        .expect("maxmemory");
+    // Well before the lease (10 s) would expire it.
+    let row = g.reservation(&step).await;
+    assert_eq!(row["state"], "committed", "{row}");
+    let served = priced_delta(g.prices, &before, &g.mock.stats());
+    assert_eq!(row["charged_micros"], served, "{row}");
+}

@@ -48,6 +48,33 @@ pub const SETTLE_RETRY_PAUSES: [Duration; 4] = [
     Duration::from_secs(1),
     Duration::from_secs(2),
 ];
+/// Resolutions being retried in the background at most (per process); past it a failed
+/// resolution is not retried: its hold expires and is charged in full.
+pub const SETTLE_RETRIES_MAX: usize = 4096;
+/// Resolutions being retried now (bounded by [`SETTLE_RETRIES_MAX`]).
+static SETTLE_RETRIES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One slot of [`SETTLE_RETRIES`], given back on drop.
+struct RetrySlot;
+
+impl RetrySlot {
+    fn take() -> Option<RetrySlot> {
+        use std::sync::atomic::Ordering;
+        SETTLE_RETRIES
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < SETTLE_RETRIES_MAX).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| RetrySlot)
+    }
+}
+
+impl Drop for RetrySlot {
+    fn drop(&mut self) {
+        SETTLE_RETRIES.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// The shortest period between two renewals of a proxied run's lease.
 pub const LEASE_RENEWAL_MIN: Duration = Duration::from_millis(100);
 /// Error statuses by which the upstream itself says it did no paid work: the request was
@@ -535,8 +562,13 @@ impl StepGuard {
         match Self::settle_once(&state, cmds.clone(), unknown, &step_name, false).await {
             Ok(a) => Some(a),
             Err(e @ (StoreError::Unavailable(_) | StoreError::Timeout(_))) => {
+                let Some(slot) = RetrySlot::take() else {
+                    tracing::warn!(error = %e, step = %step_name, "could not resolve a proxied step, and {SETTLE_RETRIES_MAX} retries are pending already; it will expire and be charged in full");
+                    return None;
+                };
                 tracing::warn!(error = %e, step = %step_name, "could not resolve a proxied step; retrying (else it expires and is charged in full)");
                 tokio::spawn(async move {
+                    let _slot = slot;
                     for pause in SETTLE_RETRY_PAUSES {
                         tokio::time::sleep(pause).await;
                         match Self::settle_once(&state, cmds.clone(), unknown, &step_name, true)

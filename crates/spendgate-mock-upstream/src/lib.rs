@@ -43,6 +43,7 @@
 //!   count. The final usage chunk (when asked for) reports the final usage as usual.
 //!
 //! # Timing
+//! With the header `x-mock-linger-ms: N` a stream's body ends N ms after its `[DONE]`.
 //! `latency_ms` ([`MockConfig::latency_ms`] or the header `x-mock-latency-ms`) is waited before
 //! the first byte of every answer, errors included. `tokens_per_second`
 //! ([`MockConfig::tokens_per_second`] or the header `x-mock-tokens-per-second`; 0 = as fast as
@@ -179,6 +180,9 @@ pub const RUNNING_USAGE_HEADER: &str = "x-mock-running-usage";
 pub const RUNNING_CACHED_TOKENS_HEADER: &str = "x-mock-running-cached-tokens";
 /// Header overriding the latency before the first byte, in milliseconds.
 pub const LATENCY_HEADER: &str = "x-mock-latency-ms";
+/// Header `x-mock-linger-ms: N`: a stream's body stays open N ms after its `[DONE]` (an
+/// upstream whose connection lingers).
+pub const LINGER_HEADER: &str = "x-mock-linger-ms";
 /// Header overriding the token rate (0 = as fast as possible).
 pub const TOKENS_PER_SECOND_HEADER: &str = "x-mock-tokens-per-second";
 /// Header `x-mock-stamp: 1`: every streamed content chunk carries `x_mock_sent_unix_ns`, the
@@ -459,6 +463,8 @@ pub(crate) struct Plan {
     pub(crate) chunk_tokens: u64,
     pub(crate) tokens_per_second: u64,
     pub(crate) latency: Duration,
+    /// How long a stream's body stays open after its `[DONE]` ([`LINGER_HEADER`]).
+    pub(crate) linger: Duration,
     /// Stamp each streamed content chunk with its send time ([`STAMP_HEADER`]).
     pub(crate) stamp: bool,
     /// The cached tokens of the running usage on every streamed content chunk
@@ -583,6 +589,7 @@ fn plan_request(
     let length = header_u64(headers, COMPLETION_TOKENS_HEADER)?.unwrap_or(config.completion_tokens);
     let cached = header_u64(headers, CACHED_TOKENS_HEADER)?.unwrap_or(0);
     let latency_ms = header_u64(headers, LATENCY_HEADER)?.unwrap_or(config.latency_ms);
+    let linger_ms = header_u64(headers, LINGER_HEADER)?.unwrap_or(0);
     let tokens_per_second =
         header_u64(headers, TOKENS_PER_SECOND_HEADER)?.unwrap_or(config.tokens_per_second);
     let stamp = header_u64(headers, STAMP_HEADER)?.unwrap_or(0) != 0;
@@ -621,6 +628,7 @@ fn plan_request(
         chunk_tokens: config.chunk_tokens.max(1),
         tokens_per_second,
         latency: Duration::from_millis(latency_ms).min(MAX_WAIT),
+        linger: Duration::from_millis(linger_ms).min(MAX_WAIT),
         stamp,
         running_cached: running_usage
             .then(|| running_cached.map_or(cached_tokens, |c| c.min(prompt_tokens))),

@@ -22,6 +22,8 @@ enum Phase {
     /// `error_event`: an error event with the usage so far, in place of the finish chunk.
     Error,
     Done,
+    /// After `[DONE]`: the body stays open `Plan::linger`, then ends.
+    Linger,
     Abort,
     End,
 }
@@ -128,9 +130,14 @@ impl Generator {
                 Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
             }
             Phase::Done => {
-                self.phase = Phase::End;
+                self.phase = Phase::Linger;
                 self.mock.count_completed();
                 Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
+            }
+            Phase::Linger => {
+                self.phase = Phase::End;
+                tokio::time::sleep(self.plan.linger).await;
+                None
             }
             Phase::Abort => {
                 self.phase = Phase::End;

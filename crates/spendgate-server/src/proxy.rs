@@ -1246,6 +1246,7 @@ const FORWARDED_HEADERS: &[&str] = &[
     "x-mock-completion-tokens",
     "x-mock-extra-completion-tokens",
     "x-mock-latency-ms",
+    "x-mock-linger-ms",
     "x-mock-cached-tokens",
     "x-mock-running-usage",
     "x-mock-running-cached-tokens",
@@ -1617,6 +1618,19 @@ fn relay(
                     let out = s.tap.feed(chunk);
                     guard.usage = s.tap.final_usage();
                     guard.seen = s.tap.usage;
+                    if s.tap.done {
+                        // `[DONE]`: the answer is whole. The step is resolved (and a one-step
+                        // run finished, freeing the conversation's slot) before the client
+                        // reads `[DONE]`, so that its next call is not refused for a slot
+                        // this one still held; whatever the upstream sends after is dropped.
+                        let how = match s.tap.end_usage() {
+                            Some(u) => Resolution::Commit(Settlement::Tokens(u)),
+                            None => guard.unsure(s.tap.usage),
+                        };
+                        guard.state.metrics.upstream_call(s.started.elapsed());
+                        let _ = guard.resolve(how).await;
+                        return (!out.is_empty()).then_some((Ok(out), s));
+                    }
                     s.guard = Some(guard);
                     if out.is_empty() {
                         continue;

@@ -2133,3 +2133,31 @@ async fn a_resolution_the_store_refused_is_retried() {
     let served = priced_delta(g.prices, &before, &g.mock.stats());
     assert_eq!(row["charged_micros"], served, "{row}");
 }
+
+/// A stream is whole at its `[DONE]`: the step is resolved and the one-step run finished
+/// before the client reads it, so a next call in the same conversation (one active run
+/// allowed) is admitted at once, even while the upstream's connection lingers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_call_after_done_is_admitted_at_once() {
+    let g = Gateway::start(Opts::default()).await;
+    for i in 0..3 {
+        let started = Instant::now();
+        let r = g
+            .chat(
+                "c-back-to-back",
+                json!({"model": MODEL, "stream": true, "messages": user(&format!("call {i}"))}),
+                &[("x-mock-linger-ms", "3000")],
+            )
+            .await;
+        assert_eq!(r.status, 200, "call {i}: {}", r.text);
+        assert_eq!(r.events().last().map(String::as_str), Some("[DONE]"));
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "the body waited for the upstream's end: {:?}",
+            started.elapsed()
+        );
+        let row = g.reservation(&r.step()).await;
+        assert_eq!(row["state"], "committed", "{row}");
+    }
+    assert_eq!(g.mock.mock.stats().completed, 3);
+}

@@ -26,7 +26,7 @@ for i in 1 2 3; do
 url = \"redis://127.0.0.1:$rport/0\"
 prefix = \"bench\"
 timeout_ms = 1000" > "$dir/r$i.toml"
-  [ "$i" = 1 ] && ./target/release/spendgate store init --config "$dir/r1.toml" > /dev/null
+  [ "$i" = 1 ] && RUST_LOG=warn ./target/release/spendgate store init --config "$dir/r1.toml" > /dev/null
   ./target/release/spendgate serve --config "$dir/r$i.toml" > "$dir/r$i.log" 2>&1 &
   pids+=($!)
   bases+=("http://127.0.0.1:$port")

@@ -37,6 +37,10 @@ pub const LIFETIME_RETRY_AFTER_S: u64 = 86_400;
 pub const COMPACT_EVERY_MS: u64 = 30_000;
 /// Expired timers processed by one call; the rest wait for the next call or the sweeper.
 pub const EXPIRIES_PER_CALL_MAX: usize = 256;
+/// Expired timers processed by one sweep at most: a backlog (after a long downtime, up to
+/// [`LEDGER_RECORDS_MAX`]) is worked off over several sweeps instead of stalling the store's
+/// writer on one. Until then the held amounts stay counted (conservative).
+pub const SWEEP_EXPIRIES_MAX: usize = 8192;
 /// Address prefixes one request is limited by at most (the client's prefix and the wider
 /// IPv6 ones); `ledger.lua` holds the same bound.
 pub const IP_SCOPES_MAX: usize = 4;
@@ -897,7 +901,8 @@ impl Ledger {
         done
     }
 
-    /// Runs every due expiry and drops idle rate state and counters of long-ended windows.
+    /// Runs due expiries (at most [`SWEEP_EXPIRIES_MAX`]) and drops idle rate state and
+    /// counters of long-ended windows.
     /// Called periodically by the store's sweeper; idempotent. Returns whether anything changed.
     pub fn sweep(&mut self, now: UnixMs) -> Applied<usize> {
         // Not `advance`: it would process (up to a batch of) the due timers itself and leave
@@ -907,7 +912,7 @@ impl Ledger {
             self.clock = now;
             self.touch(Entity::Meta);
         }
-        let mut n = self.expire_due(now, usize::MAX);
+        let mut n = self.expire_due(now, SWEEP_EXPIRIES_MAX);
         // Counters of windows that ended more than RECORD_RETENTION_MS ago and hold nothing.
         let mut stale = Vec::new();
         for (end, key) in &self.ending {
@@ -2449,6 +2454,38 @@ mod tests {
         l.admit_run(p, now, &req(run, run), None)
             .expect("valid request")
             .value
+    }
+
+    /// A backlog of expiries larger than one sweep's bound is worked off over several sweeps.
+    #[test]
+    fn a_sweep_expires_a_bounded_number() {
+        let mut p = policy();
+        for sp in [
+            &mut p.global,
+            &mut p.ip,
+            &mut p.session,
+            &mut p.conversation,
+        ] {
+            sp.rate = None;
+            sp.budgets.clear();
+        }
+        let mut l = Ledger::new();
+        let runs = SWEEP_EXPIRIES_MAX + 10;
+        for i in 0..runs {
+            admit(&mut l, &p, UnixMs(1_000), &format!("r{i}")).expect("admitted");
+        }
+        let later = UnixMs(1_000 + p.lease_ttl_ms + 1);
+        let first = l.sweep(later).value;
+        assert!(first >= SWEEP_EXPIRIES_MAX, "{first}");
+        let active = |l: &Ledger| {
+            l.runs
+                .values()
+                .filter(|r| r.state == RunState::Active)
+                .count()
+        };
+        assert_eq!(active(&l), 10, "one sweep expired exactly its bound");
+        l.sweep(later);
+        assert_eq!(active(&l), 0);
     }
 
     #[test]

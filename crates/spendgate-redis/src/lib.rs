@@ -66,7 +66,7 @@
 //!
 //! Limitations, documented rather than hidden: operator adjustments are summed in a double
 //! (`Counter::adjusted` is exact while it stays below 2^53 in magnitude); a sweep processes at
-//! most 256 expiries, 1024 idle rates and 1024 stale counters per call (the core does all);
+//! most 256 expiries, 1024 idle rates and 1024 stale counters per call (the core: `SWEEP_EXPIRIES_MAX` expiries and all the rest);
 //! listings return at most 100 000 entries.
 
 mod protocol;

@@ -473,6 +473,21 @@ pub(crate) struct Plan {
 }
 
 impl Plan {
+    /// A `chat.completion.chunk` event of this answer, with `fields` (an object) added.
+    pub(crate) fn event(&self, fields: Value) -> Value {
+        let mut event = json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+        });
+        if let (Some(e), Value::Object(f)) = (event.as_object_mut(), fields) {
+            e.extend(f);
+        }
+        event
+    }
+
     pub(crate) fn usage(&self) -> Value {
         self.usage_with(self.completion_tokens, self.cached_tokens)
     }

@@ -89,15 +89,10 @@ impl Generator {
                     self.after_usage()
                 };
                 let plan = &self.plan;
-                Some(Ok(sse(&json!({
-                    "id": plan.id,
-                    "object": "chat.completion.chunk",
-                    "created": plan.created,
-                    "model": plan.model,
-                    "system_fingerprint": null,
+                Some(Ok(sse(&plan.event(json!({
                     "choices": [],
                     "usage": plan.usage(),
-                }))))
+                })))))
             }
             Phase::Trailing => {
                 self.phase = Phase::Done;
@@ -111,11 +106,7 @@ impl Generator {
             Phase::Error => {
                 self.phase = Phase::Done;
                 let plan = &self.plan;
-                Some(Ok(sse(&json!({
-                    "id": plan.id,
-                    "object": "chat.completion.chunk",
-                    "created": plan.created,
-                    "model": plan.model,
+                Some(Ok(sse(&plan.event(json!({
                     "error": {
                         "message": "mock upstream: failed mid-stream (fault error_event)",
                         "type": "server_error",
@@ -123,7 +114,7 @@ impl Generator {
                         "code": null,
                     },
                     "usage": plan.usage_with(self.next_token, plan.cached_tokens),
-                }))))
+                })))))
             }
             Phase::Done if self.plan.fault == Fault::ErrorEvent => {
                 self.phase = Phase::End;
@@ -218,19 +209,14 @@ impl Generator {
 
     fn chunk(&self, delta: Value, finish_reason: Option<&str>) -> Bytes {
         let plan = &self.plan;
-        let mut chunk = json!({
-            "id": plan.id,
-            "object": "chat.completion.chunk",
-            "created": plan.created,
-            "model": plan.model,
-            "system_fingerprint": null,
+        let mut chunk = plan.event(json!({
             "choices": [{
                 "index": 0,
                 "delta": delta,
                 "logprobs": null,
                 "finish_reason": finish_reason,
             }],
-        });
+        }));
         if let Some(obj) = chunk.as_object_mut() {
             // OpenAI sends `"usage": null` on every chunk but the last when usage was asked for.
             if plan.include_usage && plan.fault != Fault::NoUsage {

@@ -189,15 +189,7 @@ async fn max_tokens_clamps_completion() {
     // Header-chosen length below max_tokens is not clamped.
     let mut req = body(false);
     req["max_tokens"] = json!(5);
-    let v: Value = m
-        .chat(&req)
-        .header("x-mock-completion-tokens", "3")
-        .send()
-        .await
-        .expect("send")
-        .json()
-        .await
-        .expect("json");
+    let v: Value = json_with(&m, &req, &[("x-mock-completion-tokens", "3")]).await;
     assert_eq!(v["usage"]["completion_tokens"], 3);
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
 
@@ -486,15 +478,7 @@ async fn usage_over_fault() {
     let m = Mock::default().await;
     let mut req = body(false);
     req["max_tokens"] = json!(5);
-    let v: Value = m
-        .chat(&req)
-        .header("x-mock-fault", "usage_over")
-        .send()
-        .await
-        .expect("send")
-        .json()
-        .await
-        .expect("json");
+    let v: Value = json_with(&m, &req, &[("x-mock-fault", "usage_over")]).await;
     assert_eq!(v["usage"]["completion_tokens"], 15);
     assert_eq!(v["choices"][0]["message"]["content"], words(15));
 
@@ -582,25 +566,9 @@ async fn cached_tokens_header() {
     let m = Mock::default().await;
     let req = body(false);
     let prompt = prompt_tokens_of(&req);
-    let v: Value = m
-        .chat(&req)
-        .header("x-mock-cached-tokens", "5")
-        .send()
-        .await
-        .expect("send")
-        .json()
-        .await
-        .expect("json");
+    let v: Value = json_with(&m, &req, &[("x-mock-cached-tokens", "5")]).await;
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 5);
-    let v: Value = m
-        .chat(&req)
-        .header("x-mock-cached-tokens", "100000")
-        .send()
-        .await
-        .expect("send")
-        .json()
-        .await
-        .expect("json");
+    let v: Value = json_with(&m, &req, &[("x-mock-cached-tokens", "100000")]).await;
     assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], prompt);
     assert_eq!(m.mock.stats().cached_tokens, 5 + prompt);
 }
@@ -724,6 +692,15 @@ async fn client_going_away_counts_only_emitted_tokens() {
     assert_eq!(stats.completion_tokens % 4, 0);
 }
 
+/// A non-streamed request with `headers`: its JSON answer.
+async fn json_with(m: &Mock, req: &Value, headers: &[(&str, &str)]) -> Value {
+    let mut b = m.chat(req);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    b.send().await.expect("send").json().await.expect("json")
+}
+
 /// A streamed request with usage asked for, and `headers`: (body text, whether it errored).
 async fn stream_with(m: &Mock, headers: &[(&str, &str)]) -> (String, bool) {
     let mut req = body(true);
@@ -787,15 +764,7 @@ async fn extra_completion_tokens_go_past_max_tokens() {
     let m = Mock::default().await;
     let mut req = body(false);
     req["max_tokens"] = json!(3);
-    let v: Value = m
-        .chat(&req)
-        .header("x-mock-extra-completion-tokens", "5")
-        .send()
-        .await
-        .expect("send")
-        .json()
-        .await
-        .expect("json");
+    let v: Value = json_with(&m, &req, &[("x-mock-extra-completion-tokens", "5")]).await;
     assert_eq!(v["usage"]["completion_tokens"], 8);
     assert_eq!(v["choices"][0]["message"]["content"], words(8));
     assert_eq!(m.mock.stats().completion_tokens, 8);

@@ -581,6 +581,63 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
 /// refused rather than misread. Bump it with any change of the stored layout.
 pub const LEDGER_FORMAT: &str = "f6";
 
+/// The script's `now` argument: empty for the Redis server's clock.
+fn now_arg(clock: &ClockSource) -> String {
+    match clock {
+        ClockSource::Server => String::new(),
+        ClockSource::Manual(c) => c.now().0.to_string(),
+    }
+}
+
+/// The operator's epoch commands (`store init`, `store accept-reset`): a connection of their
+/// own, a fresh epoch id, and one clock reading for all their calls.
+struct EpochWriter {
+    base: String,
+    conn: SlotConn,
+    lib: Library,
+    id: String,
+    now: String,
+    timeout: Duration,
+}
+
+impl EpochWriter {
+    fn open(opts: &RedisOptions) -> Result<EpochWriter, StoreError> {
+        Ok(EpochWriter {
+            base: check_prefix(&opts.prefix)?,
+            conn: SlotConn::open(opts)?,
+            lib: library(),
+            id: new_epoch_id(&opts.prefix),
+            now: now_arg(&opts.clock),
+            timeout: opts.timeout,
+        })
+    }
+
+    /// `op` with this writer's epoch id (and `flag`, if any).
+    async fn call(&self, op: &str, flag: Option<&str>) -> Result<Item, StoreError> {
+        let mut argv = vec![op, self.now.as_str(), "", "0", "", self.id.as_str()];
+        argv.extend(flag);
+        fcall(
+            &self.conn,
+            &self.lib,
+            false,
+            &self.base,
+            &argv,
+            self.timeout,
+        )
+        .await
+    }
+
+    /// Bounds the whole command: at least 5 s (an operator's one-off, not an admission).
+    async fn bounded<T>(
+        &self,
+        fut: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout(self.timeout.max(Duration::from_secs(5)), fut)
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))?
+    }
+}
+
 /// Refuses an epoch written by a build with another stored layout ([`LEDGER_FORMAT`]).
 fn check_format(epoch: &str, prefix: &str) -> Result<(), StoreError> {
     match epoch.split_once('-') {
@@ -682,33 +739,23 @@ impl RedisStore {
     /// after a reset of a deployment that had run is what the operator acknowledged, and on a
     /// mistyped prefix is the sign of one).
     pub async fn accept_reset(opts: &RedisOptions) -> Result<u64, StoreError> {
-        let base = check_prefix(&opts.prefix)?;
-        let conn = SlotConn::open(opts)?;
-        let id = new_epoch_id(&opts.prefix);
-        let now = match &opts.clock {
-            ClockSource::Server => String::new(),
-            ClockSource::Manual(c) => c.now().0.to_string(),
-        };
-        let lib = library();
-        let fut = async {
-            // A reset acknowledges lost or rolled-back data, not data of another layout:
-            // adopting that would misread it.
-            let argv = ["epoch_init", now.as_str(), "", "0", "", id.as_str()];
-            let item = fcall(&conn, &lib, false, &base, &argv, opts.timeout).await?;
-            let mut f = protocol::Fields::new(item.list()?);
-            if f.s()? == "OK" {
-                check_format(&f.s()?, &opts.prefix)?;
-            }
-            let argv = ["epoch_reset", now.as_str(), "", "0", "", id.as_str()];
-            let item = fcall(&conn, &lib, false, &base, &argv, opts.timeout).await?;
-            let mut f = protocol::Fields::new(item.list()?);
-            let (_ok, _id, _kind) = (f.s()?, f.s()?, f.s()?);
-            f.u()
-        };
-        let seq = tokio::time::timeout(opts.timeout.max(Duration::from_secs(5)), fut)
-            .await
-            .map_err(|_| StoreError::Timeout(opts.timeout))??;
-        tracing::warn!(prefix = %opts.prefix, epoch = %id, ledger_seq = seq, "ledger reset accepted: replicas resume with what Redis holds now");
+        let w = EpochWriter::open(opts)?;
+        let seq = w
+            .bounded(async {
+                // A reset acknowledges lost or rolled-back data, not data of another layout:
+                // adopting that would misread it.
+                let item = w.call("epoch_init", None).await?;
+                let mut f = protocol::Fields::new(item.list()?);
+                if f.s()? == "OK" {
+                    check_format(&f.s()?, &opts.prefix)?;
+                }
+                let item = w.call("epoch_reset", None).await?;
+                let mut f = protocol::Fields::new(item.list()?);
+                let (_ok, _id, _kind) = (f.s()?, f.s()?, f.s()?);
+                f.u()
+            })
+            .await?;
+        tracing::warn!(prefix = %opts.prefix, epoch = %w.id, ledger_seq = seq, "ledger reset accepted: replicas resume with what Redis holds now");
         Ok(seq)
     }
 
@@ -718,52 +765,32 @@ impl RedisStore {
     /// `Ok(true)` when it initialised, `Ok(false)` when the prefix already holds a ledger
     /// (nothing is changed; its layout is checked).
     pub async fn init(opts: &RedisOptions) -> Result<bool, StoreError> {
-        let base = check_prefix(&opts.prefix)?;
-        let conn = SlotConn::open(opts)?;
-        let id = new_epoch_id(&opts.prefix);
-        let now = match &opts.clock {
-            ClockSource::Server => String::new(),
-            ClockSource::Manual(c) => c.now().0.to_string(),
-        };
-        let lib = library();
-        let fut = async {
-            let argv = [
-                "epoch_init",
-                now.as_str(),
-                "",
-                "0",
-                "",
-                id.as_str(),
-                "create",
-            ];
-            let item = fcall(&conn, &lib, false, &base, &argv, opts.timeout).await?;
-            let mut f = protocol::Fields::new(item.list()?);
-            match f.s()?.as_str() {
-                "OK" => {
-                    let found = f.s()?;
-                    check_format(&found, &opts.prefix)?;
-                    Ok(found == id)
+        let w = EpochWriter::open(opts)?;
+        let created = w
+            .bounded(async {
+                let item = w.call("epoch_init", Some("create")).await?;
+                let mut f = protocol::Fields::new(item.list()?);
+                match f.s()?.as_str() {
+                    "OK" => {
+                        let found = f.s()?;
+                        check_format(&found, &opts.prefix)?;
+                        Ok(found == w.id)
+                    }
+                    _ => Err(unavailable(
+                        "redis holds ledger data under this prefix but no epoch key: not a new \
+                         deployment; if Redis lost data, run `spendgate store accept-reset`",
+                    )),
                 }
-                _ => Err(unavailable(
-                    "redis holds ledger data under this prefix but no epoch key: not a new \
-                     deployment; if Redis lost data, run `spendgate store accept-reset`",
-                )),
-            }
-        };
-        let created = tokio::time::timeout(opts.timeout.max(Duration::from_secs(5)), fut)
-            .await
-            .map_err(|_| StoreError::Timeout(opts.timeout))??;
+            })
+            .await?;
         if created {
-            tracing::info!(prefix = %opts.prefix, epoch = %id, "ledger initialised");
+            tracing::info!(prefix = %opts.prefix, epoch = %w.id, "ledger initialised");
         }
         Ok(created)
     }
 
     fn now_arg(&self) -> String {
-        match &self.opts.clock {
-            ClockSource::Server => String::new(),
-            ClockSource::Manual(c) => c.now().0.to_string(),
-        }
+        now_arg(&self.opts.clock)
     }
 
     async fn eval(&self, read: bool, argv: &[&str]) -> Result<Item, StoreError> {

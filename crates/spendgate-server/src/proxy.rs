@@ -1138,28 +1138,24 @@ pub async fn chat_completions(
         } else {
             Resolution::Unknown
         };
-        if status.is_redirection() {
+        // A redirect, or the upstream refusing our key: an operator problem, not the client's.
+        let operator_problem = if status.is_redirection() {
             tracing::error!(upstream = %model.upstream, %status, "the upstream answered a redirect, which is not followed; check upstreams.{}.base_url", model.upstream);
-            return Ok(fail(
-                guard,
-                how,
-                extra_only(out_headers),
-                StatusCode::BAD_GATEWAY,
-                "upstream_error",
-                "the upstream answered a redirect, which spendgate does not follow; tell the operator",
-            )
-            .await);
-        }
-        if matches!(status.as_u16(), 401 | 403) {
-            // The upstream refused our key: an operator problem, not the client's key.
+            Some("the upstream answered a redirect, which spendgate does not follow; tell the operator")
+        } else if matches!(status.as_u16(), 401 | 403) {
             tracing::error!(upstream = %model.upstream, %status, "the upstream refused spendgate's credentials; check upstreams.{}.api_key", model.upstream);
+            Some("the upstream refused spendgate's credentials for it; tell the operator")
+        } else {
+            None
+        };
+        if let Some(message) = operator_problem {
             return Ok(fail(
                 guard,
                 how,
                 extra_only(out_headers),
                 StatusCode::BAD_GATEWAY,
                 "upstream_error",
-                "the upstream refused spendgate's credentials for it; tell the operator",
+                message,
             )
             .await);
         }
@@ -1565,6 +1561,24 @@ fn sse_error(code: &str, message: &str, mid_line: bool) -> Bytes {
     Bytes::from(format!("{lead}data: {event}\n\n"))
 }
 
+/// A stream's step at its end (`[DONE]`, or the body's clean end): committed from a usage
+/// the tap trusts, else `unknown` (or committed at a usage read above the reservation).
+async fn settle_at_end(tap: &SseTap, guard: StepGuard, started: Instant) {
+    let how = match tap.end_usage() {
+        Some(u) => Resolution::Commit(Settlement::Tokens(u)),
+        None => {
+            tracing::warn!(
+                usage_read = tap.usage.is_some(),
+                error_event = tap.failed,
+                "upstream stream ended without a usage to trust; charging the step in full (or at a usage read above it)"
+            );
+            guard.unsure(tap.usage)
+        }
+    };
+    guard.state.metrics.upstream_call(started.elapsed());
+    let _ = guard.resolve(how).await;
+}
+
 /// The body relayed to the client: upstream chunks as they arrive (idle-bounded), then the
 /// step's resolution: commit from a usage read whole, else `unknown`.
 fn relay(
@@ -1623,12 +1637,7 @@ fn relay(
                         // run finished, freeing the conversation's slot) before the client
                         // reads `[DONE]`, so that its next call is not refused for a slot
                         // this one still held; whatever the upstream sends after is dropped.
-                        let how = match s.tap.end_usage() {
-                            Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-                            None => guard.unsure(s.tap.usage),
-                        };
-                        guard.state.metrics.upstream_call(s.started.elapsed());
-                        let _ = guard.resolve(how).await;
+                        settle_at_end(&s.tap, guard, s.started).await;
                         return (!out.is_empty()).then_some((Ok(out), s));
                     }
                     s.guard = Some(guard);
@@ -1640,19 +1649,7 @@ fn relay(
                 Ok(None) => {
                     // The stream ended: commit from a usage chunk read whole, else charge in full.
                     let tail = s.tap.finish();
-                    let how = match s.tap.end_usage() {
-                        Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-                        None => {
-                            tracing::warn!(
-                                usage_read = s.tap.usage.is_some(),
-                                error_event = s.tap.failed,
-                                "upstream stream ended without a usage to trust; charging the step in full (or at a usage read above it)"
-                            );
-                            guard.unsure(s.tap.usage)
-                        }
-                    };
-                    guard.state.metrics.upstream_call(s.started.elapsed());
-                    let _ = guard.resolve(how).await;
+                    settle_at_end(&s.tap, guard, s.started).await;
                     if tail.is_empty() {
                         return None;
                     }

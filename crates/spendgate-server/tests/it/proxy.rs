@@ -330,6 +330,41 @@ impl Gateway {
         Self::send(b).await
     }
 
+    /// A stream of `tokens` tokens at 20 a second, read up to its first chunk: its step and
+    /// the rest of its body.
+    async fn slow_stream(
+        &self,
+        conversation: &str,
+        tokens: u64,
+    ) -> (
+        String,
+        impl futures::Stream<Item = reqwest::Result<bytes::Bytes>>,
+    ) {
+        let r = self
+            .request(
+                conversation,
+                &json!({"model": MODEL, "stream": true, "messages": user("slowly")}),
+            )
+            .header("x-mock-tokens-per-second", "20")
+            .header("x-mock-completion-tokens", tokens.to_string())
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status().as_u16(), 200);
+        let step = r
+            .headers()
+            .get("spendgate-step")
+            .and_then(|v| v.to_str().ok())
+            .expect("step")
+            .to_string();
+        let mut body = Box::pin(r.bytes_stream());
+        let first = tokio::time::timeout(Duration::from_secs(5), body.next())
+            .await
+            .expect("first chunk in time");
+        assert!(matches!(first, Some(Ok(_))));
+        (step, body)
+    }
+
     /// A chat completion from a guest with its cookie alone (browser-direct).
     fn guest_chat(&self, token: &str) -> reqwest::RequestBuilder {
         self.server
@@ -1280,28 +1315,7 @@ async fn a_call_can_be_a_step_of_an_existing_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn client_gone_mid_stream_is_charged_in_full() {
     let g = Gateway::start(Opts::default()).await;
-    let r = g
-        .request(
-            "c-gone",
-            &json!({"model": MODEL, "stream": true, "messages": user("slowly")}),
-        )
-        .header("x-mock-tokens-per-second", "20")
-        .header("x-mock-completion-tokens", "100")
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(r.status().as_u16(), 200);
-    let step = r
-        .headers()
-        .get("spendgate-step")
-        .and_then(|v| v.to_str().ok())
-        .expect("step")
-        .to_string();
-    let mut body = r.bytes_stream();
-    let first = tokio::time::timeout(Duration::from_secs(5), body.next())
-        .await
-        .expect("first chunk in time");
-    assert!(matches!(first, Some(Ok(_))));
+    let (step, body) = g.slow_stream("c-gone", 100).await;
     drop(body);
     let row = g.reservation(&step).await;
     assert_eq!(row["state"], "unknown");
@@ -2091,28 +2105,7 @@ async fn a_resolution_the_store_refused_is_retried() {
     };
     let before = g.mock.stats();
     // One second of streaming: 20 tokens at 20 a second.
-    let r = g
-        .request(
-            "retry",
-            &json!({"model": MODEL, "stream": true, "messages": user("slowly")}),
-        )
-        .header("x-mock-tokens-per-second", "20")
-        .header("x-mock-completion-tokens", "20")
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(r.status().as_u16(), 200);
-    let step = r
-        .headers()
-        .get("spendgate-step")
-        .and_then(|v| v.to_str().ok())
-        .expect("step")
-        .to_string();
-    let mut body = r.bytes_stream();
-    let first = tokio::time::timeout(Duration::from_secs(5), body.next())
-        .await
-        .expect("first chunk in time");
-    assert!(matches!(first, Some(Ok(_))));
+    let (step, mut body) = g.slow_stream("retry", 20).await;
     // Redis now refuses every write (out of memory under `noeviction`): the commit at the
     // stream's end fails at once.
     redis

@@ -97,10 +97,11 @@ const PREFIX_BYTES_MAX: usize = 64;
 /// Cluster redirections (`MOVED`) one call follows at most.
 const REDIRECTS_MAX: usize = 2;
 /// A connection to `store.url`'s node that timed out or answered as a node that cannot serve
-/// (read-only, loading) is replaced by a new one (the name resolved again), at most this
-/// often: redis-rs reconnects only on a dropped connection, so a half-open one (a host gone
-/// without a reset, a name or address moved to a new primary) would otherwise fail every
-/// call until the kernel gives up on it, many minutes later.
+/// (read-only, loading) is checked against a new one (the name resolved again) at most this
+/// often, and replaced when the new one reaches a primary: redis-rs reconnects only on a
+/// dropped connection, so a half-open one (a host gone without a reset, a name or address
+/// moved to a new primary) would otherwise fail every call until the kernel gives up on it,
+/// many minutes later.
 const RECONNECT_EVERY: Duration = Duration::from_secs(1);
 /// Attempts of one call when the epoch changed under it by an accepted reset.
 const EPOCH_ATTEMPTS: usize = 3;
@@ -163,7 +164,7 @@ pub struct RedisStore {
     opts: RedisOptions,
     base: String,
     policy_arg: String,
-    conn: SlotConn,
+    conn: Arc<SlotConn>,
     lib: Arc<Library>,
     epoch: Mutex<EpochState>,
     health: tokio::sync::Mutex<Health>,
@@ -247,7 +248,7 @@ async fn fcall_on(
 /// on the new node over a ledger only partly moved there. Refused instead (fail closed)
 /// until the move completes and the old node answers `MOVED`.
 async fn fcall(
-    slot: &SlotConn,
+    slot: &Arc<SlotConn>,
     lib: &Library,
     read: bool,
     base: &str,
@@ -440,20 +441,48 @@ impl SlotConn {
     }
 
     /// The connection to `from` failed or timed out: when it was a redirection, the next call
-    /// goes to the configured node again; when it was the configured node, a new connection
-    /// to it replaces this one (at most every [`RECONNECT_EVERY`]).
-    fn failed(&self, from: &Arc<Node>) {
-        if from.redirected_to.is_none() {
+    /// goes to the configured node again. When it was the configured node, a new connection
+    /// to it (the name resolved again) is tried in the background, at most every
+    /// [`RECONNECT_EVERY`], and replaces this one only if it answers: a connection that is
+    /// half-open, or to a node that no longer serves, is replaced; one to a Redis that is
+    /// only slow or paused is kept (it answers again as soon as Redis does).
+    fn failed(self: &Arc<Self>, from: &Arc<Node>) {
+        if from.redirected_to.is_some() {
+            match Node::configured(&self.info, self.timeout) {
+                Ok(node) => self.switch(from, node),
+                Err(e) => tracing::warn!(error = %e, "redis: cannot reconnect to store.url"),
+            }
+            return;
+        }
+        {
             let mut last = self.reconnected.lock().unwrap_or_else(|p| p.into_inner());
             if last.is_some_and(|t| t.elapsed() < RECONNECT_EVERY) {
                 return;
             }
             *last = Some(Instant::now());
         }
-        match Node::configured(&self.info, self.timeout) {
-            Ok(node) => self.switch(from, node),
-            Err(e) => tracing::warn!(error = %e, "redis: cannot reconnect to store.url"),
-        }
+        let (slot, from) = (self.clone(), from.clone());
+        tokio::spawn(async move {
+            let node = match Node::configured(&slot.info, slot.timeout) {
+                Ok(node) => node,
+                Err(e) => {
+                    tracing::warn!(error = %e, "redis: cannot reconnect to store.url");
+                    return;
+                }
+            };
+            let mut conn = node.conn.clone();
+            let role = redis::cmd("ROLE");
+            let probe = role.query_async::<redis::Value>(&mut conn);
+            let primary = match tokio::time::timeout(slot.timeout, probe).await {
+                Ok(Ok(redis::Value::Array(v))) => {
+                    matches!(v.first(), Some(redis::Value::BulkString(b)) if b == b"master")
+                }
+                _ => false,
+            };
+            if primary {
+                slot.switch(&from, node);
+            }
+        });
     }
 }
 
@@ -593,7 +622,7 @@ fn now_arg(clock: &ClockSource) -> String {
 /// own, a fresh epoch id, and one clock reading for all their calls.
 struct EpochWriter {
     base: String,
-    conn: SlotConn,
+    conn: Arc<SlotConn>,
     lib: Library,
     id: String,
     now: String,
@@ -604,7 +633,7 @@ impl EpochWriter {
     fn open(opts: &RedisOptions) -> Result<EpochWriter, StoreError> {
         Ok(EpochWriter {
             base: check_prefix(&opts.prefix)?,
-            conn: SlotConn::open(opts)?,
+            conn: Arc::new(SlotConn::open(opts)?),
             lib: library(),
             id: new_epoch_id(&opts.prefix),
             now: now_arg(&opts.clock),
@@ -716,7 +745,7 @@ impl RedisStore {
     pub async fn open(opts: RedisOptions, policy: Policy) -> Result<RedisStore, StoreError> {
         let base = check_prefix(&opts.prefix)?;
         let policy_arg = policy_arg(&policy)?;
-        let conn = SlotConn::open(&opts)?;
+        let conn = Arc::new(SlotConn::open(&opts)?);
         let store = RedisStore {
             base,
             policy_arg,

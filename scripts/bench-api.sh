@@ -24,5 +24,5 @@ trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
 wait_url "http://127.0.0.1:$port/healthz"
 echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
 ./target/release/spendgate-load --base "http://127.0.0.1:$port" --service-token "$token" \
-  --rate "$RATE" --seconds "$SECONDS_EACH" --concurrency 32 --runs 64
+  --rate "$RATE" --seconds "$SECONDS_EACH" --concurrency 32,128 --runs 128
 fsync_floor "$dir"

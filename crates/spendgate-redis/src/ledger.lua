@@ -31,9 +31,14 @@ local MAX = 9007199254740991
 local RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = 0, 0, 0, 0, 0
 
 local K_META, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ, K_GLOBALS
+-- Counter keys by encoding (a pure function of the base and the encoding: kept across calls,
+-- at most 4096, emptied when the base changes). One table: the main chunk is at Lua's bound
+-- of 200 locals.
+local KC = { keys = {}, n = 0 }
 local function set_base(b)
   if b == B then return end
   B = b
+  KC.keys, KC.n = {}, 0
   K_META = b .. ':meta'
   K_TIMERS = b .. ':timers'
   K_RATES = b .. ':rates'
@@ -44,12 +49,31 @@ local function set_base(b)
   K_GLOBALS = b .. ':globals'
 end
 
--- Keys of records carry the identifier itself after a fixed part: the hash tag is the first
--- {...} of the key, which is the base's, whatever the identifier holds.
+-- The hash tag is the first {...} of a key, which is the base's, whatever follows it.
+-- Runs, reservations and idempotency entries are keyed by ids of spendgate's own making
+-- (random, fixed length; an idempotency key is hashed by the server before it gets here): an
+-- id from outside only ever reads a key that does not exist. A counter's encoding holds ids
+-- from outside (a conversation, a session, an address prefix: up to ID_MAX bytes of the
+-- caller's choosing), so its key is the SHA-1 of the encoding: every counter key has the same
+-- length, whatever a client sends. (Two encodings with one digest would share a counter:
+-- both scopes charged, never less; SHA-1 offers no such pair below 2^63 work.)
 local function kRun(id) return B .. ':r:' .. id end
 local function kRes(id) return B .. ':s:' .. id end
 local function kIdem(k) return B .. ':i:' .. k end
-local function kCounter(enc) return B .. ':c:' .. enc end
+local function kCounter(enc)
+  local keys = KC.keys
+  local k = keys[enc]
+  if not k then
+    k = B .. ':c:' .. redis.sha1hex(enc)
+    if KC.n >= 4096 then
+      keys = {}
+      KC.keys, KC.n = keys, 0
+    end
+    keys[enc] = k
+    KC.n = KC.n + 1
+  end
+  return k
+end
 
 -- Records (runs, reservations, counters) are string keys read and written through these:
 -- a read is kept for the rest of the command (RC: value, or false for none), a write waits in
@@ -620,11 +644,10 @@ local CC = {}
 -- key of its own: limit, used, reserved, overrun, adjusted (COUNTER_FMT).
 local COUNTER_FMT = '<ddddd'
 local RUN_C = 'lifetime|0|run|'
-local RUN_C_LEN = #RUN_C
 local function run_of(e)
   -- (cparts is cached: no string is made for the other counters)
   local w, idx, kind = cparts(e)
-  if kind == 'run' and idx == 0 and w == 'lifetime' then return ssub(e, RUN_C_LEN + 1) end
+  if kind == 'run' and idx == 0 and w == 'lifetime' then return ssub(e, #RUN_C + 1) end
   return nil
 end
 -- A counter as stored, as five numbers (nil: there is none).

@@ -608,7 +608,7 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
 /// The layout of what the ledger script stores (keys, packed records, meta fields). Every
 /// epoch id starts with it, so a deployment whose data was written in another layout is
 /// refused rather than misread. Bump it with any change of the stored layout.
-pub const LEDGER_FORMAT: &str = "f6";
+pub const LEDGER_FORMAT: &str = "f7";
 
 /// The script's `now` argument: empty for the Redis server's clock.
 fn now_arg(clock: &ClockSource) -> String {
@@ -674,7 +674,8 @@ fn check_format(epoch: &str, prefix: &str) -> Result<(), StoreError> {
         _ => Err(unavailable(format!(
             "the ledger under prefix {prefix:?} was written by a spendgate build with another \
              data layout (epoch {epoch:?}; this build reads layout {LEDGER_FORMAT}); it cannot be \
-             read safely: use a new store.prefix, or delete that prefix's keys and restart"
+             read safely: use a new store.prefix, or delete that prefix's keys; then run `spendgate \
+             store init`"
         ))),
     }
 }

@@ -5,5 +5,6 @@ mod cluster;
 mod conformance;
 mod differential;
 mod faults;
+mod keys;
 mod support;
 mod worst_case;

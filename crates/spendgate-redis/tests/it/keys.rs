@@ -1,0 +1,111 @@
+//! Key names do not depend on what clients send (issue 3): every key of a deployment starts
+//! with its `{prefix}` hash tag, and a counter's key ends in the SHA-1 of its encoding, so an
+//! outside id (a conversation, a session, an address prefix) of any content or length never
+//! appears in, or lengthens, a key.
+
+use crate::support::*;
+use spendgate_core::*;
+use spendgate_store::Store;
+use spendgate_testkit::RespValue;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn counter_keys_are_fixed_length_hashes_of_outside_ids() {
+    let server = server(false);
+    let prefix = fresh_prefix("keys");
+    let store = open(options(&server, &prefix, None), Policy::default()).await;
+    let s: &dyn Store = &store;
+    // Ids as long as the ledger takes, holding a hash tag of their own and glob characters.
+    let conversation = format!("{{c}}*?[x]{}", "c".repeat(ID_BYTES_MAX - 8));
+    let session = format!("{{s}}{}", "s".repeat(ID_BYTES_MAX - 3));
+    assert_eq!(
+        (conversation.len(), session.len()),
+        (ID_BYTES_MAX, ID_BYTES_MAX)
+    );
+    let run = RunId("run_keys".into());
+    s.admit_run(
+        RunRequest {
+            run_id: run.clone(),
+            session: session.clone(),
+            ips: vec![IpScope {
+                prefix: "2001:db8:ffff:ffff::/64".into(),
+                factor: 1,
+            }],
+            conversation: conversation.clone(),
+            input_bytes: 1,
+        },
+        None,
+    )
+    .await
+    .expect("admit")
+    .value
+    .expect("admitted");
+    let step = ReservationId("run_keys.0".into());
+    s.reserve_step(
+        StepRequest {
+            run_id: run.clone(),
+            step_id: step.clone(),
+            kind: StepKind::Tool {
+                tool: "t".into(),
+                price: ToolPrice {
+                    per_call: Micros(10),
+                    per_unit: Micros::ZERO,
+                },
+                units: 0,
+            },
+        },
+        None,
+    )
+    .await
+    .expect("reserve")
+    .value
+    .expect("reserved");
+    s.resolve(step, Resolution::Commit(Settlement::Units(0)))
+        .await
+        .expect("commit");
+
+    let keys = match server.query(&["KEYS", "*"]).expect("KEYS") {
+        RespValue::Array(Some(items)) => items
+            .into_iter()
+            .map(|k| match k {
+                RespValue::Bulk(Some(b)) => String::from_utf8(b).expect("utf-8 key"),
+                other => panic!("a key name: {other:?}"),
+            })
+            .collect::<Vec<_>>(),
+        other => panic!("KEYS answered {other:?}"),
+    };
+    let base = format!("{{{prefix}}}");
+    let counter = format!("{base}:c:");
+    let mut counters = 0;
+    for k in &keys {
+        assert!(
+            k.starts_with(&base),
+            "a key outside the deployment's tag: {k:?}"
+        );
+        assert!(
+            !k.contains("ccccccc") && !k.contains("sssssss") && !k.contains("2001:db8"),
+            "an outside id in a key name: {k:?}"
+        );
+        if let Some(digest) = k.strip_prefix(&counter) {
+            assert!(
+                digest.len() == 40 && digest.bytes().all(|b| b.is_ascii_hexdigit()),
+                "a counter key that is not a SHA-1 digest: {k:?}"
+            );
+            counters += 1;
+        }
+    }
+    // The day budgets of the address, the session and the conversation (the global one and
+    // the run's are counters too, and may live elsewhere: at least these three are keys).
+    assert!(counters >= 3, "counter keys: {keys:?}");
+    // The scopes are still listed by their ids.
+    let usage = s
+        .usage(vec![(
+            ScopeKey::new(ScopeKind::Conversation, &conversation),
+            1,
+        )])
+        .await
+        .expect("usage");
+    assert!(
+        usage.iter().any(|u| u.used == Micros(10)),
+        "the conversation's counter is found by its id: {usage:?}"
+    );
+}

@@ -236,6 +236,7 @@ enum Ans {
         deadline: u64,
     },
     Finished {
+        state: RunState,
         charged: u64,
         steps: u32,
         repeated: bool,
@@ -575,17 +576,15 @@ impl Model {
     }
 
     fn finish(&mut self, run: usize) -> (Ans, bool) {
-        let fresh = match self.runs[run].state {
-            RunState::Expired => return (Ans::RunClosed(RunState::Expired), false),
-            RunState::Finished => false,
-            RunState::Active => true,
-        };
+        // (an expired run is answered as it ended: a repeat)
+        let fresh = self.runs[run].state == RunState::Active;
         if fresh {
             self.end(run, RunState::Finished);
         }
         let r = &self.runs[run];
         let charged = r.steps.iter().map(|&s| self.steps[s].charged).sum();
         let ans = Ans::Finished {
+            state: r.state,
             charged,
             steps: r.steps.len() as u32,
             repeated: !fresh,
@@ -815,12 +814,9 @@ async fn run_case(b: &dyn Backend, ops: &[Op], session_dry: bool) -> Result<(), 
                 let expired = m.expire();
                 let (want, fresh) = m.finish(r);
                 let (got, seq) = match store.finish(RunId(m.runs[r].id.clone())).await {
-                    // An expired run may also be answered as such instead of refused.
-                    Ok(a) if a.value.state == RunState::Expired && a.value.repeated => {
-                        (Ans::RunClosed(RunState::Expired), Some(a.seq))
-                    }
                     Ok(a) => (
                         Ans::Finished {
+                            state: a.value.state,
                             charged: a.value.charged.0,
                             steps: a.value.steps,
                             repeated: a.value.repeated,

@@ -1898,7 +1898,8 @@ impl Ledger {
     }
 
     /// Ends a run: held steps are charged in full as `unknown`, the whole-run hold is
-    /// reconciled, slots are freed. Idempotent.
+    /// reconciled, slots are freed. Idempotent: a run already ended (finished, or expired
+    /// with its lease) is answered as it ended, `repeated`.
     pub fn finish(
         &mut self,
         _policy: &Policy,
@@ -1910,10 +1911,9 @@ impl Ledger {
             .runs
             .get(run_id)
             .ok_or_else(|| LedgerError::NotFound(format!("run {}", run_id.0)))?;
+        // A run that expired was ended by its lease: finishing it again repeats that end, with
+        // what it was charged, so the caller learns the run's cost whichever came first.
         let repeated = run.state != RunState::Active;
-        if run.state == RunState::Expired {
-            return Err(LedgerError::RunClosed(RunState::Expired));
-        }
         if !repeated {
             self.end_run(run_id, now, RunState::Finished);
             self.bump();

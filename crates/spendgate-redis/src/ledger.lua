@@ -1522,7 +1522,6 @@ function OPS.finish(now, swept, A)
   if not run then return err({ 'notfound', 'run ' .. id }) end
   local state = run[R_STATE]
   local repeated = state ~= 'active'
-  if state == 'expired' then return err({ 'runclosed', 'expired' }) end
   if not repeated then
     end_run(id, now, 'finished')
     bump()

@@ -260,6 +260,18 @@ async fn killed_process_reservations_expire_charged_in_full() {
         .await;
     assert_eq!((status, code(&v)), (409, "reservation_closed"), "{v}");
     assert_eq!(server.global_usage().await["used_micros"], 10_000);
+    // The backend that finishes the expired run late learns how it ended and what it cost.
+    let (status, v) = server
+        .post(&format!("/v1/runs/{run}/finish"), json!({}))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        (&v["state"], &v["charged_micros"], &v["repeated"]),
+        (&json!("expired"), &json!(10_000), &json!(true)),
+        "{v}"
+    );
+    assert!(v["ledger_seq"].as_u64().is_some(), "{v}");
+    assert_eq!(server.global_usage().await["used_micros"], 10_000);
 }
 
 /// Acceptance: bad input gets its SPEC code and status; the server stays up and nothing is

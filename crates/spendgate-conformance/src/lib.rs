@@ -68,6 +68,7 @@ macro_rules! __with_conformance_cases {
             i1_admission_is_all_or_nothing,
             i1_refused_admission_holds_nothing,
             i1_overrun_is_charged_and_blocks_until_next_window,
+            i1_a_refusal_waits_for_the_spent_budget_that_frees_last,
             i2_each_reservation_ends_once,
             i2_expired_reservations_are_closed,
             i2_a_repeated_commit_keeps_its_result_size_verdict,

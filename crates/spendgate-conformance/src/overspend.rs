@@ -28,6 +28,54 @@ fn budget_refusal(r: &Refusal, scope: ScopeKind) {
     );
 }
 
+/// Several spent budgets refuse a step: the refusal names the one that frees last and waits
+/// for it (a client that obeys `Retry-After` is not refused again by another spent budget),
+/// whatever order the scopes are checked in.
+pub async fn i1_a_refusal_waits_for_the_spent_budget_that_frees_last(b: &dyn Backend) {
+    let mut p = policy();
+    p.global.budgets = vec![
+        Budget {
+            amount: Micros(150_000),
+            window: Window::Hour,
+        },
+        day(1_000_000),
+    ];
+    p.session.budgets = vec![day(100_000)];
+    p.conversation.budgets = vec![Budget {
+        amount: Micros(100_000),
+        window: Window::Lifetime,
+    }];
+    let s = b.open(p, START).await;
+    // s1 on c1 spends its session's day and its conversation's lifetime: the lifetime
+    // budget (a day away) frees after midnight.
+    let w1 = Who::new("s1", "c1", "192.0.2.1/32");
+    admit(&s, w1.run("r1")).await;
+    reserve(&s, micros_step("r1", "r1.a", 100_000)).await;
+    resolve(&s, "r1.a", units(100_000)).await;
+    let r = reserve_refused(&s, micros_step("r1", "r1.b", 1)).await;
+    assert_eq!(
+        (r.code, r.scope, r.retry_after_s),
+        (
+            RefusalCode::BudgetExhausted,
+            Some(ScopeKind::Conversation),
+            Some(LIFETIME_RETRY_AFTER_S)
+        ),
+        "a spent lifetime budget frees last: {r:?}"
+    );
+    finish(&s, "r1").await;
+    // s2 fills the global hour.
+    let w2 = Who::new("s2", "c2", "192.0.2.1/32");
+    admit(&s, w2.run("r2")).await;
+    reserve(&s, micros_step("r2", "r2.a", 50_000)).await;
+    resolve(&s, "r2.a", units(50_000)).await;
+    finish(&s, "r2").await;
+    // s1 on a new conversation: the global hour (checked first, free within the hour) and the
+    // session's day are spent, so the run is refused (a run needs room to start): midnight.
+    let w3 = Who::new("s1", "c3", "192.0.2.1/32");
+    let r = admit_refused(&s, w3.run("r3")).await;
+    budget_refusal(&r, ScopeKind::Session);
+}
+
 /// Each of global, ip, session and conversation in turn is the one scope without room: the
 /// step is refused by that scope, and no counter of any scope moves. A step that fills the
 /// global budget exactly is granted.

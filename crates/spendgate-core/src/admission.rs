@@ -1,6 +1,6 @@
 //! The admission decision: one pure function over every budget a request touches. It either
-//! admits against all of them or names the first that refuses and when to retry; applying the
-//! decision is the caller's single, all-or-nothing step.
+//! admits against all of them or names the refusing one that frees last and when to retry;
+//! applying the decision is the caller's single, all-or-nothing step.
 
 use crate::ledger::{Counter, LIFETIME_RETRY_AFTER_S};
 use crate::money::Micros;
@@ -59,24 +59,33 @@ pub struct BudgetRefusal {
     pub retry_after_s: u64,
 }
 
-/// Admits `amount` only if it fits every budget.
+/// Admits `amount` only if it fits every budget. A refusal names the refusing budget that
+/// frees last (the latest window reset; a lifetime budget counts as
+/// [`LIFETIME_RETRY_AFTER_S`] away; the first of equals), so that a client that waits its
+/// `Retry-After` is not refused again by another budget that was spent as well.
 #[inline]
 pub fn decide(budgets: &[BudgetView], amount: Micros, now: UnixMs) -> Result<(), BudgetRefusal> {
+    let mut worst: Option<(UnixMs, BudgetRefusal)> = None;
     for (index, b) in budgets.iter().enumerate() {
         if !b.fits(amount) {
-            let retry_after_s = b
-                .resets_at
-                .map(|r| now.secs_until(r))
-                .unwrap_or(LIFETIME_RETRY_AFTER_S)
-                .max(1);
-            return Err(BudgetRefusal {
-                index,
-                scope: b.scope,
-                retry_after_s,
-            });
+            let free_at = b.resets_at.unwrap_or(UnixMs(
+                now.0
+                    .saturating_add(LIFETIME_RETRY_AFTER_S.saturating_mul(1000)),
+            ));
+            if worst.is_none_or(|(at, _)| free_at > at) {
+                let refusal = BudgetRefusal {
+                    index,
+                    scope: b.scope,
+                    retry_after_s: now.secs_until(free_at).max(1),
+                };
+                worst = Some((free_at, refusal));
+            }
         }
     }
-    Ok(())
+    match worst {
+        Some((_, refusal)) => Err(refusal),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]
@@ -109,6 +118,32 @@ mod tests {
         assert_eq!(
             decide(&b, Micros(0), UnixMs(0)).map_err(|r| r.index),
             Err(2)
+        );
+    }
+
+    #[test]
+    fn names_the_refusing_budget_that_frees_last() {
+        // A spent hour (resets at 10 s) and a spent day (at 20 s) and a lifetime budget
+        // that still fits: the day is named, with its wait.
+        let mut b = [view(100, 100, 0), view(100, 100, 0), view(1000, 0, 0)];
+        b[1].scope = ScopeKind::Session;
+        b[1].resets_at = Some(UnixMs(20_000));
+        b[2].resets_at = None;
+        let r = decide(&b, Micros(1), UnixMs(1_000)).expect_err("both spent");
+        assert_eq!(
+            (r.index, r.scope, r.retry_after_s),
+            (1, ScopeKind::Session, 19)
+        );
+        // A spent lifetime budget is a day away: later than both.
+        b[2].used = Micros(1000);
+        let r = decide(&b, Micros(1), UnixMs(1_000)).expect_err("all spent");
+        assert_eq!((r.index, r.retry_after_s), (2, LIFETIME_RETRY_AFTER_S));
+        // Equals: the first.
+        b[1].resets_at = Some(UnixMs(10_000));
+        b[2].used = Micros(0);
+        assert_eq!(
+            decide(&b, Micros(1), UnixMs(0)).map_err(|r| r.index),
+            Err(0)
         );
     }
 

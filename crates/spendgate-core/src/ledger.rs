@@ -1036,8 +1036,8 @@ impl Ledger {
         c
     }
 
-    /// Checks that `amount` fits every counter. `Err`: the first enforced counter that it
-    /// does not fit, and why. `Ok(Some(_))`: every enforced counter fits, and this is the
+    /// Checks that `amount` fits every counter. `Err`: the enforced counter that it does not
+    /// fit that frees last (see [`crate::admission::decide`]), and why. `Ok(Some(_))`: every enforced counter fits, and this is the
     /// first counter in dry-run that it does not (see [`ScopePolicy::dry_run`]).
     fn check_budgets(
         &self,

@@ -774,19 +774,26 @@ local function is_dry(kind)
   return kp ~= nil and kp.dry
 end
 
--- The first enforced counter `amount` does not fit (a refusal), else nil and the first
--- counter in dry-run it does not fit (nil when none).
+-- The enforced counter `amount` does not fit that frees last (a refusal: the latest window
+-- reset, a lifetime budget a day away (LIFETIME_RETRY_AFTER_S), the first of equals; as
+-- admission::decide), else nil and the first counter in dry-run it does not fit (nil when
+-- none).
 local function check_budgets(counters, amount, now)
-  local dry = nil
+  local dry, worst, worst_at = nil, nil, 0
   for _, k in ipairs(counters) do
     -- (a check writes nothing, not even into the cached counter: a refused command must
     -- leave the limit a later command of the same batch sees as it was)
     local c = cload(k.enc)
     if not (c.overrun == 0 and c.used + c.reserved + amount <= k.limit) then
-      if not is_dry(k.kind) then return budget_refusal(k, c, now) end
-      if not dry then dry = budget_refusal(k, c, now) end
+      if not is_dry(k.kind) then
+        local at = resets_at(k.window, k.index) or (now + 86400000)
+        if not worst or at > worst_at then worst, worst_at = budget_refusal(k, c, now), at end
+      elseif not dry then
+        dry = budget_refusal(k, c, now)
+      end
     end
   end
+  if worst then return worst end
   return nil, dry
 end
 

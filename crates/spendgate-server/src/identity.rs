@@ -7,7 +7,8 @@ use hmac::{Hmac, Mac};
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 use spendgate_core::IpScope;
-use std::net::{IpAddr, SocketAddr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use subtle::ConstantTimeEq;
 
 /// Longest session token accepted.
@@ -40,8 +41,10 @@ pub fn client_addr(peer: SocketAddr, forwarded_for: Option<&str>, trusted: &[IpN
     let entries: Vec<&str> = xff.rsplit(',').take(FORWARDED_ENTRIES_MAX).collect();
     let mut last = peer;
     for e in entries {
-        let Ok(ip) = e.trim().parse::<IpAddr>().map(canonical) else {
-            // An unparseable hop: stop believing the chain here.
+        let Some(ip) = forwarded_entry(e).map(canonical) else {
+            // An unparseable hop: stop believing the chain here. A trusted hop wrote it, so
+            // the operator should hear of it (every guest behind it shares that hop's address).
+            warn_unparseable(e);
             return last;
         };
         if !is_trusted(&ip) {
@@ -50,6 +53,66 @@ pub fn client_addr(peer: SocketAddr, forwarded_for: Option<&str>, trusted: &[IpN
         last = ip;
     }
     last
+}
+
+/// An `X-Forwarded-For` entry as an address: a bare IPv4 or IPv6 address, or one with a port
+/// as some proxies write it (`203.0.113.5:1234`, `[2001:db8::1]:443`, `[2001:db8::1]`). A
+/// bare IPv6 address is never cut at a colon (`2001:db8::1:443` is an address, not a port).
+pub fn forwarded_entry(entry: &str) -> Option<IpAddr> {
+    let e = entry.trim();
+    if let Ok(ip) = e.parse::<IpAddr>() {
+        return Some(ip);
+    }
+    let is_port = |p: &str| p.bytes().all(|b| b.is_ascii_digit()) && p.parse::<u16>().is_ok();
+    if let Some(rest) = e.strip_prefix('[') {
+        let (host, tail) = rest.split_once(']')?;
+        let port_ok = tail.is_empty() || tail.strip_prefix(':').is_some_and(is_port);
+        return port_ok
+            .then(|| host.parse::<Ipv6Addr>().ok())
+            .flatten()
+            .map(IpAddr::V6);
+    }
+    let (host, port) = e.split_once(':')?;
+    if !is_port(port) {
+        return None;
+    }
+    host.parse::<Ipv4Addr>().ok().map(IpAddr::V4)
+}
+
+/// Least time between two warnings about unparseable `X-Forwarded-For` entries.
+pub const FORWARDED_WARN_EVERY_S: u64 = 60;
+/// Bytes of an unparseable entry quoted in the warning.
+pub const FORWARDED_WARN_ENTRY_BYTES_MAX: usize = 64;
+
+/// Logs (at most once per [`FORWARDED_WARN_EVERY_S`], with the number left unlogged) that a
+/// trusted hop's `X-Forwarded-For` entry is not an address.
+fn warn_unparseable(entry: &str) {
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    static SKIPPED: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let last = LAST.load(Ordering::Relaxed);
+    let due = last == 0 || now >= last.saturating_add(FORWARDED_WARN_EVERY_S);
+    if !due
+        || LAST
+            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+    {
+        SKIPPED.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let entry = entry.trim();
+    let mut cut = entry.len().min(FORWARDED_WARN_ENTRY_BYTES_MAX);
+    while !entry.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    tracing::warn!(
+        entry = ?&entry[..cut],
+        unlogged_since_last = SKIPPED.swap(0, Ordering::Relaxed),
+        "an X-Forwarded-For entry from a trusted proxy is not an address: its clients are \
+         counted under the proxy's own address; check that proxy's configuration"
+    );
 }
 
 /// The address prefixes a client is limited by: IPv4 at `v4` bits; IPv6 at `v6` bits and at
@@ -309,6 +372,43 @@ mod tests {
         );
         let mapped: SocketAddr = "[::ffff:192.0.2.1]:1".parse().expect("addr");
         assert_eq!(client_addr(mapped, None, &[]).to_string(), "192.0.2.1");
+        // Entries with a port (as some proxies write them) are the address without it.
+        assert_eq!(
+            client_addr(peer, Some("203.0.113.5:1234"), &trusted).to_string(),
+            "203.0.113.5"
+        );
+        assert_eq!(
+            client_addr(peer, Some("[2001:db8::1]:443, 10.0.0.2:80"), &trusted).to_string(),
+            "2001:db8::1"
+        );
+    }
+
+    #[test]
+    fn forwarded_entries_with_and_without_ports() {
+        let ip = |e: &str| forwarded_entry(e).map(|a| a.to_string());
+        for (entry, want) in [
+            ("203.0.113.5", Some("203.0.113.5")),
+            (" 203.0.113.5:1234 ", Some("203.0.113.5")),
+            ("[2001:db8::1]:443", Some("2001:db8::1")),
+            ("[2001:db8::1]", Some("2001:db8::1")),
+            ("2001:db8::1", Some("2001:db8::1")),
+            // A bare IPv6 address is never cut at its last colon.
+            ("2001:db8::1:443", Some("2001:db8::1:443")),
+            ("::ffff:192.0.2.1", Some("::ffff:192.0.2.1")),
+            ("[::ffff:192.0.2.1]:80", Some("::ffff:192.0.2.1")),
+            ("203.0.113.5:", None),
+            ("203.0.113.5:99999", None),
+            ("203.0.113.5:+80", None),
+            ("203.0.113.5:80:80", None),
+            ("[203.0.113.5]:80", None),
+            ("[2001:db8::1]443", None),
+            ("[2001:db8::1", None),
+            ("host.example:80", None),
+            ("garbage", None),
+            ("", None),
+        ] {
+            assert_eq!(ip(entry).as_deref(), want, "{entry:?}");
+        }
     }
 
     #[test]

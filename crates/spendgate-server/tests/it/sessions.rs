@@ -343,3 +343,49 @@ async fn a_client_written_forwarded_for_line_does_not_choose_the_address() {
         }
     }
 }
+
+/// A trusted proxy that writes `X-Forwarded-For` entries with a port (`addr:port`,
+/// `[v6]:port`): the address without the port is the client's, so guests behind it are not
+/// all counted under the proxy's own address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_entries_with_a_port_name_the_client() {
+    let server = Server::start_with_sessions(
+        "create_rate_per_ip = \"2/hour\"\ncreate_rate_global = \"1000/hour\"",
+        "",
+    );
+    // Three guests: one address each (under the proxy's address the third would be refused).
+    for xff in ["198.51.100.7:1234", "[2001:db8::1]:443", "203.0.113.9:80"] {
+        let (status, _, v) = create(&server, xff, None).await;
+        assert_eq!(status, 201, "{xff}: {v}");
+    }
+    // The same address with another port, or none, is the same guest.
+    let (status, _, v) = create(&server, "198.51.100.7:9", None).await;
+    assert_eq!(status, 201, "{v}");
+    let (status, _, v) = create(&server, "198.51.100.7", None).await;
+    assert_eq!((status, code(&v)), (429, "rate_limited"), "{v}");
+    assert_eq!(v["error"]["scope"], "ip", "{v}");
+    let (status, _, v) = create(&server, "[2001:db8::1]:8443", None).await;
+    assert_eq!(status, 201, "{v}");
+    let (status, _, v) = create(&server, "2001:db8::1", None).await;
+    assert_eq!((status, code(&v)), (429, "rate_limited"), "{v}");
+    // An entry the trusted proxy wrote that is no address: the proxy's own address counts,
+    // and the operator is told in the log.
+    let (status, _, v) = create(&server, "not-an-address:80", None).await;
+    assert_eq!(status, 201, "{v}");
+    let mut logged = String::new();
+    for _ in 0..50 {
+        logged = server
+            .child
+            .as_ref()
+            .map(|c| c.output())
+            .unwrap_or_default();
+        if logged.contains("X-Forwarded-For") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(
+        logged.contains("is not an address") && logged.contains("not-an-address:80"),
+        "{logged}"
+    );
+}

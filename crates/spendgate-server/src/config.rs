@@ -1330,6 +1330,29 @@ impl Validator<'_, '_> {
                         ),
                     )
                 })?;
+            // Peers are compared as IPv4 when they are IPv4-mapped IPv6 (SPEC §5), so a
+            // mapped CIDR is its IPv4 form: ::ffff:a.b.c.d/N is a.b.c.d/(N-96).
+            let net = match net {
+                ipnet::IpNet::V6(v6) => match v6.addr().to_ipv4_mapped() {
+                    Some(v4) => v6
+                        .prefix_len()
+                        .checked_sub(96)
+                        .and_then(|bits| ipnet::Ipv4Net::new(v4, bits).ok())
+                        .map(|n| ipnet::IpNet::V4(n.trunc()))
+                        .ok_or_else(|| {
+                            self.err(
+                                &proxies.idx(i),
+                                format!(
+                                    "{} is an IPv4-mapped prefix shorter than /96; write its \
+                                     IPv4 form (::ffff:a.b.c.d/N is a.b.c.d/(N-96))",
+                                    toml_str(text)
+                                ),
+                            )
+                        })?,
+                    None => net,
+                },
+                v4 => v4,
+            };
             trusted_proxies.push(net);
         }
         let service_tokens =

@@ -389,3 +389,55 @@ async fn forwarded_entries_with_a_port_name_the_client() {
         "{logged}"
     );
 }
+
+/// `trusted_proxies` written as IPv4-mapped IPv6 (`::ffff:127.0.0.1`) trusts the IPv4 proxy:
+/// peers are compared as IPv4, and so are the configured prefixes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapped_trusted_proxy_is_its_ipv4_form() {
+    for proxies in ["\"::ffff:127.0.0.1\"", "\"::ffff:127.0.0.0/104\""] {
+        let (dir, store) = sqlite_dir();
+        let server = Server::start_config(
+            dir,
+            |port| {
+                config_text_with_sessions(
+                    port,
+                    &store,
+                    "create_rate_per_ip = \"1/hour\"\ncreate_rate_global = \"1000/hour\"",
+                    "",
+                )
+                .replace(
+                    "trusted_proxies = [\"127.0.0.1/32\"]",
+                    &format!("trusted_proxies = [{proxies}]"),
+                )
+            },
+            Vec::new(),
+        );
+        // One session per address: each forwarded address is its own guest.
+        for xff in ["198.51.100.7", "198.51.100.8", "198.51.100.9"] {
+            let (status, _, v) = create(&server, xff, None).await;
+            assert_eq!(status, 201, "{proxies} {xff}: {v}");
+        }
+    }
+    let no_env = |_: &str| None;
+    let c = spendgate_server::config::load(
+        "[server]\ntrusted_proxies = [\"::ffff:10.0.0.0/104\", \"::ffff:192.0.2.7\", \"2001:db8::/32\"]\n",
+        &no_env,
+    )
+    .expect("config");
+    let nets: Vec<String> = c
+        .server
+        .trusted_proxies
+        .iter()
+        .map(|n| n.to_string())
+        .collect();
+    assert_eq!(nets, ["10.0.0.0/8", "192.0.2.7/32", "2001:db8::/32"]);
+    // A mapped prefix shorter than /96 has no IPv4 form: refused, naming the key.
+    let Err(e) = spendgate_server::config::load(
+        "[server]\ntrusted_proxies = [\"10.0.0.0/8\", \"::ffff:0.0.0.0/80\"]\n",
+        &no_env,
+    ) else {
+        panic!("a mapped prefix shorter than /96 is refused");
+    };
+    assert_eq!(e.key(), "server.trusted_proxies[1]", "{e}");
+    assert!(e.to_string().contains("IPv4"), "{e}");
+}

@@ -49,7 +49,6 @@ pub const OVERRUN_ALERTS_PER_PERIOD: u32 = 10;
 pub const OVERRUN_ALERT_PERIOD: Duration = Duration::from_secs(60);
 /// Expired reservations are alerted at most once per this period across replicas.
 pub const EXPIRED_ALERT_PERIOD_MS: u64 = 60_000;
-
 #[derive(Clone)]
 pub struct Alerts {
     tx: mpsc::Sender<Value>,
@@ -84,13 +83,19 @@ impl Alerts {
         }
     }
 
-    pub fn emit(&self, kind: &str, text: String, mut detail: Value) {
+    pub fn emit(&self, kind: &str, text: String, detail: Value) {
+        let event = Self::event(kind, text, detail);
+        if self.tx.try_send(event).is_err() {
+            tracing::warn!(alert = kind, "alert queue full; webhook not sent");
+        }
+    }
+
+    /// Logs an alert and makes its webhook event.
+    fn event(kind: &str, text: String, mut detail: Value) -> Value {
         tracing::warn!(alert = kind, "{text}");
         detail["event"] = json!(kind);
         detail["text"] = json!(format!("spendgate: {text}"));
-        if self.tx.try_send(detail).is_err() {
-            tracing::warn!(alert = kind, "alert queue full; webhook not sent");
-        }
+        detail
     }
 
     /// An overrun (usage above the reservation, charged in full). Bounded per replica:
@@ -229,6 +234,17 @@ impl Crossing<'_> {
                 format!("alert:{kind}:{digest}:{}:{t}", self.window)
             }
         };
+        // Room in the queue first: the key is used up in the shared store, so an alert
+        // dropped after that would be sent by no replica. Without room, a later check (of
+        // this replica or another) sends it.
+        let Ok(slot) = alerts.tx.try_reserve() else {
+            tracing::debug!(
+                scope = kind,
+                threshold = t,
+                "alert queue full; threshold alert deferred"
+            );
+            return false;
+        };
         // Remember the key past the window's reset (the window's id is in the key anyway).
         let resets_at = self.window.resets_at();
         if !first_to_send(store, sent_here, key, key_ttl_ms(resets_at)).await {
@@ -249,7 +265,7 @@ impl Crossing<'_> {
         if self.scope.kind != ScopeKind::Global {
             detail["id"] = json!(self.scope.id);
         }
-        alerts.emit(
+        slot.send(Alerts::event(
             "threshold",
             format!(
                 "{who} spend for {} crossed {}%: {} of {} micros",
@@ -259,7 +275,7 @@ impl Crossing<'_> {
                 self.limit
             ),
             detail,
-        );
+        ));
         true
     }
 }
@@ -397,6 +413,68 @@ mod tests {
         alerts.overrun("next", 1, 2);
         let o = *alerts.overruns.lock().expect("lock");
         assert_eq!((o.1, o.2), (1, 0));
+    }
+
+    /// Alerts whose queue the test drains itself (no sender task).
+    fn held_queue() -> (Alerts, mpsc::Receiver<Value>) {
+        let (tx, rx) = mpsc::channel::<Value>(ALERT_QUEUE_MAX);
+        let alerts = Alerts {
+            tx,
+            store_down: Arc::new(AtomicBool::new(false)),
+            overruns: Arc::new(std::sync::Mutex::new((std::time::Instant::now(), 0, 0))),
+        };
+        (alerts, rx)
+    }
+
+    fn events(rx: &mut mpsc::Receiver<Value>, kind: &str) -> Vec<Value> {
+        let mut got = Vec::new();
+        while let Ok(v) = rx.try_recv() {
+            if v["event"] == kind {
+                got.push(v);
+            }
+        }
+        got
+    }
+
+    /// A threshold alert is not marked sent (in the store shared by replicas) while the queue
+    /// has no room for it: it waits for a later check instead of being lost.
+    #[tokio::test]
+    async fn a_threshold_alert_waits_for_room_in_the_queue() {
+        let (alerts, mut rx) = held_queue();
+        let store: Arc<dyn Store> = Arc::new(spendgate_store::MemoryStore::new(
+            spendgate_core::Policy::default(),
+            Arc::new(spendgate_store::SystemClock),
+        ));
+        for i in 0..ALERT_QUEUE_MAX {
+            alerts.emit("filler", format!("filler {i}"), json!({}));
+        }
+        let global = ScopeKey::global();
+        let crossing = Crossing {
+            scope: &global,
+            window: Window::Day.at(UnixMs(now_ms())),
+            used: 800,
+            limit: 1000,
+            permille: 800,
+        };
+        let mut sent_here = std::collections::HashSet::new();
+        assert!(
+            !crossing.send_once(&store, &alerts, &mut sent_here).await,
+            "a full queue: not sent"
+        );
+        // The webhook sender takes one: the next check sends the alert, once.
+        assert!(rx.recv().await.is_some());
+        assert!(crossing.send_once(&store, &alerts, &mut sent_here).await);
+        let t = events(&mut rx, "threshold");
+        assert_eq!(t.len(), 1, "{t:?}");
+        assert_eq!(
+            (t[0]["threshold"].as_f64(), t[0]["used_micros"].as_u64()),
+            (Some(0.8), Some(800))
+        );
+        assert!(
+            !crossing.send_once(&store, &alerts, &mut sent_here).await,
+            "once"
+        );
+        assert!(events(&mut rx, "threshold").is_empty());
     }
 
     #[test]

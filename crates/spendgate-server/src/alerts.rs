@@ -12,7 +12,7 @@
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use spendgate_core::{rfc3339, ScopeKey, ScopeKind, UsageLine, WindowId};
+use spendgate_core::{rfc3339, ReservationState, ScopeKey, ScopeKind, UsageLine, WindowId};
 use spendgate_store::Store;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -49,6 +49,10 @@ pub const OVERRUN_ALERTS_PER_PERIOD: u32 = 10;
 pub const OVERRUN_ALERT_PERIOD: Duration = Duration::from_secs(60);
 /// Expired reservations are alerted at most once per this period across replicas.
 pub const EXPIRED_ALERT_PERIOD_MS: u64 = 60_000;
+/// Expired reservations (the newest) listed per expiry check, to tell new expiries from the
+/// ones seen before.
+pub const EXPIRED_LISTING_MAX: usize = 1000;
+
 #[derive(Clone)]
 pub struct Alerts {
     tx: mpsc::Sender<Value>,
@@ -291,6 +295,61 @@ fn key_ttl_ms(resets_at: Option<spendgate_core::UnixMs>) -> u64 {
     }
 }
 
+/// What the expiry check saw last: the ids of the expired reservations the store listed, and
+/// their count (`None` before the first look: what expired before this replica started is
+/// not news).
+#[derive(Default)]
+struct ExpiredSeen {
+    last: Option<(std::collections::HashSet<String>, u64)>,
+}
+
+impl ExpiredSeen {
+    /// Alerts when reservations expired since the last check. The store holds an expired
+    /// record until its run is purged ([`spendgate_core::RECORD_RETENTION_MS`] after it
+    /// ended), so the count of expired records also falls as old ones go: new expiries are
+    /// the listed ids not listed last time (or the count's growth, should more have expired
+    /// than [`EXPIRED_LISTING_MAX`]). One replica per [`EXPIRED_ALERT_PERIOD_MS`] reports
+    /// what it saw.
+    async fn check(&mut self, store: &Arc<dyn Store>, alerts: &Alerts, now_ms: u64) {
+        let Ok(summary) = store.summary().await else {
+            return;
+        };
+        let count = summary.reservations.get("expired").copied().unwrap_or(0);
+        let ids: std::collections::HashSet<String> = if count == 0 {
+            Default::default()
+        } else {
+            let listed = store
+                .reservations(Some(ReservationState::Expired), EXPIRED_LISTING_MAX)
+                .await;
+            let Ok(listed) = listed else {
+                return;
+            };
+            listed.into_iter().map(|r| r.id.0).collect()
+        };
+        let new = match &self.last {
+            None => 0,
+            Some((seen, seen_count)) => {
+                let unseen = ids.difference(seen).count() as u64;
+                unseen.max(count.saturating_sub(*seen_count))
+            }
+        };
+        self.last = Some((ids, count));
+        if new == 0 {
+            return;
+        }
+        let key = format!("alert:expired:{}", now_ms / EXPIRED_ALERT_PERIOD_MS);
+        match store.consume_once(key, 2 * EXPIRED_ALERT_PERIOD_MS).await {
+            Ok(a) if a.value => alerts.expired(new as usize),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(
+                error = %e,
+                expired = new,
+                "reservations expired; the alert could not be deduplicated"
+            ),
+        }
+    }
+}
+
 /// Checks spend against the thresholds every `CHECK_EVERY`: global spend when `scopes` holds
 /// `Global`, and the top spenders of every other kind it holds; sends each crossing once per
 /// scope, threshold and window across replicas.
@@ -303,7 +362,8 @@ pub fn spawn_checker(
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(CHECK_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let (mut checks, mut last_expired) = (SUMMARY_EVERY_CHECKS - 1, u64::MAX);
+        let mut checks = SUMMARY_EVERY_CHECKS - 1;
+        let mut expired_seen = ExpiredSeen::default();
         let mut sent_here: std::collections::HashSet<String> = std::collections::HashSet::new();
         loop {
             tick.tick().await;
@@ -319,26 +379,8 @@ pub fn spawn_checker(
                 Err(_) => continue,
             };
             checks += 1;
-            if checks % SUMMARY_EVERY_CHECKS == 0 {
-                if let Ok(summary) = store.summary().await {
-                    let expired = summary.reservations.get("expired").copied().unwrap_or(0);
-                    // (the count is of the records the ledger holds, which ended runs leave
-                    // when purged: it is no running total, so the key is the period, not
-                    // the count, and one replica per period reports what it saw)
-                    if expired > last_expired {
-                        let key = format!("alert:expired:{}", now_ms() / EXPIRED_ALERT_PERIOD_MS);
-                        match store.consume_once(key, 2 * EXPIRED_ALERT_PERIOD_MS).await {
-                            Ok(a) if a.value => alerts.expired((expired - last_expired) as usize),
-                            Ok(_) => {}
-                            Err(e) => tracing::warn!(
-                                error = %e,
-                                expired = expired - last_expired,
-                                "reservations expired; the alert could not be deduplicated"
-                            ),
-                        }
-                    }
-                    last_expired = expired;
-                }
+            if checks.is_multiple_of(SUMMARY_EVERY_CHECKS) {
+                expired_seen.check(&store, &alerts, now_ms()).await;
             }
             if scopes.contains(&ScopeKind::Global) {
                 for line in &lines {
@@ -354,7 +396,7 @@ pub fn spawn_checker(
                     }
                 }
             }
-            if checks % SCOPE_CHECK_EVERY_CHECKS != 0 {
+            if !checks.is_multiple_of(SCOPE_CHECK_EVERY_CHECKS) {
                 continue;
             }
             let mut sent = 0usize;
@@ -475,6 +517,88 @@ mod tests {
             "once"
         );
         assert!(events(&mut rx, "threshold").is_empty());
+    }
+
+    /// A reservation that expires as an older expired one is purged leaves the count of
+    /// expired records unchanged; it is alerted all the same.
+    #[tokio::test]
+    async fn an_expiry_coinciding_with_a_purge_is_alerted() {
+        use spendgate_core::{
+            IpScope, ReservationId, RunId, RunRequest, StepKind, StepRequest, ToolPrice,
+            RECORD_RETENTION_MS,
+        };
+        let (alerts, mut rx) = held_queue();
+        // 2026-11-30T12:00:00Z
+        let t0 = UnixMs(1_796_040_000_000);
+        let clock = spendgate_store::ManualClock::new(t0);
+        use spendgate_store::Clock;
+        let policy = spendgate_core::Policy::default();
+        let lease = policy.lease_ttl_ms;
+        let store: Arc<dyn Store> = Arc::new(spendgate_store::MemoryStore::new(
+            policy,
+            Arc::new(clock.clone()),
+        ));
+        // A run with one held step, left to expire.
+        let open = |run: &'static str| {
+            let store = store.clone();
+            async move {
+                let req = RunRequest {
+                    run_id: RunId(run.into()),
+                    session: format!("session-{run}"),
+                    ips: vec![IpScope {
+                        prefix: "192.0.2.1/32".into(),
+                        factor: 1,
+                    }],
+                    conversation: format!("conversation-{run}"),
+                    input_bytes: 10,
+                };
+                let admitted = store.admit_run(req, None).await.expect("store");
+                assert!(admitted.value.is_ok(), "{admitted:?}");
+                let step = StepRequest {
+                    run_id: RunId(run.into()),
+                    step_id: ReservationId(format!("{run}-step")),
+                    kind: StepKind::Tool {
+                        tool: "t".into(),
+                        price: ToolPrice {
+                            per_call: Micros(10_000),
+                            per_unit: Micros(0),
+                        },
+                        units: 0,
+                    },
+                };
+                let reserved = store.reserve_step(step, None).await.expect("store");
+                assert!(reserved.value.is_ok(), "{reserved:?}");
+            }
+        };
+        let mut seen = ExpiredSeen::default();
+        open("a").await;
+        seen.check(&store, &alerts, clock.now().0).await;
+        clock.advance_ms(lease + 1000);
+        store.sweep().await.expect("sweep");
+        let expired_a = clock.now();
+        seen.check(&store, &alerts, clock.now().0).await;
+        let e = events(&mut rx, "expired");
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert_eq!(e[0]["expired_reservations"], 1);
+        // Run b's lease runs out exactly when run a's records are purged: one sweep does both.
+        clock.set(UnixMs(expired_a.0 + RECORD_RETENTION_MS - lease));
+        open("b").await;
+        clock.set(UnixMs(expired_a.0 + RECORD_RETENTION_MS));
+        store.sweep().await.expect("sweep");
+        let summary = store.summary().await.expect("summary");
+        assert_eq!(
+            summary.reservations.get("expired"),
+            Some(&1),
+            "a purged, b expired"
+        );
+        seen.check(&store, &alerts, clock.now().0).await;
+        let e = events(&mut rx, "expired");
+        assert_eq!(e.len(), 1, "b's expiry is alerted: {e:?}");
+        assert_eq!(e[0]["expired_reservations"], 1);
+        // Nothing new: no alert.
+        clock.advance_ms(EXPIRED_ALERT_PERIOD_MS);
+        seen.check(&store, &alerts, clock.now().0).await;
+        assert!(events(&mut rx, "expired").is_empty());
     }
 
     #[test]

@@ -918,6 +918,16 @@ pub async fn fallback() -> ApiError {
     ApiError::not_found("no such route")
 }
 
+/// A method a route does not take, on any route: an OpenAI-shaped 405 (the router adds the
+/// `Allow` header).
+pub async fn method_not_allowed(method: axum::http::Method) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request",
+        format!("this path does not take {method}"),
+    )
+}
+
 pub fn tokenizer_of(config: &Config, model: &str) -> Option<Tokenizer> {
     config.models.get(model).map(|m| m.tokenizer)
 }

@@ -317,6 +317,8 @@ pub fn router(state: Shared) -> Router {
         .route("/healthz", get(api::healthz))
         .route("/readyz", get(api::readyz))
         .route("/metrics", get(api::metrics))
+        // (after every route: it applies to the routes registered so far)
+        .method_not_allowed_fallback(api::method_not_allowed)
         .fallback(api::fallback)
         .layer(middleware::from_fn(limit_headers))
         .layer(

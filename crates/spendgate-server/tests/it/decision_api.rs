@@ -888,7 +888,8 @@ async fn credentials_are_checked_before_the_body_and_a_slow_body_times_out() {
 }
 
 /// The framework's own refusals (a path or query that does not parse, a method a route does
-/// not take) come in OpenAI's error shape like every other error.
+/// not take, a path that does not exist) come in OpenAI's error shape like every other error,
+/// on every route.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn framework_refusals_are_openai_shaped() {
     let server = Server::start(ROOMY);
@@ -896,6 +897,14 @@ async fn framework_refusals_are_openai_shaped() {
         ("POST", "/v1/steps/%FF/commit", 400, "invalid_request"),
         ("GET", "/v1/usage?session=x&bogus=1", 400, "invalid_request"),
         ("GET", "/v1/runs", 405, "invalid_request"),
+        // Every route, not only the decision API's.
+        ("GET", "/v1/chat/completions", 405, "invalid_request"),
+        ("POST", "/admin/", 405, "invalid_request"),
+        ("POST", "/healthz", 405, "invalid_request"),
+        ("PUT", "/readyz", 405, "invalid_request"),
+        ("DELETE", "/metrics", 405, "invalid_request"),
+        ("DELETE", "/v1/sessions", 405, "invalid_request"),
+        ("GET", "/no/such/route", 404, "not_found"),
     ];
     for (method, path, status, code) in cases {
         let r = server
@@ -908,6 +917,12 @@ async fn framework_refusals_are_openai_shaped() {
             .expect("send");
         assert_eq!(r.status().as_u16(), status, "{method} {path}");
         let allow = r.headers().get("allow").is_some();
+        let json = r
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.starts_with("application/json"));
+        assert!(json, "{method} {path}: a JSON body");
         let v: Value = r.json().await.unwrap_or(Value::Null);
         assert_eq!(v["error"]["code"], code, "{method} {path}: {v}");
         assert!(

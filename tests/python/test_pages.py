@@ -12,7 +12,8 @@ Checks, in order:
      answer, and the page shows what was reserved and charged (committed);
   2. a streamed message arrives and is reconciled;
   3. the mock (the ground truth) served exactly those two calls;
-  4. /admin/ with the admin token shows the service's spend (global used > 0) and the ledger;
+  4. /admin/ with the admin token shows the service's spend (global used > 0) and the ledger,
+     its inline script and style running under its Content-Security-Policy (nothing refused);
   5. "Engage cutoff" from the dashboard makes the next chat message fail with 503
      `cutoff_engaged`, and the mock serves nothing more; "Release cutoff" lets chat resume.
 Prints "N passed, 0 failed" at the end; any failure raises.
@@ -55,6 +56,8 @@ def browser():
     for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
               "--no-first-run", "--window-size=1200,900"):
         opts.add_argument(a)
+    # The console, to see what a page's Content-Security-Policy refused.
+    opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(service=Service(os.environ["SPENDGATE_CHROMEDRIVER"]), options=opts)
 
 
@@ -126,6 +129,13 @@ def main():
         assert used and any(float(u.text) > 0 for u in used), summary
         assert d.find_elements(By.CSS_SELECTOR, "#scopes table tr td"), "no scopes listed"
         ok("the dashboard shows the global spend and the ledger")
+
+        collapse = d.execute_script(
+            "return getComputedStyle(document.querySelector('#summary table')).borderCollapse")
+        refused = [e["message"] for e in d.get_log("browser")
+                   if "Content Security Policy" in e["message"]]
+        assert collapse == "collapse" and not refused, (collapse, refused)
+        ok("the dashboard's script and style run under its Content-Security-Policy")
 
         d.find_element(By.ID, "reason").send_keys("page test")
         d.find_element(By.ID, "engage").click()

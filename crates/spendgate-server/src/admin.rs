@@ -3,7 +3,7 @@
 use crate::api::{require_admin, usage_json, Body, Shared};
 use crate::error::{ApiError, ApiResult};
 use axum::extract::{Query, State};
-use axum::http::{header, HeaderMap};
+use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
@@ -242,12 +242,64 @@ pub async fn adjust(
     Ok(Json(body).into_response())
 }
 
-pub async fn dashboard() -> Response {
-    (
-        [(header::CACHE_CONTROL, "no-store")],
-        Html(include_str!("dashboard.html")),
+/// The operator dashboard page.
+const DASHBOARD_HTML: &str = include_str!("dashboard.html");
+
+/// The dashboard's Content-Security-Policy: its own inline script and style only (by digest),
+/// calls to its own origin only, and never inside a frame (the page engages the cutoff: a
+/// framing site must not overlay it to steer an operator's clicks).
+static DASHBOARD_CSP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "default-src 'none'; script-src {}; style-src {}; connect-src 'self'; \
+         img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+        inline_digests(DASHBOARD_HTML, "script"),
+        inline_digests(DASHBOARD_HTML, "style"),
     )
-        .into_response()
+});
+
+/// The CSP sources (`'sha256-...'`) of every inline `<TAG>...</TAG>` element of `html`;
+/// `'none'` when it has none.
+fn inline_digests(html: &str, tag: &str) -> String {
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+    let (open, close) = (format!("<{tag}>"), format!("</{tag}>"));
+    let mut sources = Vec::new();
+    let mut rest = html;
+    while let Some(start) = rest.find(&open) {
+        let body = &rest[start + open.len()..];
+        let Some(end) = body.find(&close) else {
+            break;
+        };
+        let digest = Sha256::digest(&body.as_bytes()[..end]);
+        sources.push(format!(
+            "'sha256-{}'",
+            base64::engine::general_purpose::STANDARD.encode(digest)
+        ));
+        rest = &body[end + close.len()..];
+    }
+    if sources.is_empty() {
+        "'none'".to_string()
+    } else {
+        sources.join(" ")
+    }
+}
+
+pub async fn dashboard() -> Response {
+    let mut resp = (
+        [
+            (header::CACHE_CONTROL, "no-store"),
+            (header::X_FRAME_OPTIONS, "DENY"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+            (header::REFERRER_POLICY, "no-referrer"),
+        ],
+        Html(DASHBOARD_HTML),
+    )
+        .into_response();
+    if let Ok(v) = HeaderValue::from_str(&DASHBOARD_CSP) {
+        resp.headers_mut()
+            .insert(header::CONTENT_SECURITY_POLICY, v);
+    }
+    resp
 }
 
 /// The scope kinds whose limits are in dry-run (`limits.X.dry_run`, or all with
@@ -263,4 +315,24 @@ fn dry_run_limits(p: &spendgate_core::Policy) -> Vec<&'static str> {
     .filter(|k| p.dry_run(*k))
     .map(|k| k.name())
     .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The dashboard's one inline script and one inline style are allowed by digest; a page
+    /// edit that adds or changes one is covered by the digests computed from it.
+    #[test]
+    fn the_dashboard_policy_names_its_inline_script_and_style() {
+        let csp = DASHBOARD_CSP.as_str();
+        assert_eq!(csp.matches("'sha256-").count(), 2, "{csp}");
+        assert!(csp.contains("frame-ancestors 'none'") && csp.starts_with("default-src 'none'"));
+        assert_eq!(inline_digests("<p>no script</p>", "script"), "'none'");
+        // The digest of `alert(1)`, as a browser computes it.
+        assert_eq!(
+            inline_digests("<script>alert(1)</script>", "script"),
+            "'sha256-bhHHL3z2vDgxUt0W3dWQOrprscmda2Y5pLsLg4GF+pI='"
+        );
+    }
 }

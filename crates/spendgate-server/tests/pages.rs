@@ -82,7 +82,7 @@ fn demo_page_and_dashboard_work_in_a_browser() {
         "the page test failed (or ran past 180 s):\n{output}\n--- spendgate demo:\n{}",
         demo.output()
     );
-    assert!(output.contains("8 passed, 0 failed"), "{output}");
+    assert!(output.contains("9 passed, 0 failed"), "{output}");
 }
 
 #[test]

@@ -1066,3 +1066,50 @@ async fn metrics_count_every_error_and_show_the_spend() {
         assert!(text.lines().any(|l| l == line), "no {line:?} in:\n{text}");
     }
 }
+
+/// The dashboard (`/admin/`) may not be framed by another site (it engages the cutoff: a
+/// framing page could steer an operator's clicks), and it runs nothing but its own inline
+/// script and style.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_refuses_to_be_framed() {
+    use base64::Engine;
+    use sha2::{Digest, Sha256};
+    let server = Server::start(ROOMY);
+    let r = server
+        .http
+        .get(server.url("/admin/"))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 200);
+    let header = |name: &str| {
+        r.headers()
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string()
+    };
+    assert_eq!(header("x-frame-options"), "DENY");
+    let csp = header("content-security-policy");
+    let directives: Vec<&str> = csp.split(';').map(str::trim).collect();
+    for d in [
+        "default-src 'none'",
+        "frame-ancestors 'none'",
+        "connect-src 'self'",
+        "base-uri 'none'",
+    ] {
+        assert!(directives.contains(&d), "{d} in {csp}");
+    }
+    let page = r.text().await.expect("page");
+    // The page's inline script and style, and only those, by digest.
+    for tag in ["script", "style"] {
+        let inline = page
+            .split_once(&format!("<{tag}>"))
+            .and_then(|(_, rest)| rest.split_once(&format!("</{tag}>")))
+            .map(|(inline, _)| inline)
+            .expect("an inline element");
+        let digest = base64::engine::general_purpose::STANDARD.encode(Sha256::digest(inline));
+        let want = format!("{tag}-src 'sha256-{digest}'");
+        assert!(directives.contains(&want.as_str()), "{want} in {csp}");
+    }
+}

@@ -304,6 +304,9 @@ fn bounds_json(b: &RunBounds) -> Value {
 pub struct CreateSessionBody {
     pub challenge: Option<Value>,
     pub solution: Option<String>,
+    /// The guest's address, from the operator's backend (service token) only: a guest must
+    /// not choose the address its creations are counted under.
+    pub client_ip: Option<String>,
 }
 
 pub async fn create_session(
@@ -312,7 +315,19 @@ pub async fn create_session(
     headers: HeaderMap,
     body: Body<CreateSessionBody>,
 ) -> ApiResult<Response> {
-    let ip = client_ip_of(&state, peer, &headers);
+    let ip = match &body.value.client_ip {
+        None => client_ip_of(&state, peer, &headers),
+        Some(given) => {
+            if bearer(&headers).is_none() {
+                return Err(ApiError::invalid(
+                    "client_ip is taken only from the operator's backend (with a service \
+                     token); a guest's address is the connection's",
+                ));
+            }
+            require_service(&state, &headers)?;
+            parse_ip(given)?
+        }
+    };
     let ips = ip_scopes(&state, ip);
     let refused = |r: &Refusal, seq: u64| {
         state.metrics.refused("session", r.code.name(), r.scope);

@@ -441,3 +441,43 @@ async fn a_mapped_trusted_proxy_is_its_ipv4_form() {
     assert_eq!(e.key(), "server.trusted_proxies[1]", "{e}");
     assert!(e.to_string().contains("IPv4"), "{e}");
 }
+
+/// The operator's backend creating sessions for its guests passes each guest's address
+/// (`client_ip`, with its service token): each guest is counted under its own address, not
+/// the backend's. A guest cannot choose its address this way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_caller_passes_the_guests_address_when_creating_a_session() {
+    let server = Server::start_with_sessions(
+        "create_rate_per_ip = \"1/hour\"\ncreate_rate_global = \"1000/hour\"",
+        "",
+    );
+    let send = |token: Option<&'static str>, body: Value| {
+        let mut req = server.http.post(server.url("/v1/sessions")).json(&body);
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        async move {
+            let r = req.send().await.expect("send");
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    for ip in ["198.51.100.7", "198.51.100.8", "2001:db8::7"] {
+        let (status, v) = send(Some(SERVICE), json!({"client_ip": ip})).await;
+        assert_eq!(status, 201, "{ip}: {v}");
+        assert!(v["session"].as_str().is_some(), "{v}");
+    }
+    let (status, v) = send(Some(SERVICE), json!({"client_ip": "198.51.100.7"})).await;
+    assert_eq!((status, code(&v)), (429, "rate_limited"), "{v}");
+    assert_eq!(v["error"]["scope"], "ip", "{v}");
+    // A guest (no token, or not a service token) may not name an address.
+    let (status, v) = send(None, json!({"client_ip": "192.0.2.99"})).await;
+    assert_eq!((status, code(&v)), (400, "invalid_request"), "{v}");
+    let (status, v) = send(Some(ADMIN), json!({"client_ip": "192.0.2.99"})).await;
+    assert_eq!((status, code(&v)), (401, "unauthorized"), "{v}");
+    let (status, v) = send(Some(SERVICE), json!({"client_ip": "not an address"})).await;
+    assert_eq!((status, code(&v)), (400, "invalid_request"), "{v}");
+    // Without client_ip the connection's address counts, as for a guest.
+    let (status, v) = send(None, json!({})).await;
+    assert_eq!(status, 201, "{v}");
+}

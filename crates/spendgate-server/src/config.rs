@@ -1993,18 +1993,24 @@ fn secret_shown(s: &Secret) -> (String, &'static str) {
     }
 }
 
-/// A redis URL with any password masked.
+/// The store URL as check-config shows it: user info and query masked for every scheme
+/// (`redis+unix://` and `unix://` URLs carry `user=` and `pass=` in the query, where the redis
+/// client reads them), and a value that is not a URL masked whole.
 fn url_shown(s: &Secret) -> (String, &'static str) {
     if s.env_var().is_some() {
         return secret_shown(s);
     }
     let v = s.expose();
-    match (v.find("://"), v.rfind('@')) {
-        (Some(scheme_end), Some(at)) if at > scheme_end => (
-            toml_str(&format!("{}{MASK}{}", &v[..scheme_end + 3], &v[at..])),
-            "credentials masked",
-        ),
-        _ => (toml_str(v), ""),
+    if v.is_empty() {
+        return (toml_str(v), "");
+    }
+    let shown = shown_url(v, false);
+    if shown == MASK {
+        (toml_str(MASK), "not a URL, masked")
+    } else if shown.contains(MASK) {
+        (toml_str(&shown), "user info and query masked")
+    } else {
+        (toml_str(&shown), "")
     }
 }
 
@@ -2572,6 +2578,50 @@ thresholds = [0.5, 0.8, 1.0]
             shown_url("https://v.example.com/siteverify?k=1", false),
             "https://v.example.com/siteverify?***"
         );
+    }
+
+    #[test]
+    fn store_url_query_is_masked_for_every_scheme() {
+        for (url, secret, shown) in [
+            (
+                "redis+unix:///run/redis.sock?db=0&pass=hunter2secret",
+                "hunter2secret",
+                "redis+unix:///run/redis.sock?***",
+            ),
+            (
+                "unix:///run/redis.sock?user=app&pass=hunter2secret",
+                "hunter2secret",
+                "unix:///run/redis.sock?***",
+            ),
+            (
+                "unix:///run/redis.sock?pass=hunter2@secret",
+                "hunter2",
+                "unix:///run/redis.sock?***",
+            ),
+            (
+                "rediss://app:hunter2secret@redis.internal:6380/1?protocol=resp3",
+                "hunter2secret",
+                "rediss://***@redis.internal:6380/1?***",
+            ),
+        ] {
+            let text = format!(
+                "[sessions]\nkeys = [\"session-key-0123456789abcdef\"]\n\n[store]\nkind = \"redis\"\nurl = {}\n",
+                toml_str(url)
+            );
+            let c = load(&text, &no_env).expect("valid");
+            assert_eq!(c.store.url.expose(), url);
+            let rendered = c.render_effective();
+            assert!(
+                !rendered.contains(secret),
+                "{secret} leaked into:\n{rendered}"
+            );
+            let line = format!("url = {}  # user info and query masked", toml_str(shown));
+            assert!(rendered.contains(&line), "{line} not in:\n{rendered}");
+        }
+        let (shown, note) = url_shown(&Secret::literal("redis://127.0.0.1:6379/0"));
+        assert_eq!((shown.as_str(), note), ("\"redis://127.0.0.1:6379/0\"", ""));
+        let (shown, note) = url_shown(&Secret::literal("not a url pass=hunter2"));
+        assert_eq!((shown.as_str(), note), ("\"***\"", "not a URL, masked"));
     }
 
     #[test]

@@ -27,7 +27,10 @@
 //!   no work was done (`proxy::NO_WORK_STATUSES`) releases the reservation instead of
 //!   charging it.
 //! - In `[limits.X]`, `rate = "off"` and `concurrency = "off"` switch that limit off; absent keys
-//!   keep their default.
+//!   keep their default. A `rate` given without `burst` keeps the scope's default burst (at
+//!   most the new count); a scope with no default rate (`conversation`) takes the rate's own
+//!   burst, its count capped at 1000. `sessions.create_rate_*` have no burst key: their burst
+//!   is their count (capped at 1000), as in their defaults.
 //! - `limits.X.dry_run` (default `false`): that scope's limits in dry-run (SPEC §8 "per
 //!   limit"); `server.dry_run = true` puts every `[limits.X]` in dry-run. Dry-run covers the
 //!   scope limits (rates, concurrency caps, budgets). Run bounds, the spending cutoff, price
@@ -583,7 +586,8 @@ struct RawLimits {
     conversation: RawScope,
 }
 
-/// One `[limits.X]` section; an absent key keeps the scope's default.
+/// One `[limits.X]` section; an absent key keeps the scope's default (`burst` included when
+/// only `rate` is given).
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 struct RawScope {
@@ -1585,8 +1589,18 @@ impl Validator<'_, '_> {
         let p = KeyPath::of(&["limits", name]);
         let mut rate = match &raw.rate {
             None => default.rate,
-            Some(text) => self.rate(&p.key("rate"), text)?,
+            Some(text) => self.rate(&p.key("rate"), text)?.map(|mut r| {
+                // A `rate` without `burst` keeps the scope's default burst (at most the new
+                // count): a new rate alone must not let one guest start `count` runs at once.
+                if let Some(d) = default.rate {
+                    r.burst = d.burst.min(r.count).max(1);
+                }
+                r
+            }),
         };
+        if let Some(r) = &rate {
+            self.rate_fits(&p.key("rate"), r)?;
+        }
         if let Some(burst) = raw.burst {
             let burst = self.range(&p.key("burst"), burst, 1, BURST_MAX)?;
             match rate.as_mut() {
@@ -3100,6 +3114,41 @@ budgets = [{ amount = \"1\", window = \"lifetime\" }]
         assert_eq!(
             c.policy.global.rate.map(|r| (r.count, r.burst)),
             Some((100, 7))
+        );
+    }
+
+    #[test]
+    fn a_rate_without_burst_keeps_the_scope_default_burst() {
+        let d = Policy::default();
+        let burst_of = |p: &ScopePolicy| p.rate.map(|r| (r.count, r.period_ms, r.burst));
+        let c = load(
+            "[limits.session]\nrate = \"600/hour\"\n\n[limits.ip]\nrate = \"2/minute\"\n\n\
+             [limits.global]\nrate = \"5000/second\"\n\n[limits.conversation]\nrate = \"10/minute\"\n",
+            &no_env,
+        )
+        .expect("valid");
+        let session_default = d.session.rate.map(|r| r.burst).unwrap_or(0);
+        assert_eq!(session_default, 5);
+        // The scope's default burst, not the rate's count: one guest cannot start 600 at once.
+        assert_eq!(burst_of(&c.policy.session), Some((600, 3_600_000, 5)));
+        // At most the new count.
+        assert_eq!(burst_of(&c.policy.ip), Some((2, 60_000, 2)));
+        assert_eq!(burst_of(&c.policy.global), Some((5000, 1000, 20)));
+        // No default rate to take a burst from: the rate's own.
+        assert_eq!(burst_of(&c.policy.conversation), Some((10, 60_000, 10)));
+        // An explicit burst still wins, above or below the default.
+        let c = load(
+            "[limits.session]\nrate = \"600/hour\"\nburst = 50\n",
+            &no_env,
+        )
+        .expect("valid");
+        assert_eq!(burst_of(&c.policy.session), Some((600, 3_600_000, 50)));
+        // Session creation has no burst key; its burst stays its count, as in its defaults.
+        let c = load("[sessions]\ncreate_rate_per_ip = \"20/hour\"\n", &no_env).expect("valid");
+        assert_eq!(c.policy.session_create_per_ip.map(|r| r.burst), Some(20));
+        assert_eq!(
+            d.session_create_per_ip.map(|r| (r.count, r.burst)),
+            Some((10, 10))
         );
     }
 

@@ -64,7 +64,7 @@ pub const CONFIG_BYTES_MAX: usize = 1 << 20;
 /// (and no such table may be configured).
 pub const MOCK_UPSTREAM: &str = "mock";
 /// `store.timeout_ms` range.
-/// (below `API_REQUEST_TIMEOUT`, 10 s: a store call must fail closed with 503
+/// (below `API_REQUEST_TIMEOUT`, 15 s: a store call must fail closed with 503
 /// `store_unavailable` before the request itself times out)
 pub const STORE_TIMEOUT_MS_MAX: u64 = 5_000;
 /// `store.lease_ttl_s` range.

@@ -193,7 +193,7 @@ impl IntoResponse for ApiError {
         // Everything else that is not a rate or concurrency limit is not worth retrying either.
         let retry = matches!(
             self.code,
-            "rate_limited" | "concurrency_limited" | "store_unavailable" | "overloaded"
+            "rate_limited" | "concurrency_limited" | "store_unavailable"
         );
         h.insert(
             "x-should-retry",
@@ -228,7 +228,7 @@ mod tests {
     }
 
     #[test]
-    fn overload_and_outage_invite_a_retry_and_budgets_do_not() {
+    fn limits_and_outage_invite_a_retry_and_budgets_do_not() {
         let retry = |e: ApiError| {
             let r = e.into_response();
             r.headers()
@@ -236,8 +236,8 @@ mod tests {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
         };
-        let overloaded = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "overloaded", "m");
-        assert_eq!(retry(overloaded).as_deref(), Some("true"));
+        let limited = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", "m");
+        assert_eq!(retry(limited).as_deref(), Some("true"));
         assert_eq!(
             retry(ApiError::store_unavailable()).as_deref(),
             Some("true")

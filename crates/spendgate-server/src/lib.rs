@@ -28,12 +28,16 @@ use spendgate_store::{
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Requests handled at once by one process; past it, new requests are shed with 503.
+/// Requests handled at once by one process; past it, new requests are shed with 429
+/// `rate_limited` (scope `global`, `Retry-After: OVERLOAD_RETRY_AFTER_S`).
 pub const CONCURRENT_REQUESTS_MAX: usize = 8192;
+/// `Retry-After` of a request shed because the process is at `CONCURRENT_REQUESTS_MAX`.
+pub const OVERLOAD_RETRY_AFTER_S: u64 = 1;
 /// Total bytes of request headers accepted (names and values).
 pub const HEADER_BYTES_MAX: usize = 16 * 1024;
-/// Time a decision-API request may take end to end.
-pub const API_REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time a decision-API request may take end to end: longer than `api::BODY_READ_TIMEOUT`, so
+/// that a body sent slowly is answered 408 by the body read, not 504 by this timeout.
+pub const API_REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// How often expired leases are swept.
 pub const SWEEP_EVERY: Duration = Duration::from_millis(500);
 
@@ -262,17 +266,30 @@ async fn shed(err: tower::BoxError) -> Response {
         )
         .into_response()
     } else {
-        // Nothing was admitted: a retry after a second is welcome.
-        error::ApiError {
-            retry_after_s: Some(1),
-            ..error::ApiError::new(
-                axum::http::StatusCode::SERVICE_UNAVAILABLE,
-                "overloaded",
-                "server is overloaded; retry later",
-            )
-        }
-        .into_response()
+        overloaded()
     }
+}
+
+/// The answer to a request shed at `CONCURRENT_REQUESTS_MAX`: a global rate refusal (SPEC §6:
+/// 429 with `Retry-After`; 503 is only for `store_unavailable` and `cutoff_engaged`). Nothing
+/// was admitted; `x-should-retry: false` keeps OpenAI client libraries from adding their
+/// automatic retries to a flood (the caller may still come back after `Retry-After`).
+fn overloaded() -> Response {
+    let mut res = error::ApiError {
+        retry_after_s: Some(OVERLOAD_RETRY_AFTER_S),
+        ..error::ApiError::new(
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            "rate_limited",
+            "the gateway is at its bound of requests in flight; retry later",
+        )
+    }
+    .with_scope(spendgate_core::ScopeKind::Global)
+    .into_response();
+    res.headers_mut().insert(
+        "x-should-retry",
+        axum::http::HeaderValue::from_static("false"),
+    );
+    res
 }
 
 pub fn router(state: Shared) -> Router {
@@ -362,3 +379,5 @@ pub async fn serve(
 
 // A store call fails closed (503 `store_unavailable`) before the request it serves times out.
 const _: () = assert!((config::STORE_TIMEOUT_MS_MAX as u128) < API_REQUEST_TIMEOUT.as_millis());
+// A slow body is answered 408 by the body read before the whole request times out (504).
+const _: () = assert!(api::BODY_READ_TIMEOUT.as_millis() < API_REQUEST_TIMEOUT.as_millis());

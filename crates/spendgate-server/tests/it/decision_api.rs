@@ -872,19 +872,182 @@ async fn credentials_are_checked_before_the_body_and_a_slow_body_times_out() {
     let headers = format!(
         "Authorization: Bearer {SERVICE}\r\nSpendgate-Session: {session}\r\nSpendgate-Client-Ip: 192.0.2.1\r\nSpendgate-Conversation: c1\r\n"
     );
+    let service = format!("Authorization: Bearer {SERVICE}\r\n");
     let started = std::time::Instant::now();
-    let status = half_sent(
-        server.port,
-        "/v1/chat/completions",
-        &headers,
-        std::time::Duration::from_secs(15),
-    )
-    .await;
-    assert!(
-        status.as_deref().is_some_and(|s| s.contains(" 408 ")),
-        "{status:?} after {:?}",
-        started.elapsed()
+    let within = std::time::Duration::from_secs(20);
+    // The decision API's own request timeout (504) is longer than the body read (408): a slow
+    // body is told what went wrong.
+    let (proxied, decision) = tokio::join!(
+        half_sent(server.port, "/v1/chat/completions", &headers, within),
+        half_sent(server.port, "/v1/runs", &service, within),
     );
+    for (path, status) in [("/v1/chat/completions", proxied), ("/v1/runs", decision)] {
+        assert!(
+            status.as_deref().is_some_and(|s| s.contains(" 408 ")),
+            "{path}: {status:?} after {:?}",
+            started.elapsed()
+        );
+    }
+}
+
+/// Connections opened between two probes: fewer than a listen backlog (128) holds, so that no
+/// connection attempt is dropped and retried a second later.
+const HOLDER_BATCH: usize = 64;
+
+/// Room for the test's other open files beyond its held connections.
+const FD_MARGIN: u64 = 1024;
+
+/// The soft limit on open files (Linux; None elsewhere or when unlimited).
+fn open_files_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// `POST /v1/sessions` on a connection of its own (accepted after every connection opened
+/// before it): the status, the head in lower case and the body.
+async fn session_on_new_connection(port: u16) -> (u16, String, Value) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    let req = "POST /v1/sessions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+    tcp.write_all(req.as_bytes()).await.expect("write");
+    let mut answer = Vec::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        tcp.read_to_end(&mut answer),
+    )
+    .await
+    .expect("answered in time")
+    .expect("read");
+    let answer = String::from_utf8_lossy(&answer).to_string();
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = serde_json::from_str(body).unwrap_or(Value::Null);
+    (status, head.to_ascii_lowercase(), body)
+}
+
+/// Slow bodies sent at once to show the order of the body-read and request timeouts.
+const SLOW_BODIES: usize = 1000;
+
+/// A slow body on the decision API is answered 408 by the body read, never 504 by the
+/// request timeout: the request timeout is the longer one. (With both at 10 s, a few percent
+/// of these were answered 504 on a loaded 2-core machine.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_bodies_under_load_are_answered_408_not_504() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if let Some(limit) = open_files_limit() {
+        if limit < SLOW_BODIES as u64 + FD_MARGIN {
+            eprintln!("skipped: {limit} open files allowed, {SLOW_BODIES} connections needed");
+            return;
+        }
+    }
+    let server = Server::start(ROOMY);
+    let head = format!(
+        "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SERVICE}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{"
+    );
+    let mut slow = Vec::with_capacity(SLOW_BODIES);
+    for i in 0..SLOW_BODIES {
+        let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", server.port))
+            .await
+            .expect("connect");
+        tcp.write_all(head.as_bytes()).await.expect("write");
+        slow.push(tcp);
+        if (i + 1) % HOLDER_BATCH == 0 {
+            // Paces the connections (see HOLDER_BATCH).
+            let (status, _, v) = session_on_new_connection(server.port).await;
+            assert_eq!(status, 201, "{v}");
+        }
+    }
+    let answers = futures::future::join_all(slow.into_iter().map(|mut tcp| async move {
+        let mut buf = vec![0u8; 64];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(30), tcp.read(&mut buf))
+            .await
+            .map_or(0, |r| r.unwrap_or(0));
+        String::from_utf8_lossy(&buf[..n])
+            .lines()
+            .next()
+            .unwrap_or("no answer")
+            .to_string()
+    }))
+    .await;
+    let mut by_status = std::collections::BTreeMap::new();
+    for a in answers {
+        *by_status.entry(a).or_insert(0) += 1;
+    }
+    assert_eq!(
+        by_status.keys().collect::<Vec<_>>(),
+        ["HTTP/1.1 408 Request Timeout"],
+        "{by_status:?}"
+    );
+}
+
+/// SPEC §6: a request past `CONCURRENT_REQUESTS_MAX` in flight is shed as a global rate
+/// refusal: 429 `rate_limited`, scope `global`, `Retry-After: 1` (503 is only for
+/// `store_unavailable` and `cutoff_engaged`), and not with `x-should-retry: true`, which
+/// would have OpenAI client libraries add their retries to a flood.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_past_the_in_flight_bound_are_shed_as_a_global_rate_limit() {
+    use tokio::io::AsyncWriteExt;
+    let held = spendgate_server::CONCURRENT_REQUESTS_MAX;
+    if let Some(limit) = open_files_limit() {
+        if limit < (held + 2 * HOLDER_BATCH) as u64 + FD_MARGIN {
+            eprintln!("skipped: {limit} open files allowed, more than {held} connections needed");
+            return;
+        }
+    }
+    let server = Server::start(ROOMY);
+    // Each holder sends the head of a session request whose body never comes: it keeps its
+    // request in flight for BODY_READ_TIMEOUT. (axum applies the in-flight bound route by
+    // route, so holders and probes use one route.)
+    let head = "POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n";
+    let deadline = std::time::Instant::now() + spendgate_server::api::BODY_READ_TIMEOUT;
+    // A few more than the bound: a holder that arrives while a probe still holds its slot is
+    // shed itself and holds nothing.
+    let most = held + 2 * HOLDER_BATCH;
+    let mut holders = Vec::with_capacity(most);
+    let (status, head_seen, v) = loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not shed before the first holder's body read timed out ({} connections open)",
+            holders.len()
+        );
+        let batch = HOLDER_BATCH.min(most - holders.len());
+        for _ in 0..batch {
+            let mut tcp = tokio::net::TcpStream::connect(("127.0.0.1", server.port))
+                .await
+                .expect("connect");
+            tcp.write_all(head.as_bytes()).await.expect("write");
+            holders.push(tcp);
+        }
+        // The probe also paces the holders: it is answered once the server has accepted
+        // every connection before it.
+        let (status, head_seen, v) = session_on_new_connection(server.port).await;
+        if status != 201 {
+            break (status, head_seen, v);
+        }
+        if holders.len() == most {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
+    assert_eq!(status, 429, "{head_seen}\n{v}");
+    assert!(
+        holders.len() >= held,
+        "shed with only {} connections open",
+        holders.len()
+    );
+    assert!(head_seen.contains("\r\nretry-after: 1\r\n"), "{head_seen}");
+    assert!(!head_seen.contains("x-should-retry: true"), "{head_seen}");
+    assert_eq!(code(&v), "rate_limited", "{v}");
+    assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+    assert_eq!(v["error"]["scope"], "global", "{v}");
+    assert_eq!(v["error"]["retry_after_s"], 1, "{v}");
+    drop(holders);
 }
 
 /// The framework's own refusals (a path or query that does not parse, a method a route does

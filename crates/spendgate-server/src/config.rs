@@ -11,11 +11,13 @@
 //! syntax (`limits.global.budgets[1].amount`), and the line it came from.
 //!
 //! Secrets (`service_tokens`, `admin_tokens`, `sessions.keys`, `store.url`,
-//! `sessions.verifier_secret`, `upstreams.NAME.api_key`) are either literals or `env:NAME`.
-//! An `env:` entry whose variable is unset or empty is dropped from the token and key lists (no
-//! service token: the service API is closed; no admin token: the admin API is closed; no
-//! session key: the server generates an ephemeral one) and is an empty secret elsewhere. Every
-//! such variable is listed in [`Config::unset_env`] so that the server can warn about it.
+//! `sessions.verifier_secret`, `upstreams.NAME.api_key`, `alerts.webhook_url`) are either
+//! literals or `env:NAME`. An `env:` entry whose variable is unset or empty is dropped from the
+//! token and key lists (no service token: the service API is closed; no admin token: the admin
+//! API is closed; no session key: the server generates an ephemeral one), is an error for
+//! `alerts.webhook_url` (an alert channel the operator asked for must not vanish silently) and
+//! is an empty secret elsewhere. Every such variable is listed in [`Config::unset_env`] so that
+//! the server can warn about it.
 //!
 //! Extensions to SPEC §9 (all optional):
 //! - `sessions.verifier_url`, `sessions.verifier_secret`: an external siteverify-style checker
@@ -286,7 +288,8 @@ pub struct UpstreamConfig {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AlertsConfig {
-    pub webhook_url: Option<String>,
+    /// A secret: literal or `env:NAME` (an unset variable is an error).
+    pub webhook_url: Option<Secret>,
     /// Fractions of a budget times 1000 (0.5 → 500), strictly ascending, each in 1..=10000.
     pub thresholds_permille: Vec<u32>,
     /// Kinds of scope whose budgets are watched: `global` (default), and `ip`, `session`,
@@ -1130,16 +1133,18 @@ impl Validator<'_, '_> {
     /// `base`: a base that paths are appended to (no user info, query or fragment, which
     /// would swallow the path or end up in logs).
     fn http_url(&self, path: &KeyPath, url: &str, base: bool) -> R<()> {
+        self.http_url_shown(path, url, base, &toml_str(url))
+    }
+
+    /// [`Self::http_url`] naming the URL in errors as `shown` (a secret one is not shown).
+    fn http_url_shown(&self, path: &KeyPath, url: &str, base: bool, shown: &str) -> R<()> {
         if url.contains(MASK) {
             return Err(self.err(path, masked_problem()));
         }
         let not_url = |why: &str| {
             self.err(
                 path,
-                format!(
-                    "{} is not an http:// or https:// URL ({why})",
-                    toml_str(url)
-                ),
+                format!("{shown} is not an http:// or https:// URL ({why})"),
             )
         };
         if url.chars().any(|c| c.is_whitespace() || c.is_control()) {
@@ -1889,13 +1894,31 @@ impl Validator<'_, '_> {
         Ok(out)
     }
 
-    fn alerts(&self, raw: &RawAlerts) -> R<AlertsConfig> {
+    fn alerts(&mut self, raw: &RawAlerts) -> R<AlertsConfig> {
         let p = KeyPath::of(&["alerts"]);
+        let up = p.key("webhook_url");
         let webhook_url = if raw.webhook_url.trim().is_empty() {
             None
         } else {
-            self.http_url(&p.key("webhook_url"), &raw.webhook_url, false)?;
-            Some(raw.webhook_url.clone())
+            // A webhook URL (Slack's among them) carries its credential: a secret.
+            let url = match self.secret(&up, &raw.webhook_url)? {
+                Resolved::Set(s) => s,
+                Resolved::Unset(var) => {
+                    return Err(self.err(
+                        &up,
+                        format!(
+                            "environment variable {var} is unset or empty; set it or leave \
+                             webhook_url empty for no webhook"
+                        ),
+                    ));
+                }
+            };
+            let shown = format!(
+                "the URL from {} (not shown: it holds a credential)",
+                url.source()
+            );
+            self.http_url_shown(&up, url.expose(), false, &shown)?;
+            Some(url)
         };
         let tp = p.key("thresholds");
         self.list_len(&tp, raw.thresholds.len(), 32)?;
@@ -2276,11 +2299,15 @@ impl Config {
         o.line("[alerts]");
         match &a.webhook_url {
             None => o.kv("webhook_url", toml_str("")),
+            Some(u) if u.env_var().is_some() => {
+                let (v, note) = secret_shown(u);
+                o.kv_note("webhook_url", v, note);
+            }
             Some(u) => {
                 // Webhook URLs (Slack's among them) carry their credential in the path.
                 o.kv_note(
                     "webhook_url",
-                    toml_str(&shown_url(u, true)),
+                    toml_str(&shown_url(u.expose(), true)),
                     "user info, path and query masked",
                 );
             }
@@ -2636,6 +2663,51 @@ thresholds = [0.5, 0.8, 1.0]
         assert_eq!((shown.as_str(), note), ("\"redis://127.0.0.1:6379/0\"", ""));
         let (shown, note) = url_shown(&Secret::literal("not a url pass=hunter2"));
         assert_eq!((shown.as_str(), note), ("\"***\"", "not a URL, masked"));
+    }
+
+    #[test]
+    fn webhook_url_is_a_secret_given_by_env() {
+        const HOOK: &str = "https://hooks.example.com/services/T0/B0/hooksecret42";
+        const ENV: &[(&str, &str)] = &[("HOOK", HOOK), ("BAD_HOOK", "ftp://x/hooksecret42")];
+        let text = "[alerts]\nwebhook_url = \"env:HOOK\"\n";
+        let c = load(text, &env_of(ENV)).expect("valid");
+        let url = c.alerts.webhook_url.as_ref().expect("a webhook");
+        assert_eq!(url.expose(), HOOK);
+        assert_eq!(url.env_var(), Some("HOOK"));
+        let rendered = c.render_effective();
+        assert!(!rendered.contains("hooksecret42"), "{rendered}");
+        assert!(
+            rendered.contains("webhook_url = \"env:HOOK\"  # set"),
+            "{rendered}"
+        );
+        assert_eq!(load(&rendered, &env_of(ENV)).expect("valid"), c);
+
+        // An unset variable is an error naming the key and the variable.
+        let e = load(text, &no_env).expect_err("unset");
+        assert_eq!(e.key(), "alerts.webhook_url");
+        assert!(e.to_string().contains("HOOK"), "{e}");
+        // The value from the environment is validated, and not shown.
+        let e =
+            load("[alerts]\nwebhook_url = \"env:BAD_HOOK\"\n", &env_of(ENV)).expect_err("not http");
+        assert_eq!(e.key(), "alerts.webhook_url");
+        assert!(!e.to_string().contains("hooksecret42"), "{e}");
+        assert!(e.to_string().contains("env:BAD_HOOK"), "{e}");
+
+        // A literal still works, and check-config still masks it.
+        let c = load(&format!("[alerts]\nwebhook_url = \"{HOOK}\"\n"), &no_env).expect("valid");
+        assert_eq!(
+            c.alerts.webhook_url.as_ref().map(Secret::expose),
+            Some(HOOK)
+        );
+        let rendered = c.render_effective();
+        assert!(!rendered.contains("hooksecret42"), "{rendered}");
+        assert!(
+            rendered.contains("webhook_url = \"https://hooks.example.com/***\""),
+            "{rendered}"
+        );
+        let e = load_err("[alerts]\nwebhook_url = \"ftp://x/hooksecret42\"\n");
+        assert_eq!(e.key(), "alerts.webhook_url");
+        assert!(!e.to_string().contains("hooksecret42"), "{e}");
     }
 
     #[test]

@@ -146,7 +146,12 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
             (name.clone(), up)
         })
         .collect();
-    let alerts = alerts::Alerts::start(http.clone(), config.alerts.webhook_url.clone());
+    let webhook = config
+        .alerts
+        .webhook_url
+        .as_ref()
+        .map(|u| u.expose().to_string());
+    let alerts = alerts::Alerts::start(http.clone(), webhook);
     Ok(Arc::new(AppState {
         alerts,
         upstreams,

@@ -343,11 +343,15 @@ pub fn router(state: Shared) -> Router {
         .method_not_allowed_fallback(api::method_not_allowed)
         .fallback(api::fallback)
         .layer(middleware::from_fn(limit_headers))
+        // (one semaphore for the whole process: `Router::layer` builds the layer's service
+        // once per route, and a plain concurrency limit would then bound each route apart)
         .layer(
             ServiceBuilder::new()
                 .layer(axum::error_handling::HandleErrorLayer::new(shed))
                 .load_shed()
-                .concurrency_limit(CONCURRENT_REQUESTS_MAX),
+                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
+                    CONCURRENT_REQUESTS_MAX,
+                )),
         )
         .layer(middleware::from_fn_with_state(state.clone(), count_errors))
         .with_state(state)

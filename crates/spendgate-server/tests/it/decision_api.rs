@@ -1002,10 +1002,12 @@ async fn requests_past_the_in_flight_bound_are_shed_as_a_global_rate_limit() {
         }
     }
     let server = Server::start(ROOMY);
-    // Each holder sends the head of a session request whose body never comes: it keeps its
-    // request in flight for BODY_READ_TIMEOUT. (axum applies the in-flight bound route by
-    // route, so holders and probes use one route.)
-    let head = "POST /v1/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n";
+    // Each holder sends the head of a run request whose body never comes: it keeps its
+    // request in flight for BODY_READ_TIMEOUT. The probes create sessions: the bound is the
+    // process's, not a route's.
+    let head = format!(
+        "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SERVICE}\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n"
+    );
     let deadline = std::time::Instant::now() + spendgate_server::api::BODY_READ_TIMEOUT;
     // A few more than the bound: a holder that arrives while a probe still holds its slot is
     // shed itself and holds nothing.

@@ -25,6 +25,9 @@
 //! - `identity.ipv6_wider_prefixes` (default `[56, 48]`): wider IPv6 prefixes, limited too, the
 //!   k-th one at the `ip` limits multiplied by 4^k.
 //! - `models.NAME.upstream_model`: the model name sent upstream (default: NAME).
+//! - `models.NAME.output_bound_field` (default `"max_tokens"`, or `"max_completion_tokens"`):
+//!   the one output-bound field forwarded, whichever the client sent (the field the model's
+//!   upstream honours; OpenAI's reasoning models need `max_completion_tokens`).
 //! - `upstreams.NAME.release_on_error` (default `true`): an upstream error response that shows
 //!   no work was done (`proxy::NO_WORK_STATUSES`) releases the reservation instead of
 //!   charging it.
@@ -273,6 +276,28 @@ pub struct ModelConfig {
     pub tokenizer: Tokenizer,
     /// The model name sent upstream; `None`: the configured name.
     pub upstream_model: Option<String>,
+    /// The one output-bound field the forwarded request carries, whatever the client used:
+    /// the field this model's upstream honours (an upstream that ignores the other one would
+    /// generate past the bound that was reserved).
+    pub output_bound_field: OutputBoundField,
+}
+
+/// `models.NAME.output_bound_field`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OutputBoundField {
+    /// `max_tokens` (the default: every OpenAI-compatible server reads it).
+    MaxTokens,
+    /// `max_completion_tokens` (OpenAI's reasoning models refuse `max_tokens`).
+    MaxCompletionTokens,
+}
+
+impl OutputBoundField {
+    pub fn name(self) -> &'static str {
+        match self {
+            OutputBoundField::MaxTokens => "max_tokens",
+            OutputBoundField::MaxCompletionTokens => "max_completion_tokens",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -654,6 +679,7 @@ struct RawModel {
     cached_input_per_million: Option<RawAmount>,
     tokenizer: Option<String>,
     upstream_model: Option<String>,
+    output_bound_field: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1851,6 +1877,20 @@ impl Validator<'_, '_> {
             if let Some(um) = &m.upstream_model {
                 self.name(&p.key("upstream_model"), "upstream model", um)?;
             }
+            let output_bound_field = match &m.output_bound_field {
+                None => OutputBoundField::MaxTokens,
+                Some(f) => self.one_of(
+                    &p.key("output_bound_field"),
+                    f,
+                    &[
+                        ("max_tokens", OutputBoundField::MaxTokens),
+                        (
+                            "max_completion_tokens",
+                            OutputBoundField::MaxCompletionTokens,
+                        ),
+                    ],
+                )?,
+            };
             out.insert(
                 name.clone(),
                 ModelConfig {
@@ -1862,6 +1902,7 @@ impl Validator<'_, '_> {
                     },
                     tokenizer,
                     upstream_model: m.upstream_model.clone(),
+                    output_bound_field,
                 },
             );
         }
@@ -2272,6 +2313,7 @@ impl Config {
             if let Some(um) = &m.upstream_model {
                 o.kv("upstream_model", toml_str(um));
             }
+            o.kv("output_bound_field", toml_str(m.output_bound_field.name()));
         }
         for (name, t) in &self.tools {
             o.line("");
@@ -3398,6 +3440,21 @@ api_key = "env:OPENAI_API_KEY"
         );
         assert_eq!(m.tokenizer, Tokenizer::Bytes, "the conservative default");
         assert_eq!(m.upstream_model.as_deref(), Some("real-name"));
+        assert_eq!(m.output_bound_field, OutputBoundField::MaxTokens);
+
+        let e = load_err(&model(
+            "upstream = \"mock\"\ninput_per_million = \"1\"\noutput_per_million = \"1\"\noutput_bound_field = \"max_output\"",
+        ));
+        assert_eq!(e.key(), "models.\"m.1\".output_bound_field");
+        let c = load(
+            &model("upstream = \"mock\"\ninput_per_million = \"1\"\noutput_per_million = \"1\"\noutput_bound_field = \"max_completion_tokens\""),
+            &no_env,
+        )
+        .expect("valid");
+        assert_eq!(
+            c.models["m.1"].output_bound_field,
+            OutputBoundField::MaxCompletionTokens
+        );
 
         let e = load_err("[upstreams.mock]\nbase_url = \"http://127.0.0.1:1\"\n");
         assert_eq!(e.key(), "upstreams.mock");

@@ -243,20 +243,40 @@ fn check_priced_as_text(body: &Value) -> ApiResult<()> {
     }
     // `prediction`: its rejected tokens are billed as output beyond what the output bound
     // reserves.
-    // `plugins` (OpenRouter's web search and others) are billed per use; `models` falls back
-    // to other models, at their prices.
+    // `plugins` (OpenRouter's web search and others) are billed per use; `models` and
+    // `fallbacks` (LiteLLM) fall back to other models, at their prices; `provider` (OpenRouter)
+    // picks providers of the model at their own prices.
     for k in [
         "audio",
         "web_search_options",
         "prediction",
         "plugins",
         "models",
+        "fallbacks",
+        "provider",
     ] {
         if set(k) {
             return Err(ApiError::invalid(format!(
                 "\"{k}\" is charged beyond the text tokens reserved here"
             )));
         }
+    }
+    // Work the answer's usage does not show: `best_of` samples that many sequences and
+    // returns one (vLLM), beam search as many beams.
+    if let Some(b) = body.get("best_of").filter(|v| !v.is_null()) {
+        if b.as_u64() != Some(1) {
+            return Err(ApiError::invalid(
+                "\"best_of\" other than 1 samples work its usage does not report",
+            ));
+        }
+    }
+    if body
+        .get("use_beam_search")
+        .is_some_and(|v| v.as_bool() != Some(false) && !v.is_null())
+    {
+        return Err(ApiError::invalid(
+            "\"use_beam_search\" samples work its usage does not report",
+        ));
     }
     // Tools the upstream runs itself (web search, code interpreters) are billed per call;
     // only tools the caller runs (functions) are bounded here.
@@ -338,8 +358,6 @@ pub struct PromptTexts {
     pub bytes: u64,
     pub largest_tool_result: u64,
     pub last_user_bytes: u64,
-    /// Bytes of every message's text.
-    pub messages_bytes: u64,
 }
 
 /// The texts of [`prompt_tokens`], not yet counted (counting a large prompt is expensive:
@@ -390,7 +408,6 @@ pub fn prompt_texts(body: &Value) -> ApiResult<PromptTexts> {
         texts.push(content);
         overhead = overhead.saturating_add(TOKENS_PER_MESSAGE);
     }
-    let messages_bytes = texts.iter().map(|t| t.len() as u64).sum();
     for (k, v) in body.as_object().into_iter().flatten() {
         if !v.is_null() && !UNBILLED_FIELDS.contains(&k.as_str()) {
             texts.push(v.to_string());
@@ -403,7 +420,6 @@ pub fn prompt_texts(body: &Value) -> ApiResult<PromptTexts> {
         bytes,
         largest_tool_result,
         last_user_bytes,
-        messages_bytes,
     })
 }
 
@@ -794,9 +810,10 @@ pub async fn chat_completions(
     let bounds = state.config.policy.run;
     let texts = prompt_texts(&req)?;
     let largest_tool_result = texts.largest_tool_result;
-    // The operator's backend composes the history; a guest (browser-direct) writes all of it.
+    // The operator's backend composes the history; a guest (browser-direct) writes all of it,
+    // every field the upstream bills as prompt (tools, response_format, unknown fields).
     let input_bytes = if who.guest {
-        texts.messages_bytes
+        texts.bytes
     } else {
         texts.last_user_bytes
     };
@@ -990,17 +1007,11 @@ pub async fn chat_completions(
         .unwrap_or(bounds.max_output_tokens);
     let mut client_wants_usage = false;
     if let Some(o) = req.as_object_mut() {
-        let present =
-            |o: &serde_json::Map<String, Value>, k: &str| o.get(k).is_some_and(|v| !v.is_null());
-        // The newer alias when the client used it (reasoning models refuse `max_tokens`).
-        let alias = if present(o, "max_completion_tokens") {
-            "max_completion_tokens"
-        } else {
-            "max_tokens"
-        };
+        // The field the model's upstream honours, never the client's choice: an upstream
+        // that ignores the other alias would generate past the bound reserved.
         o.remove("max_tokens");
         o.remove("max_completion_tokens");
-        o.insert(alias.to_string(), json!(out));
+        o.insert(model.output_bound_field.name().to_string(), json!(out));
         if let Some(name) = &model.upstream_model {
             o.insert("model".into(), json!(name));
         }
@@ -2286,6 +2297,12 @@ mod tests {
                 "plugins": [{"id": "web", "max_results": 10}]}),
             json!({"messages": [{"role": "user", "content": "hi"}], "models": ["openai/o1-pro"]}),
             json!({"messages": [{"role": "user", "content": "hi"}],
+                "provider": {"order": ["dearest"], "allow_fallbacks": false}}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "fallbacks": ["gpt-4.5"]}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "best_of": 8}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "best_of": "8"}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "use_beam_search": true}),
+            json!({"messages": [{"role": "user", "content": "hi"}],
                 "tools": [{"type": "openrouter:web_search"}]}),
             json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f"}]}),
             user(json!([{"type": "text", "text": "long context",
@@ -2301,6 +2318,8 @@ mod tests {
                 {"role": "user", "content": "hi"}],
                 "modalities": ["text"], "service_tier": "auto", "audio": null}),
             json!({"messages": [{"role": "user", "content": "hi"}], "service_tier": "flex"}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "best_of": 1,
+                "use_beam_search": false, "provider": null}),
             json!({"messages": [{"role": "user", "content": "hi"}],
                 "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
         ];

@@ -196,6 +196,12 @@ input_per_million = "1"
 output_per_million = "1"
 tokenizer = "o200k_base"
 
+[models.reasoning-model]
+upstream = "up"
+input_per_million = "1"
+output_per_million = "1"
+output_bound_field = "max_completion_tokens"
+
 [models.refused-key]
 upstream = "refusing"
 input_per_million = "1"
@@ -555,7 +561,8 @@ async fn calls_are_clamped_forwarded_and_charged_at_the_upstreams_usage() {
     );
     replies.push(r);
 
-    // Only max_completion_tokens: it stays the alias, under our bound.
+    // Only max_completion_tokens: forwarded as the field the model's upstream honours
+    // (`max_tokens` by default), never the client's pick, under our bound.
     let r = g
         .chat(
             "c-mct",
@@ -565,12 +572,39 @@ async fn calls_are_clamped_forwarded_and_charged_at_the_upstreams_usage() {
         .await;
     assert_eq!(r.status, 200, "{}", r.text);
     let sent = last_sent(&g);
-    assert_eq!(sent["max_completion_tokens"], 50);
+    assert_eq!(sent["max_tokens"], 50);
     assert!(
-        sent.get("max_tokens").is_none(),
+        sent.get("max_completion_tokens").is_none(),
         "exactly one alias: {sent}"
     );
     replies.push(r);
+
+    // A model configured with `output_bound_field = "max_completion_tokens"` gets only that
+    // one, whichever the client sent (or none).
+    for (conv, body) in [
+        (
+            "c-r1",
+            json!({"model": "reasoning-model", "max_tokens": 40, "messages": user("hi")}),
+        ),
+        (
+            "c-r2",
+            json!({"model": "reasoning-model", "messages": user("hi")}),
+        ),
+    ] {
+        let r = g.chat(conv, body, &[]).await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let sent = last_sent(&g);
+        assert!(
+            sent.get("max_tokens").is_none(),
+            "exactly one alias: {sent}"
+        );
+        assert_eq!(
+            sent["max_completion_tokens"],
+            if conv == "c-r1" { 40 } else { 100 },
+            "{sent}"
+        );
+        replies.push(r);
+    }
 
     // Both: the smallest wins and exactly one is forwarded.
     let r = g
@@ -582,9 +616,9 @@ async fn calls_are_clamped_forwarded_and_charged_at_the_upstreams_usage() {
         .await;
     assert_eq!(r.status, 200, "{}", r.text);
     let sent = last_sent(&g);
-    assert_eq!(sent["max_completion_tokens"], 30);
+    assert_eq!(sent["max_tokens"], 30);
     assert!(
-        sent.get("max_tokens").is_none(),
+        sent.get("max_completion_tokens").is_none(),
         "exactly one alias: {sent}"
     );
     assert_eq!(r.json()["usage"]["completion_tokens"], 30);
@@ -681,7 +715,7 @@ async fn calls_are_clamped_forwarded_and_charged_at_the_upstreams_usage() {
         .map(|r| r["charged_micros"].as_u64().unwrap_or(0))
         .sum();
     assert_eq!(global["used_micros"], charged);
-    assert_eq!(g.mock.stats().requests, 6);
+    assert_eq!(g.mock.stats().requests, 8);
 
     // The key reached the upstream, and never the client.
     assert_eq!(
@@ -1219,6 +1253,22 @@ async fn a_guests_whole_history_is_its_input() {
     );
     let r = g.chat("backend", history, &[]).await;
     assert_eq!(r.status, 200, "the backend's history: {}", r.text);
+    // Text in any other billed field is the guest's input too (a short message with a long
+    // tool description is no way around the bound).
+    let tools = json!({"model": MODEL, "messages": user("summarise the tool"), "tools": [
+        {"type": "function", "function": {"name": "doc", "description": "y".repeat(150)}}]});
+    let r = Gateway::send(g.guest_chat(&guest).json(&tools)).await;
+    assert_eq!(
+        (r.status, r.code()),
+        (413, "payload_too_large".into()),
+        "{}",
+        r.text
+    );
+    assert_eq!(
+        g.mock.stats().requests,
+        served + 1,
+        "only the backend's call"
+    );
 }
 
 /// An overrun through the proxy (the upstream reports more output than was bounded) is

@@ -31,6 +31,38 @@ use std::time::Duration;
 /// Requests handled at once by one process; past it, new requests are shed with 429
 /// `rate_limited` (scope `global`, `Retry-After: OVERLOAD_RETRY_AFTER_S`).
 pub const CONCURRENT_REQUESTS_MAX: usize = 8192;
+/// Open files a gateway wants: every client connection ([`listener::CONNECTIONS_MAX`]), as many
+/// to upstreams, and room for the store, the alert webhook and logs.
+pub const OPEN_FILES_WANTED: u64 = 2 * listener::CONNECTIONS_MAX as u64 + 1024;
+
+/// Raises this process's soft limit on open files to [`OPEN_FILES_WANTED`] (at most the hard
+/// limit; never lowers it), so the gateway's own connection bound is what binds, not a
+/// distribution's default of 1,024 (past it `accept` fails and clients see resets). Returns
+/// the soft limit now in force (`None`: unlimited).
+pub fn raise_open_files_limit() -> Option<u64> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let now = getrlimit(Resource::Nofile);
+    let current = now.current?;
+    let target = now
+        .maximum
+        .map_or(OPEN_FILES_WANTED, |hard| hard.min(OPEN_FILES_WANTED));
+    if target <= current {
+        return Some(current);
+    }
+    match setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(target),
+            maximum: now.maximum,
+        },
+    ) {
+        Ok(()) => Some(target),
+        Err(e) => {
+            tracing::warn!(error = %e, current, target, "could not raise the open files limit");
+            Some(current)
+        }
+    }
+}
 /// `Retry-After` of a request shed because the process is at `CONCURRENT_REQUESTS_MAX`.
 pub const OVERLOAD_RETRY_AFTER_S: u64 = 1;
 /// Total bytes of request headers accepted (names and values).

@@ -150,6 +150,15 @@ async fn main() -> anyhow::Result<()> {
                 tracing::warn!("{w}");
             }
             spendgate_server::tokens::warm_up();
+            match spendgate_server::raise_open_files_limit() {
+                Some(n) if n < spendgate_server::OPEN_FILES_WANTED => tracing::warn!(
+                    open_files = n,
+                    wanted = spendgate_server::OPEN_FILES_WANTED,
+                    "the open files limit is below what the connection bounds need: raise the \
+                     hard limit (LimitNOFILE=, ulimit -Hn), or connections past it are reset"
+                ),
+                _ => {}
+            }
             let store = spendgate_server::open_store(&cfg).await?;
             let listener = tokio::net::TcpListener::bind(cfg.server.listen)
                 .await

@@ -897,11 +897,18 @@ const HOLDER_BATCH: usize = 64;
 /// Room for the test's other open files beyond its held connections.
 const FD_MARGIN: u64 = 1024;
 
-/// The soft limit on open files (Linux; None elsewhere or when unlimited).
-fn open_files_limit() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
-    line.split_whitespace().nth(3)?.parse().ok()
+/// Makes sure this test process (and the server it spawns, which raises its own limit the
+/// same way) may hold `connections` open: raises the soft limit on open files as the gateway
+/// does at start, and fails, never skips, when the hard limit is too low.
+fn need_open_files(connections: usize) {
+    let limit = spendgate_server::raise_open_files_limit();
+    if let Some(limit) = limit {
+        assert!(
+            limit >= connections as u64 + FD_MARGIN,
+            "this test holds {connections} connections; the open files limit is {limit} \
+             (raise the hard limit: ulimit -Hn)"
+        );
+    }
 }
 
 /// `POST /v1/sessions` on a connection of its own (accepted after every connection opened
@@ -941,12 +948,7 @@ const SLOW_BODIES: usize = 1000;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_bodies_under_load_are_answered_408_not_504() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    if let Some(limit) = open_files_limit() {
-        if limit < SLOW_BODIES as u64 + FD_MARGIN {
-            eprintln!("skipped: {limit} open files allowed, {SLOW_BODIES} connections needed");
-            return;
-        }
-    }
+    need_open_files(SLOW_BODIES);
     let server = Server::start(ROOMY);
     let head = format!(
         "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SERVICE}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{"
@@ -995,12 +997,7 @@ async fn slow_bodies_under_load_are_answered_408_not_504() {
 async fn requests_past_the_in_flight_bound_are_shed_as_a_global_rate_limit() {
     use tokio::io::AsyncWriteExt;
     let held = spendgate_server::CONCURRENT_REQUESTS_MAX;
-    if let Some(limit) = open_files_limit() {
-        if limit < (held + 2 * HOLDER_BATCH) as u64 + FD_MARGIN {
-            eprintln!("skipped: {limit} open files allowed, more than {held} connections needed");
-            return;
-        }
-    }
+    need_open_files(held + 2 * HOLDER_BATCH);
     let server = Server::start(ROOMY);
     // Each holder sends the head of a run request whose body never comes: it keeps its
     // request in flight for BODY_READ_TIMEOUT. The probes create sessions: the bound is the

@@ -260,23 +260,29 @@ fn seq_header(resp: &mut Response, seq: u64) {
 }
 
 /// Maps an admission outcome to a response: a grant with `status`, or the refusal.
+/// `replayed`: the answer repeats an earlier one (same `Idempotency-Key`), which was counted
+/// then: not counted again.
 fn grant(
     metrics: &Metrics,
     what: &'static str,
     out: Result<Value, Refusal>,
     status: StatusCode,
-    seq: u64,
+    (seq, replayed): (u64, bool),
 ) -> Response {
     match out {
         Ok(mut body) => {
-            metrics.admitted(what);
+            if !replayed {
+                metrics.admitted(what);
+            }
             body["ledger_seq"] = json!(seq);
             let mut resp = (status, Json(body)).into_response();
             seq_header(&mut resp, seq);
             resp
         }
         Err(r) => {
-            metrics.refused(what, r.code.name(), r.scope);
+            if !replayed {
+                metrics.refused(what, r.code.name(), r.scope);
+            }
             ApiError::from(&r).with_ledger_seq(seq).into_response()
         }
     }
@@ -422,6 +428,8 @@ pub async fn create_run(
     // Keys are the guest session's own: two sessions (or two backends) that happen to pick
     // the same key do not meet.
     let idem = idempotency(&headers, &format!("run:{}", req.session), &body.raw)?;
+    // (a first answer under a key always changes the ledger: it is remembered)
+    let keyed = idem.is_some();
     let started = Instant::now();
     let applied = state.store.admit_run(req, idem).await;
     state.metrics.store_call(started.elapsed());
@@ -437,7 +445,13 @@ pub async fn create_run(
             "reserved_micros": a.reserved.0,
         })
     });
-    let mut resp = grant(&state.metrics, "run", out, StatusCode::CREATED, applied.seq);
+    let mut resp = grant(
+        &state.metrics,
+        "run",
+        out,
+        StatusCode::CREATED,
+        (applied.seq, keyed && !changed),
+    );
     if resp.status() == StatusCode::CREATED {
         rate_limit_headers(&state, rate_left, resp.headers_mut());
         note_dry_run(&state, "run", dry_run.as_ref(), changed, resp.headers_mut());
@@ -643,6 +657,7 @@ pub async fn create_step(
         kind,
     };
     let idem = idempotency(&headers, &format!("step:{run_id}"), &body.raw)?;
+    let keyed = idem.is_some();
     let started = Instant::now();
     let applied = state.store.reserve_step(req, idem).await;
     state.metrics.store_call(started.elapsed());
@@ -663,7 +678,7 @@ pub async fn create_step(
         "step",
         out,
         StatusCode::CREATED,
-        applied.seq,
+        (applied.seq, keyed && !changed),
     );
     if shrunk {
         resp.headers_mut()

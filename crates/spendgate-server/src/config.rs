@@ -1022,6 +1022,17 @@ fn serde_error(text: &str, root: &Spanned<DeTable<'_>>, e: &toml::de::Error) -> 
             .replace("expected f64", "expected a number")
             .replace("expected a sequence", "expected an array")
             .replace('`', "\"");
+        // A secret written with the wrong type (a string where a list belongs) is not echoed:
+        // errors reach logs.
+        let secret = at.0.iter().rev().find_map(|seg| match seg {
+            Seg::Key(k) => Some(SECRET_KEYS.contains(&k.as_str())),
+            _ => None,
+        });
+        let problem = if secret == Some(true) {
+            redact_quoted(&problem)
+        } else {
+            problem
+        };
         let problem = match problem.find("expected struct ") {
             Some(i) => format!("{}expected a table", &problem[..i]),
             None => match problem.find("expected a map") {
@@ -1042,6 +1053,38 @@ fn serde_error(text: &str, root: &Spanned<DeTable<'_>>, e: &toml::de::Error) -> 
         column: None,
         origin: None,
     }
+}
+
+/// Keys whose values are secrets, or may carry one (a URL's credentials): never echoed in an
+/// error.
+const SECRET_KEYS: [&str; 8] = [
+    "service_tokens",
+    "admin_tokens",
+    "keys",
+    "url",
+    "api_key",
+    "verifier_secret",
+    "verifier_url",
+    "webhook_url",
+];
+
+/// `problem` with every quoted value replaced by `"…"`.
+fn redact_quoted(problem: &str) -> String {
+    let mut out = String::with_capacity(problem.len());
+    let mut inside = false;
+    for c in problem.chars() {
+        if c == '"' {
+            if inside {
+                out.push_str("…\"");
+            } else {
+                out.push('"');
+            }
+            inside = !inside;
+        } else if !inside {
+            out.push(c);
+        }
+    }
+    out
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -3228,6 +3271,42 @@ budgets = [{ amount = \"1\", window = \"lifetime\" }]
         assert_eq!(
             c.policy.global.rate.map(|r| (r.count, r.burst)),
             Some((100, 7))
+        );
+    }
+
+    #[test]
+    fn a_secret_of_the_wrong_type_is_not_echoed() {
+        for (toml, key) in [
+            (
+                "[server]\nadmin_tokens = \"SUPERSECRETADMINTOKEN123456\"\n",
+                "server.admin_tokens",
+            ),
+            (
+                "[server]\nservice_tokens = \"SUPERSECRETADMINTOKEN123456\"\n",
+                "server.service_tokens",
+            ),
+            (
+                "[sessions]\nkeys = \"SUPERSECRETADMINTOKEN123456\"\n",
+                "sessions.keys",
+            ),
+            (
+                "[store]\nurl = [\"redis://:SUPERSECRETADMINTOKEN123456@h\"]\n",
+                "store.url",
+            ),
+        ] {
+            let e = load_err(toml);
+            assert_eq!(e.key(), key, "{e}");
+            assert!(!e.to_string().contains("SUPERSECRET"), "{e}");
+            assert!(
+                e.to_string().contains("expected"),
+                "still says what is wrong: {e}"
+            );
+        }
+        // Other values are still shown.
+        let e = load_err("[run]\nmode = 3\n");
+        assert!(
+            e.to_string().contains("3") || e.to_string().contains("integer"),
+            "{e}"
         );
     }
 

@@ -577,6 +577,20 @@ async fn idempotent_steps_and_commits() {
         10_000,
         "held once"
     );
+    // Counted once too: the replay is the first admission's answer.
+    let metrics = server
+        .http
+        .get(server.url("/metrics"))
+        .send()
+        .await
+        .expect("send")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains("spendgate_admissions_total{what=\"step\"} 1\n"),
+        "{metrics}"
+    );
     let r = send(
         "k1",
         json!({"kind": "tool", "tool": "web_search", "units": 3}),

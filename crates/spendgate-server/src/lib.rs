@@ -107,6 +107,18 @@ pub fn redis_options(config: &Config) -> spendgate_redis::RedisOptions {
     }
 }
 
+/// Shortest timeout of an operator's `spendgate store` command: `store.timeout_ms` bounds the
+/// gateway's calls on the request path (fail closed), but a command run once by hand (a TLS
+/// handshake, a script load) may take longer and must not fail for it.
+pub const STORE_COMMAND_TIMEOUT_MIN: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// [`redis_options`] for an operator's `spendgate store` command.
+pub fn redis_command_options(config: &Config) -> spendgate_redis::RedisOptions {
+    let mut o = redis_options(config);
+    o.timeout = o.timeout.max(STORE_COMMAND_TIMEOUT_MIN);
+    o
+}
+
 async fn open_redis(
     config: &Config,
     policy: spendgate_core::Policy,

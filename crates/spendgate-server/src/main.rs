@@ -251,7 +251,8 @@ async fn main() -> anyhow::Result<()> {
                 bail!("store init applies to store.kind = \"redis\" only (sqlite initialises its file itself)");
             }
             let created =
-                spendgate_redis::RedisStore::init(&spendgate_server::redis_options(&cfg)).await?;
+                spendgate_redis::RedisStore::init(&spendgate_server::redis_command_options(&cfg))
+                    .await?;
             if created {
                 println!("ledger initialised for store.prefix {:?}", cfg.store.prefix);
             } else {
@@ -268,9 +269,10 @@ async fn main() -> anyhow::Result<()> {
             if cfg.store.kind != config::StoreKind::Redis {
                 bail!("store accept-reset applies to store.kind = \"redis\" only");
             }
-            let seq =
-                spendgate_redis::RedisStore::accept_reset(&spendgate_server::redis_options(&cfg))
-                    .await?;
+            let seq = spendgate_redis::RedisStore::accept_reset(
+                &spendgate_server::redis_command_options(&cfg),
+            )
+            .await?;
             println!(
                 "reset accepted for store.prefix {:?}: replicas admit again with the ledger \
                  Redis holds now (ledger_seq {seq}{})",

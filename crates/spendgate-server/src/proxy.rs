@@ -1078,6 +1078,9 @@ pub async fn chat_completions(
         head = tokio::time::timeout_at(deadline, builder.send()) => head,
         _ = guard.stopped() => {
             tracing::warn!(run = %run_id.0, "the run's deadline passed before the upstream answered; charging the step in full");
+            // (a failed call is an upstream call too: its time is what an operator watches
+            // in a brownout)
+            state.metrics.upstream_call(started.elapsed());
             return Ok(fail(
                 guard,
                 Resolution::Unknown,
@@ -1095,6 +1098,9 @@ pub async fn chat_completions(
             // The request never left (no connection, or no request could be built from the
             // upstream's URL): no paid work started.
             tracing::warn!(error = %e, upstream = %model.upstream, "upstream unreachable; releasing the step");
+            // (a failed call is an upstream call too: its time is what an operator watches
+            // in a brownout)
+            state.metrics.upstream_call(started.elapsed());
             return Ok(fail(
                 guard,
                 Resolution::Release,
@@ -1107,6 +1113,9 @@ pub async fn chat_completions(
         }
         Ok(Err(e)) => {
             tracing::warn!(error = %e, upstream = %model.upstream, "upstream request failed; charging the step in full");
+            // (a failed call is an upstream call too: its time is what an operator watches
+            // in a brownout)
+            state.metrics.upstream_call(started.elapsed());
             return Ok(fail(
                 guard,
                 Resolution::Unknown,
@@ -1119,6 +1128,9 @@ pub async fn chat_completions(
         }
         Err(_) => {
             tracing::warn!(upstream = %model.upstream, timeout_s = upstream.timeout.as_secs(), "upstream timed out; charging the step in full");
+            // (a failed call is an upstream call too: its time is what an operator watches
+            // in a brownout)
+            state.metrics.upstream_call(started.elapsed());
             return Ok(fail(
                 guard,
                 Resolution::Unknown,
@@ -1181,6 +1193,7 @@ pub async fn chat_completions(
 
     if !stream {
         let Some(bytes) = read_capped(resp, deadline, guard.stopped()).await else {
+            state.metrics.upstream_call(started.elapsed());
             return Ok(fail(
                 guard,
                 Resolution::Unknown,
@@ -1629,6 +1642,7 @@ fn relay(
                         None => guard.unsure(s.tap.usage),
                     };
                     tracing::warn!(usage_read = s.tap.final_usage().is_some(), "a proxied stream reached its run's deadline; cutting it");
+                    guard.state.metrics.upstream_call(s.started.elapsed());
                     let _ = guard.resolve(how).await;
                     let event = sse_error(
                         "run_deadline_exceeded",
@@ -1667,6 +1681,7 @@ fn relay(
                     return Some((Ok(tail), s));
                 }
                 Ok(Some(Err(_))) | Err(_) => {
+                    guard.state.metrics.upstream_call(s.started.elapsed());
                     // Lost mid-stream: trust a usage chunk that was read whole, else unknown.
                     let (how, message) = match s.tap.final_usage() {
                         Some(u) => (

@@ -936,7 +936,9 @@ async fn over_bound_requests_never_reach_the_upstream() {
         (row["state"].as_str(), row["charged_micros"].as_u64()),
         (Some("released"), Some(0))
     );
-    // An upstream that cannot be reached: the request never left, nothing is charged.
+    // An upstream that cannot be reached: the request never left, nothing is charged (and
+    // the failed call is timed like any upstream call).
+    let timed = g.metric("spendgate_upstream_call_seconds_count ").await;
     let r = g
         .chat(
             "c-down",
@@ -949,6 +951,10 @@ async fn over_bound_requests_never_reach_the_upstream() {
         (502, "upstream_unreachable".into()),
         "{}",
         r.text
+    );
+    assert_eq!(
+        g.metric("spendgate_upstream_call_seconds_count ").await,
+        timed + 1
     );
     let row = g.reservation(&r.step()).await;
     assert_eq!(

@@ -21,6 +21,7 @@
 
 mod bounds;
 mod conservation;
+mod failure;
 mod hammer;
 mod leases;
 mod limits;
@@ -31,6 +32,7 @@ pub mod support;
 pub use async_trait::async_trait;
 pub use bounds::*;
 pub use conservation::*;
+pub use failure::*;
 pub use hammer::*;
 pub use leases::*;
 pub use limits::*;
@@ -57,6 +59,26 @@ pub trait Backend: Send + Sync + 'static {
     /// answer the old store gave must survive: the suite compares the reopened ledger with
     /// what it was told before.
     async fn reopen(&self) -> Option<Arc<dyn Store>>;
+
+    /// Makes the store last opened fail (`true`) or recover (`false`), as a store that cannot
+    /// be written does (SPEC §3 I3): while failing, every command that would change the
+    /// ledger must be refused with an error for which `StoreError::is_unavailable()` holds,
+    /// and must change nothing; once recovered, service resumes on the same handles.
+    /// Returns `false` when the backend has no way to fail (then the I3 cases say so and
+    /// skip); the default.
+    async fn set_failing(&self, failing: bool) -> bool {
+        let _ = failing;
+        false
+    }
+
+    /// A second handle on the data of `store` (the store last opened), as another replica
+    /// of the gateway opens it: same data, same policy, same clock, its own connection.
+    /// `None` for backends whose data one process holds alone (then the I4 case says so and
+    /// skips); the default. Handing back `store` itself would not be a second handle.
+    async fn replica(&self, store: &Arc<dyn Store>) -> Option<Arc<dyn Store>> {
+        let _ = store;
+        None
+    }
 }
 
 /// Calls `$callback!($($args)*; every case name)`: the one list of the suite's cases.
@@ -72,6 +94,9 @@ macro_rules! __with_conformance_cases {
             i2_each_reservation_ends_once,
             i2_expired_reservations_are_closed,
             i2_a_repeated_commit_keeps_its_result_size_verdict,
+            i3_nothing_is_admitted_while_the_store_fails,
+            i3_a_commit_that_cannot_reach_the_store_leaves_the_hold,
+            i4_two_handles_enforce_one_limit,
             session_creation_rates,
             adjustments_apply_once_per_key,
             many_commands_apply_in_order,

@@ -1,13 +1,19 @@
 //! The shared conformance suite (`spendgate-conformance`) for the memory and sqlite backends.
+//!
+//! Neither has a second handle on one store (`replica` is `None`), so the I4 case skips here
+//! and runs on Redis: a `MemoryStore` is one process's own ledger (handing back the same `Arc`
+//! would pass I4 without sharing anything), and a SQLite file is held by one process
+//! exclusively, by design (SPEC §7).
 
 use spendgate_conformance::{conformance_tests, Backend};
 use spendgate_core::{Policy, UnixMs};
 use spendgate_store::{ManualClock, MemoryStore, SqliteOptions, SqliteStore, Store};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// `memory`: not durable, so `reopen` is `None`.
+/// `memory`: not durable, so `reopen` is `None`; it has nothing that can fail, so
+/// `set_failing` is `false` (the I3 cases skip).
 #[derive(Default)]
 struct MemoryBackend {
     clock: Mutex<Option<ManualClock>>,
@@ -40,9 +46,13 @@ struct Opened {
 }
 
 /// `sqlite`: one fresh file per `open` in a temporary directory; `reopen` opens the same
-/// file again with the same policy and clock.
+/// file again with the same policy and clock. `set_failing` injects `SQLITE_FULL` into every
+/// write (`SqliteOptions::write_fault`): the batch's transaction fails whole and the store
+/// reloads its ledger from the file, as on a full disk; unlike an I/O error it is not fatal,
+/// so clearing it recovers the store without a restart.
 struct SqliteBackend {
     dir: tempfile::TempDir,
+    fault: Arc<AtomicI32>,
     files: AtomicUsize,
     last: Mutex<Option<Opened>>,
 }
@@ -51,14 +61,18 @@ impl SqliteBackend {
     fn new() -> SqliteBackend {
         SqliteBackend {
             dir: tempfile::tempdir().expect("temporary directory"),
+            fault: Arc::new(AtomicI32::new(0)),
             files: AtomicUsize::new(0),
             last: Mutex::new(None),
         }
     }
 
-    fn open_file(o: &Opened) -> Arc<dyn Store> {
+    fn open_file(&self, o: &Opened) -> Arc<dyn Store> {
         let store = SqliteStore::open(
-            SqliteOptions::new(&o.path),
+            SqliteOptions {
+                write_fault: Some(self.fault.clone()),
+                ..SqliteOptions::new(&o.path)
+            },
             o.policy.clone(),
             Arc::new(o.clock.clone()),
         )
@@ -76,7 +90,7 @@ impl Backend for SqliteBackend {
             policy,
             clock: ManualClock::new(start),
         };
-        let store = SqliteBackend::open_file(&opened);
+        let store = self.open_file(&opened);
         *self.last.lock().expect("backend lock") = Some(opened);
         store
     }
@@ -90,7 +104,15 @@ impl Backend for SqliteBackend {
     async fn reopen(&self) -> Option<Arc<dyn Store>> {
         let last = self.last.lock().expect("backend lock");
         let o = last.as_ref().expect("reopen before open");
-        Some(SqliteBackend::open_file(o))
+        Some(self.open_file(o))
+    }
+
+    async fn set_failing(&self, failing: bool) -> bool {
+        /// `SQLITE_FULL`: the transaction is rolled back whole; not fatal (see `WriteError`).
+        const SQLITE_FULL: i32 = 13;
+        self.fault
+            .store(if failing { SQLITE_FULL } else { 0 }, Ordering::SeqCst);
+        true
     }
 }
 

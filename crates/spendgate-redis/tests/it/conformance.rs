@@ -14,7 +14,7 @@ struct RedisBackend {
     /// The server every store is opened on (`store.url`).
     server: RedisServer,
     /// The other nodes of a cluster.
-    _others: Vec<RedisServer>,
+    others: Vec<RedisServer>,
     last: Mutex<Option<(RedisOptions, Policy, ManualClock)>>,
 }
 
@@ -22,7 +22,7 @@ impl RedisBackend {
     fn new() -> RedisBackend {
         RedisBackend {
             server: server(false),
-            _others: Vec::new(),
+            others: Vec::new(),
             last: Mutex::new(None),
         }
     }
@@ -31,7 +31,7 @@ impl RedisBackend {
     fn valkey() -> RedisBackend {
         RedisBackend {
             server: valkey_server(),
-            _others: Vec::new(),
+            others: Vec::new(),
             last: Mutex::new(None),
         }
     }
@@ -44,7 +44,7 @@ impl RedisBackend {
         let server = nodes.remove(0);
         RedisBackend {
             server,
-            _others: nodes,
+            others: nodes,
             last: Mutex::new(None),
         }
     }
@@ -75,6 +75,25 @@ impl Backend for RedisBackend {
         let last = self.last.lock().expect("backend lock").clone();
         let (opts, policy, _) = last?;
         Some(Arc::new(open(opts, policy).await))
+    }
+
+    /// Every node refuses writes: `maxmemory 1` under `noeviction` (which the store requires)
+    /// makes Redis answer `OOM` to every function that may write, before it runs, while reads
+    /// still work. Back to `maxmemory 0` (no limit) to recover.
+    async fn set_failing(&self, failing: bool) -> bool {
+        let max = if failing { "1" } else { "0" };
+        for node in std::iter::once(&self.server).chain(&self.others) {
+            cmd(node, &["CONFIG", "SET", "maxmemory", max]);
+        }
+        true
+    }
+
+    /// Another replica: a second `RedisStore` with its own connection on the same prefix,
+    /// opened without `init` (as a replica starts on what Redis holds).
+    async fn replica(&self, _store: &Arc<dyn Store>) -> Option<Arc<dyn Store>> {
+        let last = self.last.lock().expect("backend lock").clone();
+        let (opts, policy, _) = last?;
+        Some(Arc::new(open_only(opts, policy).await))
     }
 }
 

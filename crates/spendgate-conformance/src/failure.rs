@@ -249,7 +249,10 @@ pub async fn i4_two_handles_enforce_one_limit(b: &dyn Backend) {
     });
     let mut granted = 0;
     for r in futures::future::join_all(tries).await {
-        match r.expect("task").expect("reserve").value {
+        let r = r.expect("task").unwrap_or_else(|e| {
+            panic!("I4: a step of run b (admitted on one handle) on either handle: {e}")
+        });
+        match r.value {
             Ok(_) => granted += 1,
             Err(r) => refused(&r, RefusalCode::RunBoundExceeded, ScopeKind::Run),
         }

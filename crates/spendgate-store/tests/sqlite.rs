@@ -689,7 +689,13 @@ fn reservations_of_a_killed_process_are_charged_at_expiry() {
     let path = db_path(&dir);
     let exe = std::env::current_exe().expect("test binary");
     let child = std::process::Command::new(exe)
-        .args(["--exact", "crash_child", "--nocapture", "--test-threads=1"])
+        .args([
+            "--ignored",
+            "--exact",
+            "crash_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(CHILD_ENV, &path)
         .stdout(std::process::Stdio::piped())
         .spawn()
@@ -755,13 +761,17 @@ fn reservations_of_a_killed_process_are_charged_at_expiry() {
 }
 
 /// Not a test on its own: the process that `reservations_of_a_killed_process_are_charged_at_expiry`
-/// starts (with `SPENDGATE_SQLITE_CHILD` set) and kills while it holds reservations. Without
-/// the variable it returns at once.
+/// starts (with `--ignored --exact crash_child` and `SPENDGATE_SQLITE_CHILD` set) and kills
+/// while it holds reservations. Ignored, so that it never counts as a passing test; run by
+/// hand without the variable, it fails.
 #[test]
+#[ignore = "run by its parent test"]
 fn crash_child() {
-    let Some(path) = std::env::var_os(CHILD_ENV) else {
-        return;
-    };
+    let path = std::env::var_os(CHILD_ENV).unwrap_or_else(|| {
+        panic!(
+            "{CHILD_ENV} is not set: run by reservations_of_a_killed_process_are_charged_at_expiry"
+        )
+    });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -549,6 +549,101 @@ async fn a_full_queue_refuses_at_once() {
     check_invariants(&store).await;
 }
 
+/// Opens the gate when dropped (a test that fails while it is closed).
+struct OpenOnDrop(Arc<GateClock>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.set(true);
+    }
+}
+
+/// I3 on a real file: `Timed` around a `SqliteStore` whose writer is stalled (held mid-batch by
+/// the clock, as a hung disk would hold it) answers `StoreError::Timeout` at its bound, calls
+/// and `ready()` alike, and the store serves again once the writer moves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_writer_times_out_through_timed_and_recovers() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let gate = Arc::new(GateClock {
+        time: ManualClock::new(T0),
+        open: Mutex::new(true),
+        cv: Condvar::new(),
+        waiting: AtomicUsize::new(0),
+    });
+    let store = Arc::new(
+        SqliteStore::open(SqliteOptions::new(db_path(&dir)), policy(), gate.clone()).expect("open"),
+    );
+    admit(&*store, "run-1").await;
+    let timeout = Duration::from_millis(150);
+    // Generous for 2 shared cores: the bound is what matters, not the scheduler's promptness.
+    let margin = Duration::from_millis(250);
+    let timed: Arc<dyn Store> = Arc::new(spendgate_store::Timed::new(store.clone(), timeout));
+    timed.ready().await.expect("ready before the stall");
+
+    gate.set(false);
+    // A failed assertion while the writer is held would otherwise hang the test (dropping the
+    // store joins the writer): the gate opens on the way out.
+    let _open_on_exit = OpenOnDrop(gate.clone());
+    let t = Instant::now();
+    let r = timed
+        .reserve_step(tool_step("run-1", "stalled"), None)
+        .await;
+    let took = t.elapsed();
+    assert_eq!(r.map(|a| a.value), Err(StoreError::Timeout(timeout)));
+    assert!(
+        took >= timeout && took < timeout + margin,
+        "answered after {took:?}, the bound is {timeout:?}"
+    );
+    assert_eq!(
+        gate.waiting.load(Ordering::SeqCst),
+        1,
+        "the writer is held on the clock"
+    );
+    for _ in 0..2 {
+        let t = Instant::now();
+        assert_eq!(
+            timed.ready().await,
+            Err(StoreError::Timeout(timeout)),
+            "not ready while stalled"
+        );
+        let took = t.elapsed();
+        assert!(
+            took >= timeout && took < timeout + margin,
+            "ready answered after {took:?}"
+        );
+        let t = Instant::now();
+        let r = timed.execute(Command::Summary).await;
+        assert_eq!(
+            r,
+            Err(StoreError::Timeout(timeout)),
+            "a read waits on the writer too"
+        );
+        assert!(t.elapsed() < timeout + margin);
+    }
+
+    gate.set(true);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while timed.ready().await.is_err() {
+        assert!(Instant::now() < deadline, "never ready after the stall");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let served = timed
+        .reserve_step(tool_step("run-1", "after"), None)
+        .await
+        .expect("served after the stall");
+    assert_eq!(served.value.expect("granted").reserved, TOOL_COST);
+    // The stalled step's caller was answered Timeout: its outcome is unknown to it, and if
+    // the writer applied it, it is held (to expire charged in full), never lost.
+    let held = (&*store as &dyn Store)
+        .reservations(Some(ReservationState::Held), 10)
+        .await
+        .expect("reservations");
+    let line = global_usage(&*store).await;
+    assert_eq!(line.reserved, Micros(TOOL_COST.0 * held.len() as u64));
+    assert!(held.iter().any(|r| r.id.0 == "after"), "{held:?}");
+    check_invariants(&store).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_write_is_rolled_back_and_refused() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -134,6 +134,10 @@ async fn paused_redis_fails_fast_and_service_resumes_without_reopening() {
             req: tool_step("r1", "x2"),
             idem: None,
         },
+        Command::Resolve {
+            step: ReservationId("x1".into()),
+            how: Resolution::Commit(Settlement::Units(0)),
+        },
         Command::Summary,
     ] {
         let start = Instant::now();
@@ -156,8 +160,59 @@ async fn paused_redis_fails_fast_and_service_resumes_without_reopening() {
     let took = eventually(Duration::from_secs(2), || s.summary()).await;
     println!("service resumed {took:?} after SIGCONT");
     store.ready().await.expect("ready again");
-    // The admission sent while paused may have run late (its answer was lost): then r2
-    // exists and is held like any reservation of unknown outcome. Nothing else changed.
+    // Scripts sent while paused may have run late, once Redis resumed (their answers were
+    // lost): the admission of r2, the hold x2 (held like any reservation of unknown outcome)
+    // and the commit of x1. Nothing else changed: x1 is held or committed at its price, the
+    // only other reservation can be x2, held, and the totals are exactly theirs.
+    let rows = s.reservations(None, 100).await.expect("reservations");
+    let x1 = rows.iter().find(|r| r.id.0 == "x1").expect("x1 is kept");
+    println!("after resume: x1 {:?}, rows {}", x1.state, rows.len());
+    for r in &rows {
+        assert_eq!(r.amount, Micros(TOOL), "{r:?}");
+        match r.id.0.as_str() {
+            "x1" => assert!(
+                matches!(
+                    (r.state, r.charged),
+                    (ReservationState::Held, Micros(0))
+                        | (ReservationState::Committed, Micros(TOOL))
+                ),
+                "{r:?}"
+            ),
+            "x2" => assert_eq!((r.state, r.charged), (ReservationState::Held, Micros(0))),
+            other => panic!("reservation {other} appeared: {r:?}"),
+        }
+    }
+    let charged: u64 = rows.iter().map(|r| r.charged.0).sum();
+    let held = rows
+        .iter()
+        .filter(|r| r.state == ReservationState::Held)
+        .count() as u64;
+    assert_eq!(global_usage(s).await, (charged, held * TOOL));
+    // The caller retries the commit whose answer it never had: it applies exactly once.
+    let was_held = x1.state == ReservationState::Held;
+    let c = s
+        .resolve(
+            ReservationId("x1".into()),
+            Resolution::Commit(Settlement::Units(0)),
+        )
+        .await
+        .expect("commit retried after resume");
+    assert_eq!(
+        (c.value.state, c.value.charged, c.value.repeated),
+        (ReservationState::Committed, Micros(TOOL), !was_held),
+        "the retry applies the commit unless it ran late, never twice"
+    );
+    let again = s
+        .resolve(
+            ReservationId("x1".into()),
+            Resolution::Commit(Settlement::Units(0)),
+        )
+        .await
+        .expect("commit repeated");
+    assert!(again.value.repeated);
+    let (used, reserved) = global_usage(s).await;
+    assert_eq!(used, TOOL, "x1 charged once");
+    assert_eq!(reserved, (held - u64::from(was_held)) * TOOL);
     reserve(s, "r1", "x3").await.expect("reserved after resume");
 }
 
@@ -184,6 +239,14 @@ async fn killed_redis_answers_unavailable_and_aof_restart_keeps_usage_and_holds(
     assert!(matches!(r, Err(ref e) if e.is_unavailable()), "{r:?}");
     let r = s.admit_run(run_req("r2"), None).await;
     assert!(matches!(r, Err(ref e) if e.is_unavailable()), "{r:?}");
+    // The commit of a held step cannot reach Redis: it fails, and nothing is applied.
+    let r = s
+        .resolve(
+            ReservationId("held".into()),
+            Resolution::Commit(Settlement::Units(0)),
+        )
+        .await;
+    assert!(matches!(r, Err(ref e) if e.is_unavailable()), "{r:?}");
     assert!(store.ready().await.is_err());
 
     server.restart().expect("restart with AOF");
@@ -195,6 +258,11 @@ async fn killed_redis_answers_unavailable_and_aof_restart_keeps_usage_and_holds(
         .expect("reservations");
     assert_eq!(held.len(), 1);
     assert_eq!(held[0].id.0, "held");
+    assert_eq!(
+        held[0].charged,
+        Micros::ZERO,
+        "the failed commit charged nothing"
+    );
     assert!(s.summary().await.expect("summary").seq >= seq);
     // And the held reservation can still be committed, once.
     let c = s
@@ -204,8 +272,20 @@ async fn killed_redis_answers_unavailable_and_aof_restart_keeps_usage_and_holds(
         )
         .await
         .expect("commit after restart");
-    assert!(!c.value.repeated);
+    assert_eq!(
+        (c.value.state, c.value.charged, c.value.repeated),
+        (ReservationState::Committed, Micros(TOOL), false)
+    );
     assert_eq!(global_usage(s).await, (2 * TOOL, 0));
+    let again = s
+        .resolve(
+            ReservationId("held".into()),
+            Resolution::Commit(Settlement::Units(0)),
+        )
+        .await
+        .expect("commit repeated");
+    assert!(again.value.repeated);
+    assert_eq!(global_usage(s).await, (2 * TOOL, 0), "charged once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

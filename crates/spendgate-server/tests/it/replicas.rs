@@ -171,10 +171,64 @@ async fn paused_redis_fails_closed_and_recovers() {
     }
     // Nothing was granted while paused. Scripts that were already sent when their call timed
     // out may still run once Redis resumes: those holds were never answered, so no paid work
-    // started on them; they expire with the run's lease and are charged in full (I3).
-    let g = servers[0].global_usage().await;
-    let held = g["reserved_micros"].as_u64().unwrap_or(0);
-    assert!(held <= 40 * 10_000, "{g}");
+    // started on them; they expire with the run's lease (2 s) and are charged in full (I3).
+    // The pause above outlived the run's lease, so its late steps were refused; a short pause
+    // (well within a new run's lease) leaves late holds.
+    let late = servers[0].run(&session, "10.2.0.3", "late").await;
+    redis.pause().expect("pause");
+    for i in 0..4 {
+        let (status, v) = servers[i % 2]
+            .post(
+                &format!("/v1/runs/{late}/steps"),
+                json!({"kind": "tool", "tool": "web_search"}),
+            )
+            .await;
+        assert_eq!((status, code(&v)), (503, "store_unavailable"), "{v}");
+    }
+    redis.resume().expect("resume");
+    tokio::time::sleep(Duration::from_millis(2600)).await;
+    let until = Instant::now() + Duration::from_secs(3);
+    let g = loop {
+        let g = servers[0].global_usage().await;
+        if g["reserved_micros"].as_u64().expect("reserved_micros") == 0 {
+            break g;
+        }
+        assert!(Instant::now() < until, "holds left past the lease: {g}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let rows = servers[1]
+        .admin_get("/admin/v1/reservations?limit=1000")
+        .await;
+    let rows = rows["reservations"].as_array().expect("rows");
+    let mut charged = 0;
+    for r in rows {
+        assert!(
+            r["run_id"] == run.as_str() || r["run_id"] == late.as_str(),
+            "only the paused runs reserved: {r}"
+        );
+        assert_eq!(
+            r["state"], "expired",
+            "never answered, so never committed: {r}"
+        );
+        let c = r["charged_micros"].as_u64().expect("charged_micros");
+        assert_eq!(
+            Some(c),
+            r["reserved_micros"].as_u64(),
+            "charged in full: {r}"
+        );
+        charged += c;
+    }
+    let of_late = rows.iter().filter(|r| r["run_id"] == late.as_str()).count();
+    println!(
+        "{} late holds expired, {of_late} of the short pause",
+        rows.len()
+    );
+    assert!(rows.len() <= 44 && of_late <= 4);
+    assert_eq!(
+        g["used_micros"].as_u64().expect("used_micros"),
+        charged,
+        "{g}"
+    );
 }
 
 /// Acceptance: a replica SIGKILLed while holding runs and reservations: within the lease TTL

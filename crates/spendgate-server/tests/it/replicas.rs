@@ -114,6 +114,100 @@ async fn three_replicas_grant_exactly_the_budget_five_times() {
     }
 }
 
+/// Run bounds that bind quickly: 3 tool calls, a cost of 0.05; tools at 0.01 and 0.02.
+const RUN_BOUNDS: &str = concat!(
+    "timeout_ms = 2000\n",
+    r#"
+[limits.global]
+rate = "100000/second"
+burst = 100000
+concurrency = 1000
+budgets = [{ amount = "10.00", window = "day" }]
+"#,
+    open_guest_limits!(),
+    r#"
+[limits.conversation]
+concurrency = 1
+budgets = []
+
+[run]
+max_tool_calls = 3
+max_cost = "0.05"
+
+[tools.web_search]
+per_call = "0.01"
+
+[tools.deep_search]
+per_call = "0.02"
+"#
+);
+
+/// Reserves a `tool` step of `run` on `s`; returns the answer.
+async fn step_on(s: &Server, run: &str, tool: &str) -> (u16, Value) {
+    s.post(
+        &format!("/v1/runs/{run}/steps"),
+        json!({"kind": "tool", "tool": tool}),
+    )
+    .await
+}
+
+/// I5 across replicas: one run's steps alternate between two replicas (each committed on the
+/// other one), and its bounds hold as on one: the 4th tool call, and a step past the run's
+/// cost bound, are refused 400 `run_bound_exceeded` whichever replica serves them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn run_bounds_hold_across_replicas() {
+    let redis = RedisServer::start(RedisOptions::default()).expect("redis");
+    let servers: Vec<Server> = (0..2)
+        .map(|_| Server::start_redis(&redis.url(), "bounds", RUN_BOUNDS))
+        .collect();
+    for s in &servers {
+        wait_ready(s).await;
+    }
+    let session = servers[0].session().await;
+
+    // max_tool_calls = 3: steps on replicas 0, 1, 0, each committed on the other replica.
+    let run = servers[0].run(&session, "10.5.0.1", "calls").await;
+    for i in 0..3 {
+        let step = servers[i % 2].tool_step(&run, "web_search").await;
+        let done = servers[(i + 1) % 2].commit_units(&step, 0).await;
+        assert_eq!(done["charged_micros"].as_u64(), Some(10_000), "{done}");
+    }
+    for s in [&servers[1], &servers[0]] {
+        let (status, v) = step_on(s, &run, "web_search").await;
+        assert_eq!(
+            (status, code(&v)),
+            (400, "run_bound_exceeded"),
+            "a 4th tool call on replica {}: {v}",
+            s.port
+        );
+    }
+
+    // max_cost = 0.05: 0.02 on replica 0, 0.02 on replica 1; a third 0.02 (0.06) is refused
+    // on either, while 0.01 (0.05, the bound exactly) is granted.
+    let run = servers[1].run(&session, "10.5.0.2", "cost").await;
+    for i in 0..2 {
+        let step = servers[i].tool_step(&run, "deep_search").await;
+        servers[1 - i].commit_units(&step, 0).await;
+    }
+    for s in &servers {
+        let (status, v) = step_on(s, &run, "deep_search").await;
+        assert_eq!(
+            (status, code(&v)),
+            (400, "run_bound_exceeded"),
+            "0.06 in a run bounded at 0.05 on replica {}: {v}",
+            s.port
+        );
+    }
+    let step = servers[0].tool_step(&run, "web_search").await;
+    servers[1].commit_units(&step, 0).await;
+    let g = servers[1].global_usage().await;
+    assert_eq!(
+        (g["used_micros"].as_u64(), g["reserved_micros"].as_u64()),
+        (Some(30_000 + 50_000), Some(0)),
+        "{g}"
+    );
+}
+
 /// Acceptance: Redis paused → every replica refuses with 503 `store_unavailable` within
 /// `timeout_ms` + 50 ms (p99), `/readyz` fails, nothing is granted; after Redis returns,
 /// service resumes within 2 s without restarting the replicas.

@@ -2173,6 +2173,20 @@ async fn a_resolution_the_store_refused_is_retried() {
     }
     assert!(String::from_utf8_lossy(&text).contains("[DONE]"));
     tokio::time::sleep(Duration::from_millis(100)).await;
+    // The commit at the stream's end failed and was not applied: the reservation is still
+    // held (the admin listing is a read, a `no-writes` function, that Redis still serves).
+    let rows = g
+        .server
+        .admin_get("/admin/v1/reservations?limit=1000")
+        .await;
+    let row = rows["reservations"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["id"] == step.as_str()))
+        .unwrap_or_else(|| panic!("{step} not listed: {rows}"));
+    assert_eq!(
+        row["state"], "held",
+        "the first commit cannot have applied: {row}"
+    );
     redis
         .command(&["CONFIG", "SET", "maxmemory", "0"])
         .expect("maxmemory");

@@ -1433,7 +1433,16 @@ async fn official_openai_python_client() {
             .await
             .expect("join");
     assert!(ok, "the openai client script failed:\n{output}");
-    assert!(output.contains("passed, 0 failed"), "{output}");
+    // One line per check of `tests/python/test_proxy_openai.py` (its `TESTS`), each passed.
+    let ok_lines = output
+        .lines()
+        .filter(|l| l.starts_with("ok   test_"))
+        .count();
+    assert_eq!(ok_lines, 6, "every check ran and passed:\n{output}");
+    assert!(
+        output.lines().any(|l| l == "6 passed, 0 failed"),
+        "{output}"
+    );
     assert!(g.mock.stats().requests >= 3);
 }
 

@@ -5,7 +5,8 @@
 # latency at a fixed rate, all in one run. Prints a Markdown table.
 #
 #   scripts/bench-api.sh [RATE] [SECONDS]
-# SPENDGATE_BENCH_ENV adds environment to the server (e.g. TOKIO_WORKER_THREADS=1).
+# SPENDGATE_BENCH_ENV adds environment to the server (e.g. TOKIO_WORKER_THREADS=1);
+# SPENDGATE_BENCH_BIN runs another server binary (an A/B against an older build).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${1:-1000}
@@ -17,7 +18,7 @@ port=$(free_port)
 token=$BENCH_TOKEN
 bench_config "$port" "kind = \"sqlite\"
 path = \"$dir/bench.db\"" > "$dir/bench.toml"
-env ${SPENDGATE_BENCH_ENV:-} ./target/release/spendgate serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
+env ${SPENDGATE_BENCH_ENV:-} ${SPENDGATE_BENCH_BIN:-./target/release/spendgate} serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
 sleep 0.2; if ! kill -0 $! 2>/dev/null; then cat "$dir/server.log"; exit 1; fi
 pid=$!
 trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT

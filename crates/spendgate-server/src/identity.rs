@@ -7,7 +7,7 @@ use hmac::{Hmac, Mac};
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 use spendgate_core::IpScope;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use subtle::ConstantTimeEq;
 
@@ -60,23 +60,13 @@ pub fn client_addr(peer: SocketAddr, forwarded_for: Option<&str>, trusted: &[IpN
 /// bare IPv6 address is never cut at a colon (`2001:db8::1:443` is an address, not a port).
 pub fn forwarded_entry(entry: &str) -> Option<IpAddr> {
     let e = entry.trim();
-    if let Ok(ip) = e.parse::<IpAddr>() {
-        return Some(ip);
-    }
-    let is_port = |p: &str| p.bytes().all(|b| b.is_ascii_digit()) && p.parse::<u16>().is_ok();
-    if let Some(rest) = e.strip_prefix('[') {
-        let (host, tail) = rest.split_once(']')?;
-        let port_ok = tail.is_empty() || tail.strip_prefix(':').is_some_and(is_port);
-        return port_ok
-            .then(|| host.parse::<Ipv6Addr>().ok())
-            .flatten()
-            .map(IpAddr::V6);
-    }
-    let (host, port) = e.split_once(':')?;
-    if !is_port(port) {
-        return None;
-    }
-    host.parse::<Ipv4Addr>().ok().map(IpAddr::V4)
+    e.parse::<IpAddr>()
+        .ok()
+        .or_else(|| e.parse::<SocketAddr>().ok().map(|s| s.ip()))
+        .or_else(|| {
+            let bracketed = e.strip_prefix('[')?.strip_suffix(']')?;
+            bracketed.parse::<Ipv6Addr>().ok().map(IpAddr::V6)
+        })
 }
 
 /// Least time between two warnings about unparseable `X-Forwarded-For` entries.

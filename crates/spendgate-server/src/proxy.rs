@@ -1072,14 +1072,14 @@ pub async fn chat_completions(
     }
     let started = Instant::now();
     let before_forwarding = started.duration_since(entered);
-    // One deadline for the answer's head (and, when not streaming, its whole body).
+    // One deadline for the answer's head (and, when not streaming, its whole body). Every way
+    // the call ends is timed in `upstream_call`, failures too: their time is what an operator
+    // watches in a brownout.
     let deadline = tokio::time::Instant::now() + upstream.timeout;
     let head = tokio::select! {
         head = tokio::time::timeout_at(deadline, builder.send()) => head,
         _ = guard.stopped() => {
             tracing::warn!(run = %run_id.0, "the run's deadline passed before the upstream answered; charging the step in full");
-            // (a failed call is an upstream call too: its time is what an operator watches
-            // in a brownout)
             state.metrics.upstream_call(started.elapsed());
             return Ok(fail(
                 guard,
@@ -1098,8 +1098,6 @@ pub async fn chat_completions(
             // The request never left (no connection, or no request could be built from the
             // upstream's URL): no paid work started.
             tracing::warn!(error = %e, upstream = %model.upstream, "upstream unreachable; releasing the step");
-            // (a failed call is an upstream call too: its time is what an operator watches
-            // in a brownout)
             state.metrics.upstream_call(started.elapsed());
             return Ok(fail(
                 guard,
@@ -1113,8 +1111,6 @@ pub async fn chat_completions(
         }
         Ok(Err(e)) => {
             tracing::warn!(error = %e, upstream = %model.upstream, "upstream request failed; charging the step in full");
-            // (a failed call is an upstream call too: its time is what an operator watches
-            // in a brownout)
             state.metrics.upstream_call(started.elapsed());
             return Ok(fail(
                 guard,
@@ -1128,8 +1124,6 @@ pub async fn chat_completions(
         }
         Err(_) => {
             tracing::warn!(upstream = %model.upstream, timeout_s = upstream.timeout.as_secs(), "upstream timed out; charging the step in full");
-            // (a failed call is an upstream call too: its time is what an operator watches
-            // in a brownout)
             state.metrics.upstream_call(started.elapsed());
             return Ok(fail(
                 guard,

@@ -578,15 +578,7 @@ async fn idempotent_steps_and_commits() {
         "held once"
     );
     // Counted once too: the replay is the first admission's answer.
-    let metrics = server
-        .http
-        .get(server.url("/metrics"))
-        .send()
-        .await
-        .expect("send")
-        .text()
-        .await
-        .expect("text");
+    let metrics = server.metrics().await;
     assert!(
         metrics.contains("spendgate_admissions_total{what=\"step\"} 1\n"),
         "{metrics}"
@@ -812,15 +804,7 @@ async fn a_limit_in_dry_run_reports_and_admits() {
     assert_eq!(usage["reserved_micros"], 30_000, "{usage}");
     let summary = server.admin_get("/admin/v1/summary").await;
     assert_eq!(summary["dry_run_limits"], json!(["global"]), "{summary}");
-    let metrics = server
-        .http
-        .get(server.url("/metrics"))
-        .send()
-        .await
-        .expect("send")
-        .text()
-        .await
-        .expect("text");
+    let metrics = server.metrics().await;
     assert!(
         metrics.contains(
             "spendgate_dry_run_refusals_total{what=\"step\",code=\"budget_exhausted\",scope=\"global\"} 1"
@@ -1222,15 +1206,7 @@ async fn metrics_count_every_error_and_show_the_spend() {
         .await
         .expect("send");
     assert_eq!(none.status().as_u16(), 404);
-    let text = server
-        .http
-        .get(server.url("/metrics"))
-        .send()
-        .await
-        .expect("metrics")
-        .text()
-        .await
-        .expect("text");
+    let text = server.metrics().await;
     for line in [
         "spendgate_error_answers_total{status=\"400\",code=\"invalid_request\"} 1",
         "spendgate_error_answers_total{status=\"404\",code=\"not_found\"} 1",

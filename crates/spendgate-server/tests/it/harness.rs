@@ -391,6 +391,18 @@ impl Server {
         let s = self.admin_get("/admin/v1/summary").await;
         s["global"][0].clone()
     }
+
+    /// The `/metrics` text.
+    pub async fn metrics(&self) -> String {
+        self.http
+            .get(self.url("/metrics"))
+            .send()
+            .await
+            .expect("metrics")
+            .text()
+            .await
+            .expect("metrics body")
+    }
 }
 
 pub fn code(v: &Value) -> &str {

@@ -438,16 +438,7 @@ impl Gateway {
     }
 
     async fn metric(&self, line_prefix: &str) -> u64 {
-        let text = self
-            .server
-            .http
-            .get(self.server.url("/metrics"))
-            .send()
-            .await
-            .expect("metrics")
-            .text()
-            .await
-            .expect("metrics body");
+        let text = self.server.metrics().await;
         text.lines()
             .find_map(|l| l.strip_prefix(line_prefix))
             .and_then(|v| v.trim().parse().ok())

@@ -4,10 +4,27 @@
 //! - One SQLite file in WAL mode with `synchronous=FULL` and `locking_mode=EXCLUSIVE`: one
 //!   process owns the file for as long as the store is open; a second open fails with
 //!   [`StoreError::Unavailable`].
-//! - One table, `records(key TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID`: every
-//!   ledger entity, its [`Record`] encoded with postcard (compact, about a third of JSON's
-//!   size: fewer pages to write per commit). The schema version is kept in
-//!   `PRAGMA user_version`. Postcard does not describe itself: a change to the layout of
+//! - Two tables. `records(key TEXT PRIMARY KEY, value BLOB NOT NULL) WITHOUT ROWID` holds
+//!   every ledger entity, its [`Record`] encoded with postcard (compact, about a third of
+//!   JSON's size). `log(seq INTEGER PRIMARY KEY, changes BLOB NOT NULL)` holds one row per
+//!   group commit: every entity that batch changed, as `(key, Option<Record>)` pairs
+//!   (`None`: deleted). A batch is durable once its log row is: one row of a few pages
+//!   appended, instead of a B-tree update per changed entity (a step's reservation and
+//!   commit change about eight entities each). The file's state is `records` with every
+//!   log row replayed over it in order.
+//! - Compaction by generations: the entities logged since a generation began are gathered
+//!   (deduplicated: a global counter changed by every step is one entry); when the
+//!   generation is full ([`GENERATION_ROWS_MAX`] rows, [`GENERATION_ENTITIES_MAX`] entities
+//!   or [`GENERATION_LOG_BYTES_MAX`] bytes) it closes, and each later batch writes the
+//!   current record of some of its entities into `records` (at least
+//!   [`COMPACT_PER_BATCH_MIN`], paced to finish in about as many batches as the generation
+//!   took to fill), in the same transaction as that batch's log row. When the last is
+//!   written, the log rows of that generation are deleted in that same transaction. So the
+//!   log holds at most about two generations, and every state is on disk twice at most
+//!   (log, then `records`) instead of once per change. A clean close compacts everything
+//!   (the log is empty after it); an open after a crash replays what the log holds.
+//! - The schema version is kept in `PRAGMA user_version` (a version 4 file, `records`
+//!   alone, is upgraded by adding the empty log). Postcard does not describe itself: a change to the layout of
 //!   any record type in `spendgate-core` (other than a new enum variant at the end) must
 //!   bump [`SCHEMA_VERSION`]. A record that does not decode to exactly its bytes fails the
 //!   open (fail closed).
@@ -19,7 +36,7 @@
 //!   file at open). Callers hand it commands through a bounded queue ([`QUEUE_MAX`]); when the
 //!   queue is full the call is refused at once (fail closed), never blocking the runtime.
 //! - Group commit: the writer takes the first queued command, then up to [`BATCH_MAX`] more
-//!   without waiting, applies each at the clock's `now`, and writes every changed entity in
+//!   without waiting, applies each at the clock's `now`, and logs every changed entity in
 //!   one `BEGIN IMMEDIATE … COMMIT`. A command that needs durability
 //!   ([`Command::needs_durability`]), or whose answer does (a first commit above its
 //!   reservation: [`Command::reply_needs_durability`]), is answered only after that commit
@@ -59,7 +76,17 @@ pub const BATCH_MAX: usize = 512;
 pub const LOCK_WAIT_MS_DEFAULT: u64 = 250;
 /// The layout version kept in `PRAGMA user_version`: the table, the keys, and the postcard
 /// layout of [`Record`].
-pub const SCHEMA_VERSION: i64 = 4;
+pub const SCHEMA_VERSION: i64 = 5;
+/// A file of this version (no log table) is upgraded at open.
+const SCHEMA_VERSION_BEFORE_LOG: i64 = 4;
+/// Log rows (group commits) a generation gathers at most before it is compacted.
+pub const GENERATION_ROWS_MAX: u64 = 1024;
+/// Distinct entities a generation gathers at most before it is compacted.
+pub const GENERATION_ENTITIES_MAX: usize = 65_536;
+/// Log bytes a generation gathers at most before it is compacted.
+pub const GENERATION_LOG_BYTES_MAX: usize = 8 << 20;
+/// Entities of a closed generation written into `records` per batch, at least.
+pub const COMPACT_PER_BATCH_MIN: usize = 64;
 /// WAL pages between automatic checkpoints (SQLite's default is 1000). Larger means fewer,
 /// longer checkpoints and a larger WAL file between them.
 pub const WAL_AUTOCHECKPOINT_PAGES: u32 = 4000;
@@ -70,6 +97,16 @@ const _: () = assert!(BATCH_MAX >= 1 && BATCH_MAX <= QUEUE_MAX);
 
 const UPSERT_SQL: &str = "INSERT OR REPLACE INTO records(key, value) VALUES (?1, ?2)";
 const DELETE_SQL: &str = "DELETE FROM records WHERE key = ?1";
+const RECORDS_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS records(
+    key TEXT PRIMARY KEY,
+    value BLOB NOT NULL
+) WITHOUT ROWID;";
+const LOG_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS log(
+    seq INTEGER PRIMARY KEY,
+    changes BLOB NOT NULL
+);";
+const LOG_SQL: &str = "INSERT INTO log(seq, changes) VALUES (?1, ?2)";
+const TRIM_SQL: &str = "DELETE FROM log WHERE seq <= ?1";
 
 #[derive(Debug, Clone)]
 pub struct SqliteOptions {
@@ -88,6 +125,11 @@ pub struct SqliteOptions {
     /// `SQLITE_FULL` = 13 or `SQLITE_IOERR` = 10), every write fails with that code before
     /// it reaches the file. `None` in production.
     pub write_fault: Option<Arc<AtomicI32>>,
+    /// Log rows per generation at most (at least 1; see the module's "Compaction").
+    pub generation_rows_max: u64,
+    /// Whether closing the store compacts the whole log into `records`. Only tests turn it
+    /// off, to leave a file as a crash would.
+    pub compact_on_close: bool,
 }
 
 impl SqliteOptions {
@@ -99,6 +141,8 @@ impl SqliteOptions {
             lock_wait: Duration::from_millis(LOCK_WAIT_MS_DEFAULT),
             max_file_bytes: None,
             write_fault: None,
+            generation_rows_max: GENERATION_ROWS_MAX,
+            compact_on_close: true,
         }
     }
 }
@@ -132,13 +176,14 @@ impl SqliteStore {
         clock: Arc<dyn Clock>,
     ) -> Result<SqliteStore, StoreError> {
         let conn = open_connection(&opts)?;
-        let (ledger, runs) = load(&conn)
+        let (ledger, runs, log) = load(&conn, opts.generation_rows_max.max(1))
             .map_err(|e| StoreError::Unavailable(format!("sqlite {}: {e}", opts.path.display())))?;
         let (queue, rx) = sync_channel(opts.queue_max.max(1));
         let writer = Writer {
             conn,
             ledger,
             runs,
+            log,
             policy,
             clock,
             rx,
@@ -149,6 +194,7 @@ impl SqliteStore {
             write_fault: opts.write_fault.clone(),
             buf: Vec::with_capacity(1024),
             synced: true,
+            compact_on_close: opts.compact_on_close,
         };
         let handle = std::thread::Builder::new()
             .name("spendgate-sqlite".into())
@@ -301,7 +347,7 @@ fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
         0 => {
             let objects: i64 = tx
                 .query_row(
-                    "SELECT count(*) FROM sqlite_master WHERE name <> 'records'",
+                    "SELECT count(*) FROM sqlite_master WHERE name NOT IN ('records', 'log')",
                     [],
                     |r| r.get(0),
                 )
@@ -312,19 +358,15 @@ fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
                     path.display()
                 )));
             }
-            tx.execute_batch(
-                "CREATE TABLE IF NOT EXISTS records(
-                    key TEXT PRIMARY KEY,
-                    value BLOB NOT NULL
-                ) WITHOUT ROWID;",
-            )
-            .map_err(err)?;
+            tx.execute_batch(&format!("{RECORDS_TABLE_SQL}{LOG_TABLE_SQL}"))
+                .map_err(err)?;
         }
+        SCHEMA_VERSION_BEFORE_LOG => tx.execute_batch(LOG_TABLE_SQL).map_err(err)?,
         SCHEMA_VERSION => {}
         other => {
             return Err(StoreError::Unavailable(format!(
                 "sqlite {}: schema version {other} is not supported (this build reads \
-                 version {SCHEMA_VERSION})",
+                 versions {SCHEMA_VERSION_BEFORE_LOG} and {SCHEMA_VERSION})",
                 path.display()
             )))
         }
@@ -374,41 +416,131 @@ fn table_key(
     })
 }
 
-/// Reads every record and rebuilds the ledger (with change tracking) and the run of every
-/// reservation.
-fn load(conn: &Connection) -> Result<(Ledger, ReservationRuns), String> {
-    let mut stmt = conn
-        .prepare("SELECT key, value FROM records")
-        .map_err(|e| e.to_string())?;
-    let mut rows = stmt.query([]).map_err(|e| e.to_string())?;
-    let mut records = Vec::new();
-    let mut runs = ReservationRuns::new();
-    while let Some(row) = rows.next().map_err(|e| e.to_string())? {
-        let key: String = row.get(0).map_err(|e| e.to_string())?;
-        let value = row.get_ref(1).map_err(|e| e.to_string())?;
-        let bytes = value.as_blob().map_err(|e| format!("record {key}: {e}"))?;
-        let (record, rest): (Record, &[u8]) =
-            postcard::take_from_bytes(bytes).map_err(|e| format!("record {key}: {e}"))?;
-        if !rest.is_empty() {
-            return Err(format!(
-                "record {key} has {} bytes past its end (written by another layout?)",
-                rest.len()
-            ));
+/// Where the log stands: the next row's number, the open generation and the closed one
+/// being compacted (see the module's "Compaction").
+#[derive(Default)]
+struct LogState {
+    /// The `seq` of the next log row.
+    next_seq: i64,
+    /// Rows per generation at most.
+    rows_max: u64,
+    /// Entities logged since the open generation began, by table key.
+    open: HashMap<String, Entity>,
+    open_rows: u64,
+    open_bytes: usize,
+    /// Entities of the closed generation not yet written into `records`.
+    closing: Vec<(String, Entity)>,
+    /// The closed generation's last log row: rows up to it are deleted once `closing` is
+    /// written whole.
+    closing_last: Option<i64>,
+    /// Entities of `closing` written per batch.
+    per_batch: usize,
+}
+
+impl LogState {
+    /// Closes the open generation when it is full (`force`: whenever it holds anything) and
+    /// no other is being compacted.
+    fn maybe_close(&mut self, last_seq: i64, force: bool) {
+        if self.closing_last.is_some() || self.open_rows == 0 {
+            return;
         }
-        let entity = record.entity();
-        let reservation_run = match &record {
+        let full = self.open_rows >= self.rows_max
+            || self.open.len() >= GENERATION_ENTITIES_MAX
+            || self.open_bytes >= GENERATION_LOG_BYTES_MAX;
+        if !(full || force) {
+            return;
+        }
+        self.closing = self.open.drain().collect();
+        let rows = usize::try_from(self.open_rows).unwrap_or(usize::MAX).max(1);
+        self.per_batch = self.closing.len().div_ceil(rows).max(COMPACT_PER_BATCH_MIN);
+        self.closing_last = Some(last_seq);
+        self.open_rows = 0;
+        self.open_bytes = 0;
+    }
+}
+
+/// Reads every record, replays the log over them and rebuilds the ledger (with change
+/// tracking), the run of every reservation, and the log's state: everything the log holds
+/// is one closed generation, to be compacted by the next batches.
+fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, ReservationRuns, LogState), String> {
+    let mut records: HashMap<String, Record> = HashMap::new();
+    let no_runs = ReservationRuns::new();
+    let check = |key: &str, record: &Record| -> Result<(), String> {
+        let reservation_run = match record {
             Record::Reservation(r) => Some(&r.run_id),
             _ => None,
         };
-        if table_key(&entity, reservation_run, &runs).as_deref() != Some(key.as_str()) {
+        if table_key(&record.entity(), reservation_run, &no_runs).as_deref() != Some(key) {
             return Err(format!("record {key} is stored under the wrong key"));
         }
-        if let Record::Reservation(r) = &record {
+        Ok(())
+    };
+    {
+        let mut stmt = conn
+            .prepare("SELECT key, value FROM records")
+            .map_err(|e| e.to_string())?;
+        let mut rows = stmt.query([]).map_err(|e| e.to_string())?;
+        while let Some(row) = rows.next().map_err(|e| e.to_string())? {
+            let key: String = row.get(0).map_err(|e| e.to_string())?;
+            let value = row.get_ref(1).map_err(|e| e.to_string())?;
+            let bytes = value.as_blob().map_err(|e| format!("record {key}: {e}"))?;
+            let (record, rest): (Record, &[u8]) =
+                postcard::take_from_bytes(bytes).map_err(|e| format!("record {key}: {e}"))?;
+            if !rest.is_empty() {
+                return Err(format!(
+                    "record {key} has {} bytes past its end (written by another layout?)",
+                    rest.len()
+                ));
+            }
+            check(&key, &record)?;
+            records.insert(key, record);
+        }
+    }
+    let mut log = LogState {
+        next_seq: 1,
+        rows_max,
+        ..LogState::default()
+    };
+    let mut touched: HashMap<String, Entity> = HashMap::new();
+    {
+        let mut stmt = conn
+            .prepare("SELECT seq, changes FROM log ORDER BY seq")
+            .map_err(|e| e.to_string())?;
+        let mut rows = stmt.query([]).map_err(|e| e.to_string())?;
+        while let Some(row) = rows.next().map_err(|e| e.to_string())? {
+            let seq: i64 = row.get(0).map_err(|e| e.to_string())?;
+            let value = row.get_ref(1).map_err(|e| e.to_string())?;
+            let mut bytes = value.as_blob().map_err(|e| format!("log row {seq}: {e}"))?;
+            while !bytes.is_empty() {
+                let ((key, record), rest): ((String, Option<Record>), &[u8]) =
+                    postcard::take_from_bytes(bytes).map_err(|e| format!("log row {seq}: {e}"))?;
+                bytes = rest;
+                match record {
+                    Some(record) => {
+                        check(&key, &record).map_err(|e| format!("log row {seq}: {e}"))?;
+                        touched.insert(key.clone(), record.entity());
+                        records.insert(key, record);
+                    }
+                    None => {
+                        if let Some(old) = records.remove(&key) {
+                            touched.insert(key, old.entity());
+                        }
+                    }
+                }
+            }
+            log.next_seq = seq.saturating_add(1);
+            log.open_rows += 1;
+        }
+    }
+    log.open = touched;
+    log.maybe_close(log.next_seq - 1, true);
+    let mut runs = ReservationRuns::new();
+    for record in records.values() {
+        if let Record::Reservation(r) = record {
             runs.insert(r.id.clone(), r.run_id.clone());
         }
-        records.push(record);
     }
-    Ok((Ledger::restore(records, true), runs))
+    Ok((Ledger::restore(records.into_values(), true), runs, log))
 }
 
 struct Writer {
@@ -416,6 +548,8 @@ struct Writer {
     ledger: Ledger,
     /// The run of every reservation on disk (kept with the file: rebuilt on reload).
     runs: ReservationRuns,
+    /// Where the log stands (kept with the file: rebuilt on reload).
+    log: LogState,
     policy: Policy,
     clock: Arc<dyn Clock>,
     rx: Receiver<Msg>,
@@ -434,6 +568,7 @@ struct Writer {
     buf: Vec<u8>,
     /// Whether the connection is at `synchronous=FULL` (every commit fsynced).
     synced: bool,
+    compact_on_close: bool,
 }
 
 /// A command applied in this batch whose answer waits for the commit.
@@ -496,6 +631,7 @@ impl Writer {
                 }
             }
         }
+        self.compact_all();
     }
 
     /// Handles one message; returns true when the ledger panicked (the batch is abandoned).
@@ -568,14 +704,14 @@ impl Writer {
         }
     }
 
-    /// Writes every entity changed since the last commit in one transaction. `durable`: the
-    /// transaction is fsynced before this returns (`synchronous=FULL`); otherwise it is
-    /// written to the WAL without waiting for the disk (`synchronous=NORMAL`), and the next
-    /// durable commit's fsync covers it too (the WAL is one file, synced whole). A crash of
-    /// the machine can lose only such a trailing run of non-durable transactions: commits,
-    /// releases and finishes, whose loss only errs towards charging more (the holds expire and
-    /// are charged in full). A crash of the process loses nothing written.
-    /// Returns whether anything was written.
+    /// Logs every entity changed since the last commit in one transaction, with the next
+    /// part of the compaction. `durable`: the transaction is fsynced before this returns
+    /// (`synchronous=FULL`); otherwise it is written to the WAL without waiting for the disk
+    /// (`synchronous=NORMAL`), and the next durable commit's fsync covers it too (the WAL is
+    /// one file, synced whole). A crash of the machine can lose only such a trailing run of
+    /// non-durable transactions: commits, releases and finishes, whose loss only errs towards
+    /// charging more (the holds expire and are charged in full). A crash of the process loses
+    /// nothing written. Returns whether anything was written.
     fn commit(&mut self, durable: bool) -> Result<bool, WriteError> {
         let changes = self.ledger.take_dirty();
         if changes.is_empty() {
@@ -591,19 +727,40 @@ impl Writer {
                 Some("injected write fault".into()),
             )));
         }
+        self.set_synchronous(durable)?;
+        write_batch(
+            &self.conn,
+            &self.ledger,
+            &changes,
+            &mut self.runs,
+            &mut self.log,
+            &mut self.buf,
+        )?;
+        Ok(true)
+    }
+
+    fn set_synchronous(&mut self, durable: bool) -> Result<(), WriteError> {
         if self.synced != durable {
             let level = if durable { "FULL" } else { "NORMAL" };
             self.conn.pragma_update(None, "synchronous", level)?;
             self.synced = durable;
         }
-        write_changes(
-            &self.conn,
-            &self.ledger,
-            &changes,
-            &mut self.runs,
-            &mut self.buf,
-        )?;
-        Ok(true)
+        Ok(())
+    }
+
+    /// At a clean close: writes every logged entity into `records` and empties the log, in
+    /// one fsynced transaction, so the next open has nothing to replay.
+    fn compact_all(&mut self) {
+        if self.broken.is_some() || !self.compact_on_close {
+            return;
+        }
+        let result = self
+            .set_synchronous(true)
+            .and_then(|()| compact_log(&self.conn, &self.ledger, &mut self.log, &mut self.buf));
+        if let Err(e) = result {
+            // The log stays whole: the next open replays it.
+            tracing::error!(error = %e.message, "sqlite compaction at close failed");
+        }
     }
 
     /// Rebuilds the ledger from the file, dropping every change that is not on disk.
@@ -615,10 +772,11 @@ impl Writer {
                 return;
             }
         }
-        match load(&self.conn) {
-            Ok((ledger, runs)) => {
+        match load(&self.conn, self.log.rows_max) {
+            Ok((ledger, runs, log)) => {
                 self.ledger = ledger;
                 self.runs = runs;
+                self.log = log;
                 self.broken = None;
             }
             Err(e) => {
@@ -651,56 +809,128 @@ impl From<rusqlite::Error> for WriteError {
     }
 }
 
-/// Writes the current record of every changed entity (read from `ledger` without cloning)
-/// in one transaction.
-fn write_changes(
+/// Logs the current record of every changed entity (read from `ledger` without cloning) in
+/// one row, and writes the next part of the closed generation into `records`, in one
+/// transaction.
+fn write_batch(
     conn: &Connection,
     ledger: &Ledger,
     changes: &[Entity],
     runs: &mut ReservationRuns,
+    log: &mut LogState,
     buf: &mut Vec<u8>,
 ) -> Result<(), WriteError> {
     let e = WriteError::from;
-    // Rolled back on drop unless committed.
+    let encode = |e: postcard::Error| WriteError {
+        message: e.to_string(),
+        fatal: false,
+    };
+    // Rolled back on drop unless committed. A failure leaves `runs` and `log` ahead of the
+    // file; the writer then reloads both from it.
     let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
-    {
-        let mut upsert = tx.prepare_cached(UPSERT_SQL).map_err(e)?;
-        let mut delete = tx.prepare_cached(DELETE_SQL).map_err(e)?;
-        for entity in changes {
-            let record = ledger.record_ref(entity);
-            let reservation_run = match record {
-                Some(RecordRef::Reservation(r)) => Some(&r.run_id),
-                _ => None,
-            };
-            let Some(key) = table_key(entity, reservation_run, runs) else {
-                // A reservation never written: there is no row to delete.
-                continue;
-            };
-            match record {
-                Some(r) => {
-                    buf.clear();
-                    *buf =
-                        postcard::to_extend(&r, std::mem::take(buf)).map_err(|e| WriteError {
-                            message: e.to_string(),
-                            fatal: false,
-                        })?;
-                    upsert.execute((key.as_str(), buf.as_slice())).map_err(e)?;
-                    if let RecordRef::Reservation(res) = r {
-                        if !runs.contains_key(&res.id) {
-                            runs.insert(res.id.clone(), res.run_id.clone());
-                        }
-                    }
+    buf.clear();
+    for entity in changes {
+        let record = ledger.record_ref(entity);
+        let reservation_run = match record {
+            Some(RecordRef::Reservation(r)) => Some(&r.run_id),
+            _ => None,
+        };
+        let Some(key) = table_key(entity, reservation_run, runs) else {
+            // A reservation never written: there is nothing to delete.
+            continue;
+        };
+        *buf = postcard::to_extend(&(key.as_str(), record), std::mem::take(buf)).map_err(encode)?;
+        match record {
+            Some(RecordRef::Reservation(res)) => {
+                if !runs.contains_key(&res.id) {
+                    runs.insert(res.id.clone(), res.run_id.clone());
                 }
-                None => {
-                    delete.execute([key.as_str()]).map_err(e)?;
-                    if let Entity::Reservation(id) = entity {
-                        runs.remove(id);
-                    }
+            }
+            None => {
+                if let Entity::Reservation(id) = entity {
+                    runs.remove(id);
                 }
+            }
+            Some(_) => {}
+        }
+        log.open.insert(key, entity.clone());
+    }
+    if !buf.is_empty() {
+        let seq = log.next_seq;
+        tx.prepare_cached(LOG_SQL)
+            .map_err(e)?
+            .execute((seq, buf.as_slice()))
+            .map_err(e)?;
+        log.next_seq = seq.saturating_add(1);
+        log.open_rows += 1;
+        log.open_bytes = log.open_bytes.saturating_add(buf.len());
+    }
+    let n = log.per_batch.min(log.closing.len());
+    let at = log.closing.len() - n;
+    let part: Vec<(String, Entity)> = log.closing.drain(at..).collect();
+    write_records(&tx, ledger, &part, buf)?;
+    if log.closing.is_empty() {
+        if let Some(last) = log.closing_last.take() {
+            tx.prepare_cached(TRIM_SQL)
+                .map_err(e)?
+                .execute([last])
+                .map_err(e)?;
+        }
+        log.maybe_close(log.next_seq - 1, false);
+    }
+    tx.commit().map_err(e)
+}
+
+/// Writes the current record of each entity into `records` (a row deleted when the entity
+/// no longer exists).
+fn write_records(
+    tx: &Transaction<'_>,
+    ledger: &Ledger,
+    entities: &[(String, Entity)],
+    buf: &mut Vec<u8>,
+) -> Result<(), WriteError> {
+    if entities.is_empty() {
+        return Ok(());
+    }
+    let e = WriteError::from;
+    let mut upsert = tx.prepare_cached(UPSERT_SQL).map_err(e)?;
+    let mut delete = tx.prepare_cached(DELETE_SQL).map_err(e)?;
+    for (key, entity) in entities {
+        match ledger.record_ref(entity) {
+            Some(r) => {
+                buf.clear();
+                *buf = postcard::to_extend(&r, std::mem::take(buf)).map_err(|e| WriteError {
+                    message: e.to_string(),
+                    fatal: false,
+                })?;
+                upsert.execute((key.as_str(), buf.as_slice())).map_err(e)?;
+            }
+            None => {
+                delete.execute([key.as_str()]).map_err(e)?;
             }
         }
     }
-    tx.commit().map_err(e)
+    Ok(())
+}
+
+/// Writes every entity the log holds into `records` and deletes the log, in one transaction.
+fn compact_log(
+    conn: &Connection,
+    ledger: &Ledger,
+    log: &mut LogState,
+    buf: &mut Vec<u8>,
+) -> Result<(), WriteError> {
+    let e = WriteError::from;
+    let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
+    let mut all: Vec<(String, Entity)> = std::mem::take(&mut log.closing);
+    all.extend(log.open.drain());
+    write_records(&tx, ledger, &all, buf)?;
+    tx.execute("DELETE FROM log", []).map_err(e)?;
+    tx.commit().map_err(e)?;
+    log.closing_last = None;
+    log.open_rows = 0;
+    log.open_bytes = 0;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -309,6 +309,149 @@ async fn reservations_of_a_dropped_store_expire_charged_in_full() {
     assert_eq!(expired.len(), 2);
 }
 
+/// Rows of a table of the file, read with a connection of its own (the store closed).
+fn table_rows(path: &Path, table: &str) -> i64 {
+    let c = rusqlite::Connection::open(path).expect("open");
+    c.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))
+        .expect("count")
+}
+
+/// Drives a mix of every kind of change, one batch at a time: runs admitted, steps reserved,
+/// committed, released, runs finished, a cutoff set and lifted.
+async fn churn(s: &dyn Store, clock: &ManualClock, runs: std::ops::Range<usize>) {
+    for i in runs {
+        let run = format!("run-{i}");
+        admit(s, &run).await;
+        reserve(s, tool_step(&run, &format!("{run}.t"))).await;
+        reserve(s, model_step(&run, &format!("{run}.m"))).await;
+        let usage = TokenUsage {
+            prompt_tokens: 100,
+            completion_tokens: u64::try_from(i).unwrap_or(0),
+            cached_tokens: 0,
+        };
+        s.resolve(
+            ReservationId(format!("{run}.m")),
+            Resolution::Commit(Settlement::Tokens(usage)),
+        )
+        .await
+        .expect("commit");
+        if i % 2 == 1 {
+            s.resolve(ReservationId(format!("{run}.t")), Resolution::Release)
+                .await
+                .expect("release");
+        }
+        if i % 3 == 0 {
+            s.finish(RunId(run)).await.expect("finish");
+        }
+        if i % 7 == 0 {
+            for engaged in [true, false] {
+                s.set_cutoff(engaged, format!("churn {i}"))
+                    .await
+                    .expect("cutoff");
+            }
+        }
+        clock.advance_ms(5);
+    }
+}
+
+/// The log as a crash leaves it: generations of a few rows close, compact into `records`
+/// and trim the log while work goes on; a store closed without its final compaction (as a
+/// killed process leaves it) reopens to exactly the state it served, wherever compaction
+/// stood, and the log it left is bounded by about two generations. A clean close then
+/// empties the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_log_replays_to_the_state_served_wherever_compaction_stood() {
+    for rows_max in [1_u64, 2, 5, 1024] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = db_path(&dir);
+        let clock = ManualClock::new(T0);
+        let crashlike = |rows_max| SqliteOptions {
+            generation_rows_max: rows_max,
+            compact_on_close: false,
+            ..SqliteOptions::new(&path)
+        };
+        let store = SqliteStore::open(crashlike(rows_max), policy(), Arc::new(clock.clone()))
+            .expect("open");
+        churn(&store, &clock, 0..40).await;
+        let served = snapshot(&store).await;
+        drop(store);
+
+        let logged = table_rows(&path, "log");
+        let written = table_rows(&path, "records");
+        assert!(
+            logged > 0,
+            "rows_max {rows_max}: the log holds the latest batches"
+        );
+        if rows_max < 1024 {
+            let bound = i64::try_from(2 * rows_max + 2).expect("small");
+            assert!(logged <= bound, "rows_max {rows_max}: {logged} log rows");
+            assert!(
+                written > 0,
+                "rows_max {rows_max}: generations were compacted"
+            );
+        } else {
+            assert_eq!(written, 0, "no generation closed: everything is in the log");
+        }
+
+        // Opened again after the crash-like close: the log is replayed over `records`.
+        let store = SqliteStore::open(crashlike(rows_max), policy(), Arc::new(clock.clone()))
+            .expect("open");
+        assert_eq!(snapshot(&store).await, served, "rows_max {rows_max}");
+        check_invariants(&store).await;
+        // And it keeps working on top of the replayed state, compacting what it replayed.
+        churn(&store, &clock, 40..43).await;
+        let served = snapshot(&store).await;
+        drop(store);
+
+        // A clean close compacts everything: the log is empty and `records` alone holds
+        // the state.
+        let store = open(&path, Arc::new(clock.clone()));
+        assert_eq!(snapshot(&store).await, served, "rows_max {rows_max}");
+        drop(store);
+        assert_eq!(table_rows(&path, "log"), 0, "rows_max {rows_max}");
+        let store = open(&path, Arc::new(clock.clone()));
+        assert_eq!(snapshot(&store).await, served, "rows_max {rows_max}");
+        assert_eq!(
+            table_rows_open(&store).await,
+            served.len(),
+            "rows_max {rows_max}: one row per record"
+        );
+    }
+}
+
+/// How many records the open store's ledger holds.
+async fn table_rows_open(store: &SqliteStore) -> usize {
+    store.inspect(|l| l.records().len()).await.expect("inspect")
+}
+
+/// A file of the layout before the log (schema version 4: `records` alone) opens, gains the
+/// log and serves the same state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_without_the_log_is_upgraded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let store = open(&path, Arc::new(clock.clone()));
+    churn(&store, &clock, 0..5).await;
+    let served = snapshot(&store).await;
+    drop(store);
+    {
+        let c = rusqlite::Connection::open(&path).expect("open");
+        c.execute_batch("DROP TABLE log; PRAGMA user_version = 4;")
+            .expect("downgrade");
+    }
+    let store = open(&path, Arc::new(clock.clone()));
+    assert_eq!(snapshot(&store).await, served);
+    churn(&store, &clock, 5..6).await;
+    drop(store);
+    let c = rusqlite::Connection::open(&path).expect("open");
+    let version: i64 = c
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .expect("version");
+    assert_eq!(version, 5);
+    assert_eq!(table_rows(&path, "log"), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn purged_runs_leave_no_rows() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -443,6 +586,25 @@ async fn a_record_that_does_not_decode_fails_the_open() {
     }
     let msg = open_err(SqliteOptions::new(&path));
     assert!(msg.contains("record r|"), "{msg}");
+
+    // The same for a log row (a file left as a crash leaves it: the log not compacted).
+    let path = dir.path().join("log.sqlite");
+    let opts = || SqliteOptions {
+        compact_on_close: false,
+        ..SqliteOptions::new(&path)
+    };
+    let store = SqliteStore::open(opts(), policy(), Arc::new(ManualClock::new(T0))).expect("open");
+    admit(&store, "run-1").await;
+    drop(store);
+    {
+        let c = rusqlite::Connection::open(&path).expect("open");
+        let n = c
+            .execute("UPDATE log SET changes = changes || x'00'", [])
+            .expect("corrupt");
+        assert!(n > 0);
+    }
+    let msg = open_err(opts());
+    assert!(msg.contains("log row"), "{msg}");
 }
 
 /// A clock that blocks every reader while closed: it holds the writer thread mid-batch.

@@ -352,9 +352,10 @@ pub async fn many_commands_apply_in_order(b: &dyn Backend) {
     assert!(
         matches!(
             &answers[2],
-            Err(spendgate_store::StoreError::Ledger(LedgerError::NotFound(
+            Err(spendgate_store::StoreError::Ledger(
+                LedgerError::NotFound(_),
                 _
-            )))
+            ))
         ),
         "{:?}",
         answers[2]

@@ -8,10 +8,14 @@ use spendgate_core::*;
 use spendgate_store::{Store, StoreError};
 use std::sync::Arc;
 
-/// Heartbeat of a run that must have ended.
-async fn heartbeat_closed(s: &Arc<dyn Store>, run: &str, state: RunState) {
+/// Heartbeat of a run that must have ended; the ledger's sequence number when the call
+/// changed it first (the run's lease ran out and this call expired it).
+async fn heartbeat_closed(s: &Arc<dyn Store>, run: &str, state: RunState) -> Option<u64> {
     match s.heartbeat(run_id(run)).await {
-        Err(StoreError::Ledger(LedgerError::RunClosed(st))) => assert_eq!(st, state),
+        Err(StoreError::Ledger(LedgerError::RunClosed(st), seq)) => {
+            assert_eq!(st, state);
+            seq
+        }
         other => panic!("heartbeat of {state:?} run {run} answered {other:?}"),
     }
 }
@@ -226,12 +230,40 @@ pub async fn i6_a_lapsed_lease_is_seen_behind_a_backlog_of_timers(b: &dyn Backen
     }
     b.advance(10_001);
 
-    match s.resolve(step_id("h1"), units(1)).await {
-        Err(StoreError::Ledger(LedgerError::Closed {
-            state: ReservationState::Expired,
-            charged,
-        })) => assert_eq!(charged, Micros(1_000)),
+    // The refusal comes from a call that expired the run first: it says where the ledger
+    // stands after that change (SPEC: every answer that changed the ledger carries its seq).
+    let before = s.summary().await.expect("summary").seq;
+    let changed_at = match s.resolve(step_id("h1"), units(1)).await {
+        Err(StoreError::Ledger(
+            LedgerError::Closed {
+                state: ReservationState::Expired,
+                charged,
+            },
+            seq,
+        )) => {
+            assert_eq!(charged, Micros(1_000));
+            seq
+        }
         other => panic!("a commit after its run's lease ran out answered {other:?}"),
+    };
+    let after = s.summary().await.expect("summary").seq;
+    assert!(
+        after > before,
+        "the call expired the run: {before} -> {after}"
+    );
+    assert_eq!(
+        changed_at,
+        Some(after),
+        "the refusal carries the seq of its change"
+    );
+    // The same refusal again carries a seq only if the call changed something (it may
+    // still expire some of the backlog).
+    match s.resolve(step_id("h1"), units(1)).await {
+        Err(StoreError::Ledger(LedgerError::Closed { .. }, seq)) => {
+            let now = s.summary().await.expect("summary").seq;
+            assert_eq!(seq, (now != after).then_some(now));
+        }
+        other => panic!("a repeated late commit answered {other:?}"),
     }
     let r = reserve_refused(&s, micros_step("r2", "late", 1)).await;
     assert_eq!(

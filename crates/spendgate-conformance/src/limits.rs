@@ -187,7 +187,7 @@ fn key(key: &str, fingerprint: &str) -> Option<IdempotencyKey> {
 
 async fn conflict<T: std::fmt::Debug>(r: Result<T, StoreError>) {
     match r {
-        Err(StoreError::Ledger(LedgerError::IdempotencyConflict)) => {}
+        Err(StoreError::Ledger(LedgerError::IdempotencyConflict, _)) => {}
         other => panic!("same key, other request: must be a conflict, answered {other:?}"),
     }
 }
@@ -533,7 +533,7 @@ pub async fn adjustments_apply_once_per_key(b: &dyn Backend) {
     assert!(
         matches!(
             conflict,
-            StoreError::Ledger(LedgerError::IdempotencyConflict)
+            StoreError::Ledger(LedgerError::IdempotencyConflict, _)
         ),
         "{conflict:?}"
     );

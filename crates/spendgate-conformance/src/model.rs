@@ -627,11 +627,11 @@ fn dry_of(r: Option<&Refusal>) -> DryRun {
 
 fn from_error(e: StoreError) -> Result<Ans, TestCaseError> {
     match e {
-        StoreError::Ledger(LedgerError::Closed { state, charged }) => Ok(Ans::Closed {
+        StoreError::Ledger(LedgerError::Closed { state, charged }, _) => Ok(Ans::Closed {
             state,
             charged: charged.0,
         }),
-        StoreError::Ledger(LedgerError::RunClosed(state)) => Ok(Ans::RunClosed(state)),
+        StoreError::Ledger(LedgerError::RunClosed(state), _) => Ok(Ans::RunClosed(state)),
         e => Err(TestCaseError::fail(format!("store error: {e}"))),
     }
 }

@@ -254,7 +254,7 @@ pub async fn resolve(s: &Arc<dyn Store>, step: &str, how: Resolution) -> Applied
 pub async fn resolve_err(s: &Arc<dyn Store>, step: &str, how: Resolution) -> LedgerError {
     match s.resolve(step_id(step), how).await {
         Ok(v) => panic!("resolve {step} {how:?} must fail, answered {v:?}"),
-        Err(StoreError::Ledger(e)) => e,
+        Err(StoreError::Ledger(e, _)) => e,
         Err(e) => panic!("resolve {step} {how:?}: store error {e}"),
     }
 }

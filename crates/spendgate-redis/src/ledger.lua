@@ -1116,8 +1116,10 @@ end
 local function ok(changed, payload)
   return { 'OK', SEQ, I01(changed), unpack(payload) }
 end
+-- ('1' after the seq: this call changed the ledger before it refused, as Ledger::apply's
+-- caller sees from the seq)
 local function err(list)
-  return { 'E', SEQ, unpack(list) }
+  return { 'E', SEQ, B01(SEQ ~= SEQ0), unpack(list) }
 end
 local function text_refusal(code, scope, retry, msg)
   return { 'refused', code, scope, retry, 'text', msg }

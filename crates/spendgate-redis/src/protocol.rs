@@ -1,7 +1,7 @@
 //! How a [`Command`] becomes script arguments and how the script's answer becomes a [`Reply`].
 //!
 //! The script answers with arrays of strings: `["OK", seq, changed, ...]` for a write,
-//! `["OK", seq, ...]` for a read, `["E", seq, kind, ...]` for a ledger error and
+//! `["OK", seq, ...]` for a read, `["E", seq, changed, kind, ...]` for a ledger error and
 //! `["X", kind, ...]` when the store itself refuses (epoch missing or changed, rollback).
 //! Outcomes of admissions are flat string lists so that idempotency records can store them
 //! verbatim and a retry decodes to the very same answer.
@@ -559,7 +559,11 @@ pub fn decode(cmd: &Command, items: &[Item]) -> Result<Reply, StoreError> {
     let tag = f.s()?;
     let seq = f.u()?;
     if tag == "E" {
-        return Err(StoreError::Ledger(ledger_error(&mut f)?));
+        let changed = f.b()?;
+        return Err(StoreError::Ledger(
+            ledger_error(&mut f)?,
+            changed.then_some(seq),
+        ));
     }
     if tag != "OK" {
         return Err(bad(format!("tag {tag:?}")));

@@ -122,7 +122,11 @@ impl From<Refusal> for ApiError {
 impl From<StoreError> for ApiError {
     fn from(e: StoreError) -> ApiError {
         match e {
-            StoreError::Ledger(l) => l.into(),
+            StoreError::Ledger(l, seq) => {
+                let mut e = ApiError::from(l);
+                e.ledger_seq = seq;
+                e
+            }
             other => {
                 tracing::warn!(error = %other, "store call failed; refusing");
                 ApiError::store_unavailable()
@@ -244,5 +248,31 @@ mod tests {
         );
         let spent = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "budget_exhausted", "m");
         assert_eq!(retry(spent).as_deref(), Some("false"));
+    }
+
+    /// A refusal from a call that changed the ledger first (it expired a lapsed run) carries
+    /// that change's `ledger_seq`; one that changed nothing carries none.
+    #[test]
+    fn a_refusal_after_a_change_carries_its_ledger_seq() {
+        let closed = || LedgerError::Closed {
+            state: spendgate_core::ReservationState::Expired,
+            charged: spendgate_core::Micros(1_000),
+        };
+        let e = ApiError::from(StoreError::Ledger(closed(), Some(42)));
+        assert_eq!(
+            (e.status, e.code),
+            (StatusCode::CONFLICT, "reservation_closed")
+        );
+        let r = e.into_response();
+        assert_eq!(
+            r.headers()
+                .get("spendgate-ledger-seq")
+                .and_then(|v| v.to_str().ok()),
+            Some("42")
+        );
+        let e = ApiError::from(StoreError::Ledger(closed(), None));
+        assert_eq!(e.ledger_seq, None);
+        let r = e.into_response();
+        assert!(r.headers().get("spendgate-ledger-seq").is_none());
     }
 }

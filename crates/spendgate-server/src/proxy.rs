@@ -490,7 +490,7 @@ impl StepGuard {
                         }
                         // The run has ended (finished, expired): its holds were settled
                         // without this call, which must stop now.
-                        Err(StoreError::Ledger(e)) => {
+                        Err(StoreError::Ledger(e, _)) => {
                             tracing::warn!(error = %e, run = %run_id.0, "a proxied call's run ended under it; stopping the call");
                             let _ = stop_tx.send(Some(tokio::time::Instant::now()));
                             return;
@@ -1244,7 +1244,7 @@ pub async fn chat_completions(
 /// stays held expires and is charged in full).
 async fn abandon(state: &api::AppState, step: &ReservationId, run: Option<&RunId>) {
     match state.store.resolve(step.clone(), Resolution::Release).await {
-        Ok(_) | Err(StoreError::Ledger(LedgerError::NotFound(_))) => {}
+        Ok(_) | Err(StoreError::Ledger(LedgerError::NotFound(_), _)) => {}
         Err(e) => tracing::warn!(error = %e, "could not release an abandoned proxy step"),
     }
     if let Some(run) = run {

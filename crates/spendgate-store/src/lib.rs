@@ -26,15 +26,39 @@ pub enum StoreError {
     #[error("store did not answer within {0:?}")]
     Timeout(Duration),
     /// The ledger refused the command as invalid (unknown id, closed reservation, ...).
-    #[error(transparent)]
-    Ledger(#[from] LedgerError),
+    /// `Some(seq)`: the call changed the ledger before it refused (a run whose lease had run
+    /// out was expired first, say); `seq` is the ledger's sequence number after it, which the
+    /// answer carries as `ledger_seq`.
+    #[error("{0}")]
+    Ledger(LedgerError, Option<u64>),
+}
+
+impl From<LedgerError> for StoreError {
+    fn from(e: LedgerError) -> StoreError {
+        StoreError::Ledger(e, None)
+    }
+}
+
+/// Applies one command to a ledger; a refusal says whether the call changed the ledger
+/// before it refused (its sequence number moved).
+pub(crate) fn apply_to(
+    ledger: &mut Ledger,
+    policy: &Policy,
+    now: UnixMs,
+    cmd: &Command,
+) -> Result<Reply, StoreError> {
+    let before = ledger.seq();
+    ledger.apply(policy, now, cmd).map_err(|e| {
+        let after = ledger.seq();
+        StoreError::Ledger(e, (after != before).then_some(after))
+    })
 }
 
 impl StoreError {
     /// Whether the store itself failed (as opposed to the request being wrong).
     pub fn is_unavailable(&self) -> bool {
         matches!(self, StoreError::Unavailable(_) | StoreError::Timeout(_))
-            || matches!(self, StoreError::Ledger(LedgerError::Full(_)))
+            || matches!(self, StoreError::Ledger(LedgerError::Full(_), _))
     }
 }
 

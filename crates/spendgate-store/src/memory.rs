@@ -35,12 +35,12 @@ impl Store for MemoryStore {
         // they write, so the state is still whole.
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
         let now = self.clock.now();
-        Ok(ledger.apply(&self.policy, now, &cmd)?)
+        crate::apply_to(&mut ledger, &self.policy, now, &cmd)
     }
     async fn execute_many(&self, cmds: Vec<Command>) -> Vec<Result<Reply, StoreError>> {
         let mut ledger = self.ledger.lock().unwrap_or_else(|p| p.into_inner());
         cmds.iter()
-            .map(|cmd| Ok(ledger.apply(&self.policy, self.clock.now(), cmd)?))
+            .map(|cmd| crate::apply_to(&mut ledger, &self.policy, self.clock.now(), cmd))
             .collect()
     }
     async fn ready(&self) -> Result<(), StoreError> {

@@ -681,9 +681,11 @@ impl Writer {
                 }
                 let now = self.clock.now();
                 let (ledger, policy) = (&mut self.ledger, &self.policy);
-                let applied = catch_unwind(AssertUnwindSafe(|| ledger.apply(policy, now, &cmd)));
+                let applied = catch_unwind(AssertUnwindSafe(|| {
+                    crate::apply_to(ledger, policy, now, &cmd)
+                }));
                 let answer = match applied {
-                    Ok(r) => r.map_err(StoreError::from),
+                    Ok(r) => r,
                     Err(_) => {
                         // The ledger may be half-changed: nothing of this batch is written.
                         let _ = tx.send(Err(StoreError::Unavailable(

@@ -571,7 +571,7 @@ async fn a_commit_that_arrives_twice_charges_once() {
         .await;
     assert!(matches!(
         r,
-        Err(StoreError::Ledger(LedgerError::Closed { .. }))
+        Err(StoreError::Ledger(LedgerError::Closed { .. }, _))
     ));
 }
 

@@ -733,7 +733,7 @@ impl Writer {
         write_batch(
             &self.conn,
             &self.ledger,
-            &changes,
+            changes,
             &mut self.runs,
             &mut self.log,
             &mut self.buf,
@@ -817,7 +817,7 @@ impl From<rusqlite::Error> for WriteError {
 fn write_batch(
     conn: &Connection,
     ledger: &Ledger,
-    changes: &[Entity],
+    changes: Vec<Entity>,
     runs: &mut ReservationRuns,
     log: &mut LogState,
     buf: &mut Vec<u8>,
@@ -832,12 +832,12 @@ fn write_batch(
     let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
     buf.clear();
     for entity in changes {
-        let record = ledger.record_ref(entity);
+        let record = ledger.record_ref(&entity);
         let reservation_run = match record {
             Some(RecordRef::Reservation(r)) => Some(&r.run_id),
             _ => None,
         };
-        let Some(key) = table_key(entity, reservation_run, runs) else {
+        let Some(key) = table_key(&entity, reservation_run, runs) else {
             // A reservation never written: there is nothing to delete.
             continue;
         };
@@ -849,13 +849,13 @@ fn write_batch(
                 }
             }
             None => {
-                if let Entity::Reservation(id) = entity {
+                if let Entity::Reservation(id) = &entity {
                     runs.remove(id);
                 }
             }
             Some(_) => {}
         }
-        log.open.insert(key, entity.clone());
+        log.open.insert(key, entity);
     }
     if !buf.is_empty() {
         let seq = log.next_seq;

@@ -18,9 +18,14 @@
 //!   or [`GENERATION_LOG_BYTES_MAX`] bytes) it closes, and each later batch writes the
 //!   current record of some of its entities into `records` (at least
 //!   [`COMPACT_PER_BATCH_MIN`], paced to finish in about as many batches as the generation
-//!   took to fill), in the same transaction as that batch's log row. When the last is
+//!   took to fill), in the same transaction as that batch's log row. That work goes to
+//!   batches nobody waits on (only resolutions: their answers left before the write) at
+//!   twice the pace; a batch that holds an admission compacts only when the open generation
+//!   is full already (compaction fell behind), so an admission's latency carries no
+//!   compaction while it keeps up. When the last is
 //!   written, the log rows of that generation are deleted in that same transaction. So the
-//!   log holds at most about two generations, and every state is on disk twice at most
+//!   log holds at most about three generations (the closing one, the open one, and what
+//!   the open one gathers past its bound while the closing one drains), and every state is on disk twice at most
 //!   (log, then `records`) instead of once per change. A clean close compacts everything
 //!   (the log is empty after it); an open after a crash replays what the log holds.
 //! - The schema version is kept in `PRAGMA user_version` (a version 4 file, `records`
@@ -86,7 +91,7 @@ pub const GENERATION_ENTITIES_MAX: usize = 65_536;
 /// Log bytes a generation gathers at most before it is compacted.
 pub const GENERATION_LOG_BYTES_MAX: usize = 8 << 20;
 /// Entities of a closed generation written into `records` per batch, at least.
-pub const COMPACT_PER_BATCH_MIN: usize = 64;
+pub const COMPACT_PER_BATCH_MIN: usize = 16;
 /// WAL pages between automatic checkpoints (SQLite's default is 1000). Larger means fewer,
 /// longer checkpoints and a larger WAL file between them.
 pub const WAL_AUTOCHECKPOINT_PAGES: u32 = 4000;
@@ -438,16 +443,20 @@ struct LogState {
 }
 
 impl LogState {
+    /// Whether the open generation reached one of its bounds.
+    fn open_full(&self) -> bool {
+        self.open_rows >= self.rows_max
+            || self.open.len() >= GENERATION_ENTITIES_MAX
+            || self.open_bytes >= GENERATION_LOG_BYTES_MAX
+    }
+
     /// Closes the open generation when it is full (`force`: whenever it holds anything) and
     /// no other is being compacted.
     fn maybe_close(&mut self, last_seq: i64, force: bool) {
         if self.closing_last.is_some() || self.open_rows == 0 {
             return;
         }
-        let full = self.open_rows >= self.rows_max
-            || self.open.len() >= GENERATION_ENTITIES_MAX
-            || self.open_bytes >= GENERATION_LOG_BYTES_MAX;
-        if !(full || force) {
+        if !(self.open_full() || force) {
             return;
         }
         self.closing = self.open.drain().collect();
@@ -737,6 +746,7 @@ impl Writer {
             &mut self.runs,
             &mut self.log,
             &mut self.buf,
+            durable,
         )?;
         Ok(true)
     }
@@ -821,6 +831,7 @@ fn write_batch(
     runs: &mut ReservationRuns,
     log: &mut LogState,
     buf: &mut Vec<u8>,
+    durable: bool,
 ) -> Result<(), WriteError> {
     let e = WriteError::from;
     let encode = |e: postcard::Error| WriteError {
@@ -867,7 +878,14 @@ fn write_batch(
         log.open_rows += 1;
         log.open_bytes = log.open_bytes.saturating_add(buf.len());
     }
-    let n = log.per_batch.min(log.closing.len());
+    let quota = if !durable {
+        log.per_batch.saturating_mul(2)
+    } else if log.open_full() {
+        log.per_batch
+    } else {
+        0
+    };
+    let n = quota.min(log.closing.len());
     let at = log.closing.len() - n;
     let part: Vec<(String, Entity)> = log.closing.drain(at..).collect();
     write_records(&tx, ledger, &part, buf)?;

@@ -18,11 +18,10 @@
 //!   or [`GENERATION_LOG_BYTES_MAX`] bytes) it closes, and each later batch writes the
 //!   current record of some of its entities into `records` (at least
 //!   [`COMPACT_PER_BATCH_MIN`], paced to finish in about as many batches as the generation
-//!   took to fill), in the same transaction as that batch's log row. That work goes to
-//!   batches nobody waits on (only resolutions: their answers left before the write) at
-//!   twice the pace; a batch that holds an admission compacts only when the open generation
-//!   is full already (compaction fell behind), so an admission's latency carries no
-//!   compaction while it keeps up. When the last is
+//!   took to fill), in the same transaction as that batch's log row. Most of that work goes
+//!   to batches nobody waits on (only resolutions: their answers left before the write),
+//!   at twice the pace; a batch that holds an admission does half a slice, or four once
+//!   the open generation is full (compaction fell behind). When the last is
 //!   written, the log rows of that generation are deleted in that same transaction. So the
 //!   log holds at most about three generations (the closing one, the open one, and what
 //!   the open one gathers past its bound while the closing one drains), and every state is on disk twice at most
@@ -352,7 +351,7 @@ fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
         0 => {
             let objects: i64 = tx
                 .query_row(
-                    "SELECT count(*) FROM sqlite_master WHERE name NOT IN ('records', 'log')",
+                    "SELECT count(*) FROM sqlite_master WHERE name <> 'records'",
                     [],
                     |r| r.get(0),
                 )
@@ -511,6 +510,7 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, ReservationRuns, Lo
         ..LogState::default()
     };
     let mut touched: HashMap<String, Entity> = HashMap::new();
+    let meta_key = Entity::Meta.storage_key();
     {
         let mut stmt = conn
             .prepare("SELECT seq, changes FROM log ORDER BY seq")
@@ -519,11 +519,20 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, ReservationRuns, Lo
         while let Some(row) = rows.next().map_err(|e| e.to_string())? {
             let seq: i64 = row.get(0).map_err(|e| e.to_string())?;
             let value = row.get_ref(1).map_err(|e| e.to_string())?;
-            let mut bytes = value.as_blob().map_err(|e| format!("log row {seq}: {e}"))?;
-            while !bytes.is_empty() {
+            let blob = value.as_blob().map_err(|e| format!("log row {seq}: {e}"))?;
+            let (count, mut bytes) = match blob.split_first_chunk::<4>() {
+                Some((count, rest)) if u32::from_le_bytes(*count) > 0 => {
+                    (u32::from_le_bytes(*count), rest)
+                }
+                _ => return Err(format!("log row {seq}: no entries")),
+            };
+            for _ in 0..count {
                 let ((key, record), rest): ((String, Option<Record>), &[u8]) =
                     postcard::take_from_bytes(bytes).map_err(|e| format!("log row {seq}: {e}"))?;
                 bytes = rest;
+                if key.is_empty() || (record.is_none() && key == meta_key) {
+                    return Err(format!("log row {seq}: a malformed entry ({key:?})"));
+                }
                 match record {
                     Some(record) => {
                         check(&key, &record).map_err(|e| format!("log row {seq}: {e}"))?;
@@ -536,6 +545,12 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, ReservationRuns, Lo
                         }
                     }
                 }
+            }
+            if !bytes.is_empty() {
+                return Err(format!(
+                    "log row {seq} has {} bytes past its entries",
+                    bytes.len()
+                ));
             }
             log.next_seq = seq.saturating_add(1);
             log.open_rows += 1;
@@ -763,7 +778,11 @@ impl Writer {
     /// At a clean close: writes every logged entity into `records` and empties the log, in
     /// one fsynced transaction, so the next open has nothing to replay.
     fn compact_all(&mut self) {
-        if self.broken.is_some() || !self.compact_on_close {
+        let injected = self
+            .write_fault
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::Relaxed) != 0);
+        if self.broken.is_some() || !self.compact_on_close || injected {
             return;
         }
         let result = self
@@ -841,7 +860,10 @@ fn write_batch(
     // Rolled back on drop unless committed. A failure leaves `runs` and `log` ahead of the
     // file; the writer then reloads both from it.
     let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
+    // The row: the number of entries (u32, little-endian), then the entries.
     buf.clear();
+    buf.extend_from_slice(&[0; 4]);
+    let mut entries: u32 = 0;
     for entity in changes {
         let record = ledger.record_ref(&entity);
         let reservation_run = match record {
@@ -852,23 +874,33 @@ fn write_batch(
             // A reservation never written: there is nothing to delete.
             continue;
         };
-        *buf = postcard::to_extend(&(key.as_str(), record), std::mem::take(buf)).map_err(encode)?;
-        match record {
-            Some(RecordRef::Reservation(res)) => {
-                if !runs.contains_key(&res.id) {
+        if let Some(RecordRef::Reservation(res)) = record {
+            match runs.get(&res.id) {
+                Some(old) if *old == res.run_id => {}
+                Some(old) => {
+                    // The id was purged with its run and taken again by another run in this
+                    // batch: the old row goes.
+                    let old_key = table_key(&entity, Some(old), runs).unwrap_or_default();
+                    let gone: Option<RecordRef<'_>> = None;
+                    *buf = postcard::to_extend(&(old_key.as_str(), gone), std::mem::take(buf))
+                        .map_err(encode)?;
+                    entries += 1;
+                    log.open.insert(old_key, entity.clone());
+                    runs.insert(res.id.clone(), res.run_id.clone());
+                }
+                None => {
                     runs.insert(res.id.clone(), res.run_id.clone());
                 }
             }
-            None => {
-                if let Entity::Reservation(id) = &entity {
-                    runs.remove(id);
-                }
-            }
-            Some(_) => {}
+        } else if let (None, Entity::Reservation(id)) = (record, &entity) {
+            runs.remove(id);
         }
+        *buf = postcard::to_extend(&(key.as_str(), record), std::mem::take(buf)).map_err(encode)?;
+        entries += 1;
         log.open.insert(key, entity);
     }
-    if !buf.is_empty() {
+    if entries > 0 {
+        buf[..4].copy_from_slice(&entries.to_le_bytes());
         let seq = log.next_seq;
         tx.prepare_cached(LOG_SQL)
             .map_err(e)?
@@ -878,12 +910,14 @@ fn write_batch(
         log.open_rows += 1;
         log.open_bytes = log.open_bytes.saturating_add(buf.len());
     }
+    // (bounded whatever the mix: with every batch durable, a generation closes at most
+    // about 4/3 of `rows_max` rows after the one before it)
     let quota = if !durable {
         log.per_batch.saturating_mul(2)
     } else if log.open_full() {
-        log.per_batch
+        log.per_batch.saturating_mul(4)
     } else {
-        0
+        log.per_batch.div_ceil(2)
     };
     let n = quota.min(log.closing.len());
     let at = log.closing.len() - n;
@@ -915,8 +949,16 @@ fn write_records(
     let e = WriteError::from;
     let mut upsert = tx.prepare_cached(UPSERT_SQL).map_err(e)?;
     let mut delete = tx.prepare_cached(DELETE_SQL).map_err(e)?;
+    let no_runs = ReservationRuns::new();
     for (key, entity) in entities {
         match ledger.record_ref(entity) {
+            Some(RecordRef::Reservation(res))
+                if table_key(entity, Some(&res.run_id), &no_runs).as_deref() != Some(key) =>
+            {
+                // The id now belongs to a reservation of another run (it was purged and
+                // taken again): this key's row is gone; the new one has its own key.
+                delete.execute([key.as_str()]).map_err(e)?;
+            }
             Some(r) => {
                 buf.clear();
                 *buf = postcard::to_extend(&r, std::mem::take(buf)).map_err(|e| WriteError {

@@ -373,6 +373,11 @@ async fn the_log_replays_to_the_state_served_wherever_compaction_stood() {
         let store = SqliteStore::open(crashlike(rows_max), policy(), Arc::new(clock.clone()))
             .expect("open");
         churn(&store, &clock, 0..40).await;
+        // Then admissions alone (every batch durable): compaction must keep up all the same.
+        admit(&store, "durable-only").await;
+        for i in 0..60 {
+            reserve(&store, tool_step("durable-only", &format!("d{i}"))).await;
+        }
         let served = snapshot(&store).await;
         drop(store);
 
@@ -607,6 +612,94 @@ async fn a_record_that_does_not_decode_fails_the_open() {
     }
     let msg = open_err(opts());
     assert!(msg.contains("log row"), "{msg}");
+    // Zeroed (as a torn or wiped page may read), or a deletion of the ledger's meta: refused.
+    for corrupt in [
+        "UPDATE log SET changes = zeroblob(length(changes))",
+        "UPDATE log SET changes = x'0100000001' || x'6d' || x'00'",
+    ] {
+        {
+            let c = rusqlite::Connection::open(&path).expect("open");
+            assert!(c.execute(corrupt, []).expect("corrupt") > 0);
+        }
+        let msg = open_err(opts());
+        assert!(msg.contains("log row"), "{corrupt}: {msg}");
+    }
+}
+
+/// A step id is free again once its run was purged. Taken again by another run (in a later
+/// batch, or in the very batch that purges the old one), the file keeps one row for it,
+/// under its new run, whether it was compacted or is still in the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_id_taken_again_after_its_run_was_purged_keeps_one_row() {
+    for (rows_max, same_batch) in [(1_u64, false), (1, true), (1024, false), (1024, true)] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = db_path(&dir);
+        let clock = ManualClock::new(T0);
+        let opts = |compact_on_close| SqliteOptions {
+            generation_rows_max: rows_max,
+            compact_on_close,
+            ..SqliteOptions::new(&path)
+        };
+        let store =
+            SqliteStore::open(opts(false), policy(), Arc::new(clock.clone())).expect("open");
+        let s: &dyn Store = &store;
+        admit(s, "old").await;
+        reserve(s, tool_step("old", "step")).await;
+        s.finish(RunId("old".into())).await.expect("finish");
+        clock.advance_ms(RECORD_RETENTION_MS + 1);
+        if same_batch {
+            let answers = s
+                .execute_many(vec![
+                    Command::Sweep,
+                    Command::AdmitRun {
+                        req: run_request("new"),
+                        idem: None,
+                    },
+                    Command::ReserveStep {
+                        req: tool_step("new", "step"),
+                        idem: None,
+                    },
+                ])
+                .await;
+            assert!(
+                matches!(&answers[2], Ok(Reply::Step(a)) if a.value.is_ok()),
+                "{answers:?}"
+            );
+        } else {
+            s.sweep().await.expect("sweep");
+            admit(s, "new").await;
+            reserve(s, tool_step("new", "step")).await;
+        }
+        let step = store
+            .inspect(|l| l.reservation(&ReservationId("step".into())).cloned())
+            .await
+            .expect("inspect")
+            .expect("the step exists");
+        assert_eq!(step.run_id, RunId("new".into()));
+        let served = snapshot(&store).await;
+        drop(store);
+        // As a crash leaves it, then after a clean close: one row, under the new run.
+        for compact in [false, true] {
+            let store =
+                SqliteStore::open(opts(compact), policy(), Arc::new(clock.clone())).expect("open");
+            assert_eq!(
+                snapshot(&store).await,
+                served,
+                "rows_max {rows_max}, same batch {same_batch}"
+            );
+            drop(store);
+        }
+        let c = rusqlite::Connection::open(&path).expect("open");
+        let keys: Vec<String> = c
+            .prepare("SELECT key FROM records WHERE key LIKE '%|s|step'")
+            .expect("prepare")
+            .query_map([], |r| r.get(0))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert_eq!(keys.len(), 1, "{keys:?}");
+        assert!(keys[0].contains("new"), "{keys:?}");
+    }
 }
 
 /// A clock that blocks every reader while closed: it holds the writer thread mid-batch.

@@ -562,6 +562,24 @@ async fn foreign_or_newer_files_are_refused() {
     }
     let msg = open_err(SqliteOptions::new(&foreign));
     assert!(msg.contains("not a spendgate database"), "{msg}");
+    // Another application's table named like ours is not adopted, and the file is left as
+    // it was.
+    let other_log = dir.path().join("other-log.sqlite");
+    {
+        let c = rusqlite::Connection::open(&other_log).expect("create");
+        c.execute_batch("CREATE TABLE log(id INTEGER PRIMARY KEY, line TEXT);")
+            .expect("schema");
+    }
+    let msg = open_err(SqliteOptions::new(&other_log));
+    assert!(msg.contains("not a spendgate database"), "{msg}");
+    let c = rusqlite::Connection::open(&other_log).expect("open");
+    let version: i64 = c
+        .query_row("PRAGMA user_version", [], |r| r.get(0))
+        .expect("version");
+    let tables: i64 = c
+        .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
+        .expect("tables");
+    assert_eq!((version, tables), (0, 1), "the file is untouched");
 
     let garbage = dir.path().join("garbage.sqlite");
     std::fs::write(&garbage, vec![0x5a_u8; 8192]).expect("write");

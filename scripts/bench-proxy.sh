@@ -10,6 +10,8 @@
 #
 # e.g. `scripts/bench-proxy.sh 5000 5 --sequential --paced-tokens-per-second 0`: each path
 # alone at 5,000 requests/s, one after the other (see `spendgate-proxy-load --help`).
+# SPENDGATE_BENCH_BIN runs another server binary (an A/B against an older build; the mock
+# upstream and the driver stay this build's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${1:-200}
@@ -34,7 +36,7 @@ api_key = \"bench-upstream-key\"
 timeout_s = 30" > "$dir/bench.toml"
 ./target/release/spendgate mock-upstream --listen "127.0.0.1:$mport" > "$dir/mock.log" 2>&1 &
 mpid=$!
-RUST_LOG=warn ./target/release/spendgate serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
+RUST_LOG=warn ${SPENDGATE_BENCH_BIN:-./target/release/spendgate} serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
 pid=$!
 trap 'kill $pid $mpid 2>/dev/null; wait $pid $mpid 2>/dev/null; rm -rf "$dir"' EXIT
 wait_url "http://127.0.0.1:$port/healthz" "http://127.0.0.1:$mport/v1/models"

@@ -58,7 +58,7 @@
 
 use crate::{Clock, Store, StoreError};
 use async_trait::async_trait;
-use rusqlite::{Connection, ErrorCode, Transaction, TransactionBehavior};
+use rusqlite::{Connection, ErrorCode, OpenFlags, Transaction, TransactionBehavior};
 use spendgate_core::{
     Command, Entity, Ledger, Policy, Record, RecordRef, Reply, ReservationId, RunId, ScopeKind,
 };
@@ -309,10 +309,41 @@ fn sql_err(path: &Path, e: rusqlite::Error) -> StoreError {
     }
 }
 
+fn not_ours(path: &Path) -> StoreError {
+    StoreError::Unavailable(format!(
+        "sqlite {}: not a spendgate database (it holds other tables)",
+        path.display()
+    ))
+}
+
+/// Refuses another application's database before anything is written to it (even the
+/// journal mode, which lives in the file's header): tables, and no spendgate version. Any
+/// doubt (no file, a file it cannot read, one in use) is left to `open_connection`, which
+/// checks again inside its first transaction.
+fn refuse_foreign(path: &Path) -> Result<(), StoreError> {
+    if !path.exists() {
+        return Ok(());
+    }
+    let Ok(c) = Connection::open_with_flags(path, OpenFlags::SQLITE_OPEN_READ_ONLY) else {
+        return Ok(());
+    };
+    let version = c.pragma_query_value(None, "user_version", |r| r.get::<_, i64>(0));
+    let others = c.query_row(
+        "SELECT count(*) FROM sqlite_master WHERE name <> 'records'",
+        [],
+        |r| r.get::<_, i64>(0),
+    );
+    match (version, others) {
+        (Ok(0), Ok(n)) if n > 0 => Err(not_ours(path)),
+        _ => Ok(()),
+    }
+}
+
 /// Opens the file, sets the pragmas, takes the exclusive lock and checks or creates the schema.
 fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
     let path = opts.path.as_path();
     let err = |e| sql_err(path, e);
+    refuse_foreign(path)?;
     let conn = Connection::open(path).map_err(err)?;
     conn.busy_timeout(opts.lock_wait).map_err(err)?;
     // Before the first access, so that WAL runs without shared memory and the lock taken by
@@ -357,10 +388,7 @@ fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
                 )
                 .map_err(err)?;
             if objects > 0 {
-                return Err(StoreError::Unavailable(format!(
-                    "sqlite {}: not a spendgate database (it holds other tables)",
-                    path.display()
-                )));
+                return Err(not_ours(path));
             }
             tx.execute_batch(&format!("{RECORDS_TABLE_SQL}{LOG_TABLE_SQL}"))
                 .map_err(err)?;
@@ -880,7 +908,11 @@ fn write_batch(
                 Some(old) => {
                     // The id was purged with its run and taken again by another run in this
                     // batch: the old row goes.
-                    let old_key = table_key(&entity, Some(old), runs).unwrap_or_default();
+                    let old_key =
+                        table_key(&entity, Some(old), runs).ok_or_else(|| WriteError {
+                            message: format!("no key for reservation {}", res.id.0),
+                            fatal: false,
+                        })?;
                     let gone: Option<RecordRef<'_>> = None;
                     *buf = postcard::to_extend(&(old_key.as_str(), gone), std::mem::take(buf))
                         .map_err(encode)?;

@@ -373,10 +373,33 @@ async fn the_log_replays_to_the_state_served_wherever_compaction_stood() {
         let store = SqliteStore::open(crashlike(rows_max), policy(), Arc::new(clock.clone()))
             .expect("open");
         churn(&store, &clock, 0..40).await;
-        // Then admissions alone (every batch durable): compaction must keep up all the same.
-        admit(&store, "durable-only").await;
-        for i in 0..60 {
-            reserve(&store, tool_step("durable-only", &format!("d{i}"))).await;
+        // Then batches that each hold admissions and many new entities (every batch
+        // durable): compaction must keep up all the same.
+        for b in 0..24 {
+            let run = format!("durable-{b}");
+            let mut cmds = vec![Command::AdmitRun {
+                req: run_request(&run),
+                idem: None,
+            }];
+            for i in 0..40 {
+                let step = format!("{run}.{i}");
+                cmds.push(Command::ReserveStep {
+                    req: tool_step(&run, &step),
+                    idem: None,
+                });
+                cmds.push(Command::Resolve {
+                    step: ReservationId(step),
+                    how: Resolution::Release,
+                });
+            }
+            for a in store.execute_many(cmds).await {
+                match &a {
+                    Ok(Reply::Run(r)) => assert!(r.value.is_ok(), "{a:?}"),
+                    Ok(Reply::Step(r)) => assert!(r.value.is_ok(), "{a:?}"),
+                    Ok(Reply::Resolved(_)) => {}
+                    other => panic!("{other:?}"),
+                }
+            }
         }
         let served = snapshot(&store).await;
         drop(store);
@@ -579,7 +602,14 @@ async fn foreign_or_newer_files_are_refused() {
     let tables: i64 = c
         .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
         .expect("tables");
-    assert_eq!((version, tables), (0, 1), "the file is untouched");
+    let journal: String = c
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .expect("journal mode");
+    assert_eq!(
+        (version, tables, journal.as_str()),
+        (0, 1, "delete"),
+        "the file is untouched"
+    );
 
     let garbage = dir.path().join("garbage.sqlite");
     std::fs::write(&garbage, vec![0x5a_u8; 8192]).expect("write");

@@ -28,14 +28,14 @@
 //!   (log, then `records`) instead of once per change. A clean close compacts everything
 //!   (the log is empty after it); an open after a crash replays what the log holds.
 //! - The schema version is kept in `PRAGMA user_version` (a version 4 file, `records`
-//!   alone, is upgraded by adding the empty log). Postcard does not describe itself: a change to the layout of
+//!   alone with its reservations under their run's prefix, is upgraded at open: the empty
+//!   log is added and each reservation's row moves to its own key). Postcard does not describe itself: a change to the layout of
 //!   any record type in `spendgate-core` (other than a new enum variant at the end) must
 //!   bump [`SCHEMA_VERSION`]. A record that does not decode to exactly its bytes fails the
 //!   open (fail closed).
-//! - Keys are [`Entity::storage_key`], except that a run, its reservations and its run
-//!   counter share one key prefix (see `table_key`): the rows one call changes then sit on
-//!   one or two B-tree pages. Every page a commit dirties is written to the WAL (and
-//!   fsynced) whole, so fewer pages per commit is the main cost saved.
+//! - Keys are [`Entity::storage_key`], except that a run and its run counter share one key
+//!   prefix (see `table_key`). A key depends on its entity alone, so a row never moves
+//!   (a reservation's id may be taken again by another run once its own run was purged).
 //! - A dedicated writer thread owns the connection and the whole [`Ledger`] (restored from the
 //!   file at open). Callers hand it commands through a bounded queue ([`QUEUE_MAX`]); when the
 //!   queue is full the call is refused at once (fail closed), never blocking the runtime.
@@ -59,10 +59,8 @@
 use crate::{Clock, Store, StoreError};
 use async_trait::async_trait;
 use rusqlite::{Connection, ErrorCode, OpenFlags, Transaction, TransactionBehavior};
-use spendgate_core::{
-    Command, Entity, Ledger, Policy, Record, RecordRef, Reply, ReservationId, RunId, ScopeKind,
-};
-use std::collections::HashMap;
+use spendgate_core::{Command, Entity, Ledger, Policy, Record, Reply, ScopeKind};
+use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, Ordering};
@@ -180,13 +178,12 @@ impl SqliteStore {
         clock: Arc<dyn Clock>,
     ) -> Result<SqliteStore, StoreError> {
         let conn = open_connection(&opts)?;
-        let (ledger, runs, log) = load(&conn, opts.generation_rows_max.max(1))
+        let (ledger, log) = load(&conn, opts.generation_rows_max.max(1))
             .map_err(|e| StoreError::Unavailable(format!("sqlite {}: {e}", opts.path.display())))?;
         let (queue, rx) = sync_channel(opts.queue_max.max(1));
         let writer = Writer {
             conn,
             ledger,
-            runs,
             log,
             policy,
             clock,
@@ -309,6 +306,9 @@ fn sql_err(path: &Path, e: rusqlite::Error) -> StoreError {
     }
 }
 
+/// Tables of a file that spendgate did not make (at version 0, before it made any).
+const OTHER_TABLES_SQL: &str = "SELECT count(*) FROM sqlite_master WHERE name <> 'records'";
+
 fn not_ours(path: &Path) -> StoreError {
     StoreError::Unavailable(format!(
         "sqlite {}: not a spendgate database (it holds other tables)",
@@ -328,11 +328,7 @@ fn refuse_foreign(path: &Path) -> Result<(), StoreError> {
         return Ok(());
     };
     let version = c.pragma_query_value(None, "user_version", |r| r.get::<_, i64>(0));
-    let others = c.query_row(
-        "SELECT count(*) FROM sqlite_master WHERE name <> 'records'",
-        [],
-        |r| r.get::<_, i64>(0),
-    );
+    let others = c.query_row(OTHER_TABLES_SQL, [], |r| r.get::<_, i64>(0));
     match (version, others) {
         (Ok(0), Ok(n)) if n > 0 => Err(not_ours(path)),
         _ => Ok(()),
@@ -381,11 +377,7 @@ fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
     match version {
         0 => {
             let objects: i64 = tx
-                .query_row(
-                    "SELECT count(*) FROM sqlite_master WHERE name <> 'records'",
-                    [],
-                    |r| r.get(0),
-                )
+                .query_row(OTHER_TABLES_SQL, [], |r| r.get(0))
                 .map_err(err)?;
             if objects > 0 {
                 return Err(not_ours(path));
@@ -393,7 +385,10 @@ fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
             tx.execute_batch(&format!("{RECORDS_TABLE_SQL}{LOG_TABLE_SQL}"))
                 .map_err(err)?;
         }
-        SCHEMA_VERSION_BEFORE_LOG => tx.execute_batch(LOG_TABLE_SQL).map_err(err)?,
+        SCHEMA_VERSION_BEFORE_LOG => {
+            tx.execute_batch(LOG_TABLE_SQL).map_err(err)?;
+            tx.execute(MOVE_RESERVATIONS_SQL, []).map_err(err)?;
+        }
         SCHEMA_VERSION => {}
         other => {
             return Err(StoreError::Unavailable(format!(
@@ -411,25 +406,16 @@ fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
     Ok(conn)
 }
 
-/// The run of every reservation on disk, to find a deleted reservation's row.
-type ReservationRuns = HashMap<ReservationId, RunId>;
-
 /// The key prefix of a run's rows: its id, length first, so that no id can reach into
 /// another run's rows whatever characters it holds.
 fn run_prefix(run: &str) -> String {
     format!("r|{:03}{run}", run.len())
 }
 
-/// The table key of an entity: [`Entity::storage_key`], except for the rows of one run (the
-/// run, its reservations, its run counter), which share the run's prefix. A reservation's
-/// run comes from its record (`reservation_run`) or, once deleted, from `runs`; `None` when
-/// unknown (then it was never written).
-fn table_key(
-    entity: &Entity,
-    reservation_run: Option<&RunId>,
-    runs: &ReservationRuns,
-) -> Option<String> {
-    Some(match entity {
+/// The table key of an entity: [`Entity::storage_key`], except for a run and its run
+/// counter, which share the run's prefix.
+fn table_key(entity: &Entity) -> String {
+    match entity {
         Entity::Run(id) => run_prefix(&id.0),
         Entity::Counter(k) if k.scope.kind == ScopeKind::Run => format!(
             "{}|c|{}|{}",
@@ -437,16 +423,15 @@ fn table_key(
             k.window.window.name(),
             k.window.index
         ),
-        Entity::Reservation(id) => {
-            let run = match reservation_run {
-                Some(run) => run,
-                None => runs.get(id)?,
-            };
-            format!("{}|s|{}", run_prefix(&run.0), id.0)
-        }
         other => other.storage_key(),
-    })
+    }
 }
+
+/// Version 4 kept a reservation under its run's prefix (`r|NNNrun|s|id`, NNN the run id's
+/// length); version 5 keeps it under its own key (`s|id`).
+const MOVE_RESERVATIONS_SQL: &str = "UPDATE records
+    SET key = 's|' || substr(key, 9 + CAST(substr(key, 3, 3) AS INTEGER))
+    WHERE key LIKE 'r|%' AND substr(key, 6 + CAST(substr(key, 3, 3) AS INTEGER), 3) = '|s|'";
 
 /// Where the log stands: the next row's number, the open generation and the closed one
 /// being compacted (see the module's "Compaction").
@@ -456,12 +441,12 @@ struct LogState {
     next_seq: i64,
     /// Rows per generation at most.
     rows_max: u64,
-    /// Entities logged since the open generation began, by table key.
-    open: HashMap<String, Entity>,
+    /// Entities logged since the open generation began.
+    open: HashSet<Entity>,
     open_rows: u64,
     open_bytes: usize,
     /// Entities of the closed generation not yet written into `records`.
-    closing: Vec<(String, Entity)>,
+    closing: Vec<Entity>,
     /// The closed generation's last log row: rows up to it are deleted once `closing` is
     /// written whole.
     closing_last: Option<i64>,
@@ -498,15 +483,10 @@ impl LogState {
 /// Reads every record, replays the log over them and rebuilds the ledger (with change
 /// tracking), the run of every reservation, and the log's state: everything the log holds
 /// is one closed generation, to be compacted by the next batches.
-fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, ReservationRuns, LogState), String> {
+fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, LogState), String> {
     let mut records: HashMap<String, Record> = HashMap::new();
-    let no_runs = ReservationRuns::new();
     let check = |key: &str, record: &Record| -> Result<(), String> {
-        let reservation_run = match record {
-            Record::Reservation(r) => Some(&r.run_id),
-            _ => None,
-        };
-        if table_key(&record.entity(), reservation_run, &no_runs).as_deref() != Some(key) {
+        if table_key(&record.entity()) != key {
             return Err(format!("record {key} is stored under the wrong key"));
         }
         Ok(())
@@ -537,7 +517,7 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, ReservationRuns, Lo
         rows_max,
         ..LogState::default()
     };
-    let mut touched: HashMap<String, Entity> = HashMap::new();
+    let mut touched: HashSet<Entity> = HashSet::new();
     let meta_key = Entity::Meta.storage_key();
     {
         let mut stmt = conn
@@ -564,12 +544,12 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, ReservationRuns, Lo
                 match record {
                     Some(record) => {
                         check(&key, &record).map_err(|e| format!("log row {seq}: {e}"))?;
-                        touched.insert(key.clone(), record.entity());
+                        touched.insert(record.entity());
                         records.insert(key, record);
                     }
                     None => {
                         if let Some(old) = records.remove(&key) {
-                            touched.insert(key, old.entity());
+                            touched.insert(old.entity());
                         }
                     }
                 }
@@ -586,20 +566,12 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, ReservationRuns, Lo
     }
     log.open = touched;
     log.maybe_close(log.next_seq - 1, true);
-    let mut runs = ReservationRuns::new();
-    for record in records.values() {
-        if let Record::Reservation(r) = record {
-            runs.insert(r.id.clone(), r.run_id.clone());
-        }
-    }
-    Ok((Ledger::restore(records.into_values(), true), runs, log))
+    Ok((Ledger::restore(records.into_values(), true), log))
 }
 
 struct Writer {
     conn: Connection,
     ledger: Ledger,
-    /// The run of every reservation on disk (kept with the file: rebuilt on reload).
-    runs: ReservationRuns,
     /// Where the log stands (kept with the file: rebuilt on reload).
     log: LogState,
     policy: Policy,
@@ -786,7 +758,6 @@ impl Writer {
             &self.conn,
             &self.ledger,
             changes,
-            &mut self.runs,
             &mut self.log,
             &mut self.buf,
             durable,
@@ -832,9 +803,8 @@ impl Writer {
             }
         }
         match load(&self.conn, self.log.rows_max) {
-            Ok((ledger, runs, log)) => {
+            Ok((ledger, log)) => {
                 self.ledger = ledger;
-                self.runs = runs;
                 self.log = log;
                 self.broken = None;
             }
@@ -875,7 +845,6 @@ fn write_batch(
     conn: &Connection,
     ledger: &Ledger,
     changes: Vec<Entity>,
-    runs: &mut ReservationRuns,
     log: &mut LogState,
     buf: &mut Vec<u8>,
     durable: bool,
@@ -885,8 +854,8 @@ fn write_batch(
         message: e.to_string(),
         fatal: false,
     };
-    // Rolled back on drop unless committed. A failure leaves `runs` and `log` ahead of the
-    // file; the writer then reloads both from it.
+    // Rolled back on drop unless committed. A failure leaves `log` ahead of the file; the
+    // writer then reloads it from the file.
     let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
     // The row: the number of entries (u32, little-endian), then the entries.
     buf.clear();
@@ -894,42 +863,10 @@ fn write_batch(
     let mut entries: u32 = 0;
     for entity in changes {
         let record = ledger.record_ref(&entity);
-        let reservation_run = match record {
-            Some(RecordRef::Reservation(r)) => Some(&r.run_id),
-            _ => None,
-        };
-        let Some(key) = table_key(&entity, reservation_run, runs) else {
-            // A reservation never written: there is nothing to delete.
-            continue;
-        };
-        if let Some(RecordRef::Reservation(res)) = record {
-            match runs.get(&res.id) {
-                Some(old) if *old == res.run_id => {}
-                Some(old) => {
-                    // The id was purged with its run and taken again by another run in this
-                    // batch: the old row goes.
-                    let old_key =
-                        table_key(&entity, Some(old), runs).ok_or_else(|| WriteError {
-                            message: format!("no key for reservation {}", res.id.0),
-                            fatal: false,
-                        })?;
-                    let gone: Option<RecordRef<'_>> = None;
-                    *buf = postcard::to_extend(&(old_key.as_str(), gone), std::mem::take(buf))
-                        .map_err(encode)?;
-                    entries += 1;
-                    log.open.insert(old_key, entity.clone());
-                    runs.insert(res.id.clone(), res.run_id.clone());
-                }
-                None => {
-                    runs.insert(res.id.clone(), res.run_id.clone());
-                }
-            }
-        } else if let (None, Entity::Reservation(id)) = (record, &entity) {
-            runs.remove(id);
-        }
-        *buf = postcard::to_extend(&(key.as_str(), record), std::mem::take(buf)).map_err(encode)?;
+        *buf = postcard::to_extend(&(table_key(&entity).as_str(), record), std::mem::take(buf))
+            .map_err(encode)?;
         entries += 1;
-        log.open.insert(key, entity);
+        log.open.insert(entity);
     }
     if entries > 0 {
         buf[..4].copy_from_slice(&entries.to_le_bytes());
@@ -953,7 +890,7 @@ fn write_batch(
     };
     let n = quota.min(log.closing.len());
     let at = log.closing.len() - n;
-    let part: Vec<(String, Entity)> = log.closing.drain(at..).collect();
+    let part: Vec<Entity> = log.closing.drain(at..).collect();
     write_records(&tx, ledger, &part, buf)?;
     if log.closing.is_empty() {
         if let Some(last) = log.closing_last.take() {
@@ -972,7 +909,7 @@ fn write_batch(
 fn write_records(
     tx: &Transaction<'_>,
     ledger: &Ledger,
-    entities: &[(String, Entity)],
+    entities: &[Entity],
     buf: &mut Vec<u8>,
 ) -> Result<(), WriteError> {
     if entities.is_empty() {
@@ -981,16 +918,9 @@ fn write_records(
     let e = WriteError::from;
     let mut upsert = tx.prepare_cached(UPSERT_SQL).map_err(e)?;
     let mut delete = tx.prepare_cached(DELETE_SQL).map_err(e)?;
-    let no_runs = ReservationRuns::new();
-    for (key, entity) in entities {
+    for entity in entities {
+        let key = table_key(entity);
         match ledger.record_ref(entity) {
-            Some(RecordRef::Reservation(res))
-                if table_key(entity, Some(&res.run_id), &no_runs).as_deref() != Some(key) =>
-            {
-                // The id now belongs to a reservation of another run (it was purged and
-                // taken again): this key's row is gone; the new one has its own key.
-                delete.execute([key.as_str()]).map_err(e)?;
-            }
             Some(r) => {
                 buf.clear();
                 *buf = postcard::to_extend(&r, std::mem::take(buf)).map_err(|e| WriteError {
@@ -1016,7 +946,7 @@ fn compact_log(
 ) -> Result<(), WriteError> {
     let e = WriteError::from;
     let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
-    let mut all: Vec<(String, Entity)> = std::mem::take(&mut log.closing);
+    let mut all: Vec<Entity> = std::mem::take(&mut log.closing);
     all.extend(log.open.drain());
     write_records(&tx, ledger, &all, buf)?;
     tx.execute("DELETE FROM log", []).map_err(e)?;
@@ -1031,8 +961,8 @@ fn compact_log(
 mod tests {
     use super::*;
     use spendgate_core::{
-        Budget, IdempotencyKey, Micros, Rate, ScopePolicy, StepKind, StepRequest, ToolPrice,
-        UnixMs, Window,
+        Budget, IdempotencyKey, Micros, Rate, ReservationId, RunId, ScopePolicy, StepKind,
+        StepRequest, ToolPrice, UnixMs, Window,
     };
 
     /// What the writer encodes from a borrowed record decodes as the owned record, for every

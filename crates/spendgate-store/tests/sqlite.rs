@@ -466,7 +466,24 @@ async fn a_file_without_the_log_is_upgraded() {
     let served = snapshot(&store).await;
     drop(store);
     {
+        // Version 4's layout: no log, and each reservation under its run's prefix
+        // (`r|NNNrun|s|id`, NNN the run id's length; churn's step ids are `RUN.x`).
         let c = rusqlite::Connection::open(&path).expect("open");
+        let keys: Vec<String> = c
+            .prepare("SELECT key FROM records WHERE key LIKE 's|%'")
+            .expect("prepare")
+            .query_map([], |r| r.get(0))
+            .expect("query")
+            .collect::<Result<_, _>>()
+            .expect("rows");
+        assert!(keys.len() >= 5, "{keys:?}");
+        for key in keys {
+            let id = &key[2..];
+            let (run, _) = id.rsplit_once('.').expect("RUN.x");
+            let old = format!("r|{:03}{run}|s|{id}", run.len());
+            c.execute("UPDATE records SET key = ?1 WHERE key = ?2", (&old, &key))
+                .expect("old key");
+        }
         c.execute_batch("DROP TABLE log; PRAGMA user_version = 4;")
             .expect("downgrade");
     }
@@ -518,10 +535,12 @@ async fn purged_runs_leave_no_rows() {
         keys
     };
     let before = rows(&path);
+    let count =
+        |rows: &[String], prefix: &str| rows.iter().filter(|k| k.starts_with(prefix)).count();
     assert_eq!(
-        before.iter().filter(|k| k.starts_with("r|")).count(),
-        2 * (1 + 2 + 1),
-        "run, two steps and the run counter of each run: {before:?}"
+        (count(&before, "r|"), count(&before, "s|")),
+        (2 * (1 + 1), 2 * 2),
+        "the run and its run counter, and two steps, of each run: {before:?}"
     );
 
     clock.advance_ms(RECORD_RETENTION_MS + 1);
@@ -536,7 +555,11 @@ async fn purged_runs_leave_no_rows() {
     );
     drop(store);
     let after = rows(&path);
-    assert!(after.iter().all(|k| !k.starts_with("r|")), "{after:?}");
+    assert_eq!(
+        (count(&after, "r|"), count(&after, "s|")),
+        (0, 0),
+        "{after:?}"
+    );
     let store = open(&path, Arc::new(clock));
     assert_eq!(snapshot(&store).await, kept);
     let line = global_usage(&store).await;
@@ -577,39 +600,35 @@ async fn foreign_or_newer_files_are_refused() {
     let msg = open_err(SqliteOptions::new(&newer));
     assert!(msg.contains("schema version 99"), "{msg}");
 
-    let foreign = dir.path().join("foreign.sqlite");
-    {
-        let c = rusqlite::Connection::open(&foreign).expect("create");
-        c.execute_batch("CREATE TABLE users(id INTEGER PRIMARY KEY);")
+    // Another application's database, one of whose tables is even named like ours: refused,
+    // and the file is left as it was (its version, its tables, its journal mode).
+    for (name, table) in [
+        ("foreign", "users(id INTEGER PRIMARY KEY)"),
+        ("other-log", "log(id INTEGER PRIMARY KEY, line TEXT)"),
+    ] {
+        let foreign = dir.path().join(format!("{name}.sqlite"));
+        rusqlite::Connection::open(&foreign)
+            .expect("create")
+            .execute_batch(&format!("CREATE TABLE {table};"))
             .expect("schema");
+        let msg = open_err(SqliteOptions::new(&foreign));
+        assert!(msg.contains("not a spendgate database"), "{name}: {msg}");
+        let c = rusqlite::Connection::open(&foreign).expect("open");
+        let version: i64 = c
+            .query_row("PRAGMA user_version", [], |r| r.get(0))
+            .expect("version");
+        let tables: i64 = c
+            .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
+            .expect("tables");
+        let journal: String = c
+            .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+            .expect("journal mode");
+        assert_eq!(
+            (version, tables, journal.as_str()),
+            (0, 1, "delete"),
+            "{name}: the file is untouched"
+        );
     }
-    let msg = open_err(SqliteOptions::new(&foreign));
-    assert!(msg.contains("not a spendgate database"), "{msg}");
-    // Another application's table named like ours is not adopted, and the file is left as
-    // it was.
-    let other_log = dir.path().join("other-log.sqlite");
-    {
-        let c = rusqlite::Connection::open(&other_log).expect("create");
-        c.execute_batch("CREATE TABLE log(id INTEGER PRIMARY KEY, line TEXT);")
-            .expect("schema");
-    }
-    let msg = open_err(SqliteOptions::new(&other_log));
-    assert!(msg.contains("not a spendgate database"), "{msg}");
-    let c = rusqlite::Connection::open(&other_log).expect("open");
-    let version: i64 = c
-        .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .expect("version");
-    let tables: i64 = c
-        .query_row("SELECT count(*) FROM sqlite_master", [], |r| r.get(0))
-        .expect("tables");
-    let journal: String = c
-        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
-        .expect("journal mode");
-    assert_eq!(
-        (version, tables, journal.as_str()),
-        (0, 1, "delete"),
-        "the file is untouched"
-    );
 
     let garbage = dir.path().join("garbage.sqlite");
     std::fs::write(&garbage, vec![0x5a_u8; 8192]).expect("write");
@@ -738,15 +757,18 @@ async fn a_step_id_taken_again_after_its_run_was_purged_keeps_one_row() {
             drop(store);
         }
         let c = rusqlite::Connection::open(&path).expect("open");
-        let keys: Vec<String> = c
-            .prepare("SELECT key FROM records WHERE key LIKE '%|s|step'")
+        let rows: Vec<Vec<u8>> = c
+            .prepare("SELECT value FROM records WHERE key LIKE '%step%'")
             .expect("prepare")
             .query_map([], |r| r.get(0))
             .expect("query")
             .collect::<Result<_, _>>()
             .expect("rows");
-        assert_eq!(keys.len(), 1, "{keys:?}");
-        assert!(keys[0].contains("new"), "{keys:?}");
+        assert_eq!(rows.len(), 1, "one row for the step");
+        match postcard::from_bytes::<Record>(&rows[0]).expect("decodes") {
+            Record::Reservation(r) => assert_eq!(r.run_id, RunId("new".into())),
+            other => panic!("{other:?}"),
+        }
     }
 }
 

@@ -36,25 +36,33 @@
 //! - Keys are [`Entity::storage_key`], except that a run and its run counter share one key
 //!   prefix (see `table_key`). A key depends on its entity alone, so a row never moves
 //!   (a reservation's id may be taken again by another run once its own run was purged).
-//! - A dedicated writer thread owns the connection and the whole [`Ledger`] (restored from the
-//!   file at open). Callers hand it commands through a bounded queue ([`QUEUE_MAX`]); when the
-//!   queue is full the call is refused at once (fail closed), never blocking the runtime.
-//! - Group commit: the writer takes the first queued command, then up to [`BATCH_MAX`] more
-//!   without waiting, applies each at the clock's `now`, and logs every changed entity in
-//!   one `BEGIN IMMEDIATE … COMMIT`. A command that needs durability
+//! - Two threads, a pipeline. The applier thread owns the whole [`Ledger`] (restored from
+//!   the file at open) and the log's state; the disk thread owns the connection. Callers
+//!   hand the applier commands through a bounded queue ([`QUEUE_MAX`]); when the queue is
+//!   full the call is refused at once (fail closed), never blocking the runtime.
+//! - Group commit: the applier takes the first queued command, then up to [`BATCH_MAX`]
+//!   more without waiting, applies each at the clock's `now`, encodes every changed entity
+//!   as one log row (a job) and hands the job to the disk thread (a bounded queue,
+//!   [`DISK_QUEUE_MAX`]); it then goes on with the next batch while the disk writes. The
+//!   disk thread writes the jobs in order, all those queued (up to [`JOBS_PER_WRITE_MAX`])
+//!   in one `BEGIN IMMEDIATE … COMMIT`. A command that needs durability
 //!   ([`Command::needs_durability`]), or whose answer does (a first commit above its
-//!   reservation: [`Command::reply_needs_durability`]), is answered only after that commit
-//!   and its fsync; other commands are answered as soon as they are applied, and a batch of
-//!   only such commands is written without an fsync of its own (the next durable commit's
-//!   fsync covers it): losing one only errs towards charging more.
+//!   reservation: [`Command::reply_needs_durability`]), is answered by the disk thread only
+//!   after the commit holding its job and that commit's fsync; other commands are answered
+//!   by the applier as soon as they are applied, and a transaction of only such jobs is
+//!   written without an fsync of its own (the next durable commit's fsync covers it):
+//!   losing one only errs towards charging more. A job that changed nothing but holds
+//!   answers (a refusal, a repeated answer) still goes through the disk queue, so it is
+//!   answered only after every job before it is written.
 //! - An admission still queued when its caller stopped waiting (store timeout: it answered
 //!   503) is dropped unapplied.
-//! - If the write fails, it is rolled back, the ledger is reloaded from the file (dropping
-//!   every change not on disk) and every command of the batch not yet answered is answered
-//!   with [`StoreError::Unavailable`]; `ready` fails until a write succeeds again. After an
-//!   I/O error or corruption the file's content is not known (Linux may drop unsynced pages
-//!   and report it once): the store refuses everything until the process restarts and
-//!   SQLite recovers the file.
+//! - If a write fails, it is rolled back; the disk thread answers every waiting command of
+//!   it, and of every later job built on it, with [`StoreError::Unavailable`], and tells
+//!   the applier, which before its next batch has the disk thread reload the ledger from
+//!   the file (dropping every change not on disk); `ready` fails until a write succeeds
+//!   again. After an I/O error or corruption the file's content is not known (Linux may
+//!   drop unsynced pages and report it once): the store refuses everything until the
+//!   process restarts and SQLite recovers the file.
 
 use crate::{Clock, Store, StoreError};
 use async_trait::async_trait;
@@ -65,7 +73,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -95,7 +103,17 @@ pub const WAL_AUTOCHECKPOINT_PAGES: u32 = 4000;
 /// SQLite's page cache, in KiB (SQLite's default is 2000).
 pub const PAGE_CACHE_KIB: i64 = 65_536;
 
+/// Added to a [`SqliteOptions::write_fault`] code: only the next write fails.
+pub const WRITE_FAULT_ONCE: i32 = 1 << 16;
+/// Applied batches waiting for the disk thread at most; past it the applier waits for the
+/// disk (its command queue then fills and callers are refused: fail closed).
+pub const DISK_QUEUE_MAX: usize = 64;
+/// Batches the disk thread writes in one transaction (one fsync) at most, when they queued
+/// up behind the write before.
+pub const JOBS_PER_WRITE_MAX: usize = 64;
+
 const _: () = assert!(BATCH_MAX >= 1 && BATCH_MAX <= QUEUE_MAX);
+const _: () = assert!(DISK_QUEUE_MAX >= 1 && JOBS_PER_WRITE_MAX >= 1);
 
 const UPSERT_SQL: &str = "INSERT OR REPLACE INTO records(key, value) VALUES (?1, ?2)";
 const DELETE_SQL: &str = "DELETE FROM records WHERE key = ?1";
@@ -125,7 +143,8 @@ pub struct SqliteOptions {
     pub max_file_bytes: Option<u64>,
     /// For tests of failing disks: while it holds a nonzero SQLite result code (such as
     /// `SQLITE_FULL` = 13 or `SQLITE_IOERR` = 10), every write fails with that code before
-    /// it reaches the file. `None` in production.
+    /// it reaches the file; with [`WRITE_FAULT_ONCE`] added, only the next write fails (the
+    /// value is then reset to 0). `None` in production.
     pub write_fault: Option<Arc<AtomicI32>>,
     /// Log rows per generation at most (at least 1; see the module's "Compaction").
     pub generation_rows_max: u64,
@@ -178,25 +197,44 @@ impl SqliteStore {
         clock: Arc<dyn Clock>,
     ) -> Result<SqliteStore, StoreError> {
         let conn = open_connection(&opts)?;
-        let (ledger, log) = load(&conn, opts.generation_rows_max.max(1))
+        let rows_max = opts.generation_rows_max.max(1);
+        let (ledger, log) = load(&conn, rows_max)
             .map_err(|e| StoreError::Unavailable(format!("sqlite {}: {e}", opts.path.display())))?;
+        let health = Arc::new(Mutex::new(DiskHealth::default()));
+        let (disk_tx, disk_rx) = sync_channel(DISK_QUEUE_MAX);
+        let disk = Disk {
+            conn,
+            rx: disk_rx,
+            health: health.clone(),
+            rows_max,
+            write_fault: opts.write_fault.clone(),
+            synced: true,
+            discarding: false,
+            fatal: false,
+        };
+        let disk_thread = std::thread::Builder::new()
+            .name("spendgate-sqlite-io".into())
+            .spawn(move || disk.run())
+            .map_err(|e| {
+                StoreError::Unavailable(format!("cannot start sqlite disk thread: {e}"))
+            })?;
         let (queue, rx) = sync_channel(opts.queue_max.max(1));
         let writer = Writer {
-            conn,
             ledger,
             log,
             policy,
             clock,
             rx,
             batch_max: opts.batch_max.max(1),
+            disk: Some(disk_tx),
+            disk_thread: Some(disk_thread),
+            health,
             broken: None,
             fatal: false,
-            write_failing: None,
-            write_fault: opts.write_fault.clone(),
-            buf: Vec::with_capacity(1024),
-            synced: true,
+            row_hint: 1024,
             compact_on_close: opts.compact_on_close,
         };
+        // (if this fails, `writer` is dropped: its disk sender closes and the disk thread ends)
         let handle = std::thread::Builder::new()
             .name("spendgate-sqlite".into())
             .spawn(move || writer.run())
@@ -569,15 +607,21 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, LogState), String> 
     Ok((Ledger::restore(records.into_values(), true), log))
 }
 
+/// The applier thread: owns the [`Ledger`] and the log's state, applies each batch of
+/// commands, encodes what it changed and hands it to the disk thread as a [`Job`].
 struct Writer {
-    conn: Connection,
     ledger: Ledger,
-    /// Where the log stands (kept with the file: rebuilt on reload).
+    /// Where the log stands (kept with the file: rebuilt on reload). It runs ahead of the
+    /// file by the jobs the disk thread has not written yet.
     log: LogState,
     policy: Policy,
     clock: Arc<dyn Clock>,
     rx: Receiver<Msg>,
     batch_max: usize,
+    /// `None` only while closing.
+    disk: Option<SyncSender<DiskMsg>>,
+    disk_thread: Option<JoinHandle<()>>,
+    health: Arc<Mutex<DiskHealth>>,
     /// Why the ledger is not being served: a failed write could not be followed by a reload.
     /// Every batch retries the reload first, unless `fatal`.
     broken: Option<String>,
@@ -585,24 +629,75 @@ struct Writer {
     /// on Linux may have dropped earlier unsynced pages while the next fsync succeeds, or
     /// corruption): nothing is served again until the process restarts and recovers it.
     fatal: bool,
-    /// The last write failed (full disk, say) and none has succeeded since: `ready` says so,
-    /// even though the ledger was reloaded and small batches may still fit.
-    write_failing: Option<String>,
-    write_fault: Option<Arc<AtomicI32>>,
-    buf: Vec<u8>,
-    /// Whether the connection is at `synchronous=FULL` (every commit fsynced).
-    synced: bool,
+    /// The length of the last log row (the next one's first allocation).
+    row_hint: usize,
     compact_on_close: bool,
 }
 
-/// A command applied in this batch whose answer waits for the commit.
+/// A command applied in this batch whose answer waits for the write.
 type Pending = (Answer<Reply>, Result<Reply, StoreError>);
+
+/// Records encoded for `records`: each entity's table key and its record (`None`: deleted).
+type Encoded = Vec<(String, Option<Vec<u8>>)>;
+
+/// One applied batch, for the disk thread to write and then answer.
+struct Job {
+    /// The log row: its `seq` and its changes. `None`: the batch changed nothing (its
+    /// answers still wait for every job before it).
+    row: Option<(i64, Vec<u8>)>,
+    /// The next part of the closed generation's compaction.
+    records: Encoded,
+    /// Log rows up to this `seq` are deleted (their generation is wholly in `records`).
+    trim: Option<i64>,
+    /// Answers that wait for this job's write and its fsync.
+    pending: Vec<Pending>,
+}
+
+impl Job {
+    /// Whether its answers wait for the disk's flush (see [`Command::needs_durability`]).
+    fn durable(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    fn writes(&self) -> bool {
+        self.row.is_some() || !self.records.is_empty() || self.trim.is_some()
+    }
+}
+
+type Reloaded = Result<(Ledger, LogState), String>;
+
+enum DiskMsg {
+    Write(Job),
+    /// Rebuild the ledger from the file (after a failed write, once every earlier job is
+    /// done or discarded); from then on jobs are written again.
+    Reload(SyncSender<Reloaded>),
+    /// A clean close: write every record and empty the log.
+    Close(Encoded),
+}
+
+/// What the disk thread tells the applier and `ready`.
+#[derive(Default)]
+struct DiskHealth {
+    /// A write failed and the applier has not reloaded since (a fatal one: it must not).
+    failed: Option<WriteError>,
+    /// The last write failed and none has succeeded since (a full disk, say): `ready` says
+    /// so, even though the ledger was reloaded and small batches may still fit.
+    write_failing: Option<String>,
+}
+
+fn lock(health: &Mutex<DiskHealth>) -> std::sync::MutexGuard<'_, DiskHealth> {
+    // Its fields are plain values, whole whatever panicked while holding it.
+    health
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
 
 impl Writer {
     fn run(mut self) {
         let mut pending: Vec<Pending> = Vec::with_capacity(self.batch_max);
         // Ends when every sender is gone (the store was dropped) and the queue is empty.
         while let Ok(first) = self.rx.recv() {
+            self.take_disk_failure();
             if self.broken.is_some() && !self.fatal {
                 self.reload();
             }
@@ -616,46 +711,49 @@ impl Writer {
                     Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
                 }
             }
-            let result = if failed {
-                Err(WriteError {
-                    message: "the ledger failed while applying a command".to_string(),
-                    fatal: false,
-                })
+            let job = if failed {
+                Err("the ledger failed while applying a command".to_string())
             } else {
-                // Only a batch holding a command that needs durability waits for the disk.
-                let durable = !pending.is_empty();
-                self.commit(durable)
+                self.job(&mut pending)
             };
-            match result {
-                Ok(wrote) => {
-                    if wrote {
-                        self.write_failing = None;
-                    }
-                    for (tx, answer) in pending.drain(..) {
-                        let _ = tx.send(answer);
+            match job {
+                Ok(None) => {}
+                Ok(Some(job)) => {
+                    // Blocks while the disk thread is [`DISK_QUEUE_MAX`] jobs behind: the
+                    // command queue then fills and callers are refused (fail closed).
+                    let sent = self.disk.as_ref().map(|d| d.send(DiskMsg::Write(job)));
+                    if let Some(Err(std::sync::mpsc::SendError(DiskMsg::Write(job)))) = sent {
+                        answer_unavailable(job.pending, "the sqlite disk thread stopped");
                     }
                 }
-                Err(WriteError { message: e, fatal }) => {
-                    if fatal {
-                        tracing::error!(error = %e, "sqlite file failed; refusing every command until a restart recovers it");
-                        self.ledger.clear_changes();
-                        self.fatal = true;
-                        self.broken = Some(format!(
-                            "sqlite file failed ({e}); refusing until spendgate restarts"
-                        ));
-                    } else {
-                        tracing::error!(error = %e, "sqlite write failed; reloading the ledger from disk");
-                        self.reload();
-                    }
-                    self.write_failing = Some(format!("the last sqlite write failed: {e}"));
-                    let err = StoreError::Unavailable(format!("sqlite write failed: {e}"));
-                    for (tx, _) in pending.drain(..) {
-                        let _ = tx.send(Err(err.clone()));
-                    }
+                Err(e) => {
+                    tracing::error!(error = %e, "sqlite batch abandoned; reloading the ledger from disk");
+                    lock(&self.health).write_failing =
+                        Some(format!("the last sqlite write failed: {e}"));
+                    answer_unavailable(pending.drain(..), &format!("sqlite write failed: {e}"));
+                    self.reload();
                 }
             }
         }
-        self.compact_all();
+        self.close();
+    }
+
+    /// Takes a failure the disk thread reported: a fatal one closes the store until a
+    /// restart; another makes the next batch reload the ledger first.
+    fn take_disk_failure(&mut self) {
+        let Some(WriteError { message, fatal }) = lock(&self.health).failed.take() else {
+            return;
+        };
+        self.ledger.clear_changes();
+        if fatal {
+            tracing::error!(error = %message, "sqlite file failed; refusing every command until a restart recovers it");
+            self.fatal = true;
+            self.broken = Some(format!(
+                "sqlite file failed ({message}); refusing until spendgate restarts"
+            ));
+        } else if self.broken.is_none() {
+            self.broken = Some(format!("the last sqlite write failed: {message}"));
+        }
     }
 
     /// Handles one message; returns true when the ledger panicked (the batch is abandoned).
@@ -675,9 +773,10 @@ impl Writer {
                 failed
             }
             Msg::Ping(tx) => {
-                let _ = tx.send(match self.broken.as_ref().or(self.write_failing.as_ref()) {
+                let failing = lock(&self.health).write_failing.clone();
+                let _ = tx.send(match self.broken.clone().or(failing) {
                     None => Ok(()),
-                    Some(e) => Err(StoreError::Unavailable(e.clone())),
+                    Some(e) => Err(StoreError::Unavailable(e)),
                 });
                 false
             }
@@ -730,39 +829,261 @@ impl Writer {
         }
     }
 
-    /// Logs every entity changed since the last commit in one transaction, with the next
-    /// part of the compaction. `durable`: the transaction is fsynced before this returns
-    /// (`synchronous=FULL`); otherwise it is written to the WAL without waiting for the disk
-    /// (`synchronous=NORMAL`), and the next durable commit's fsync covers it too (the WAL is
-    /// one file, synced whole). A crash of the machine can lose only such a trailing run of
-    /// non-durable transactions: commits, releases and finishes, whose loss only errs towards
-    /// charging more (the holds expire and are charged in full). A crash of the process loses
-    /// nothing written. Returns whether anything was written.
-    fn commit(&mut self, durable: bool) -> Result<bool, WriteError> {
+    /// The batch's job: every entity changed since the last job, encoded as one log row
+    /// (read from the ledger without cloning), with the next part of the compaction. `None`
+    /// when there is nothing to write and no answer waits. An error (an encoding failure)
+    /// leaves `log` ahead of the file: the caller reloads.
+    fn job(&mut self, pending: &mut Vec<Pending>) -> Result<Option<Job>, String> {
         let changes = self.ledger.take_dirty();
         if changes.is_empty() {
-            return Ok(false);
+            return Ok((!pending.is_empty()).then(|| Job {
+                row: None,
+                records: Vec::new(),
+                trim: None,
+                pending: std::mem::take(pending),
+            }));
         }
-        let injected = self
-            .write_fault
-            .as_ref()
-            .map_or(0, |f| f.load(Ordering::Relaxed));
-        if injected != 0 {
-            return Err(WriteError::from(rusqlite::Error::SqliteFailure(
-                rusqlite::ffi::Error::new(injected),
-                Some("injected write fault".into()),
-            )));
+        let durable = !pending.is_empty();
+        let (ledger, log) = (&self.ledger, &mut self.log);
+        // The row: the number of entries (u32, little-endian), then the entries.
+        let mut buf = Vec::with_capacity(self.row_hint);
+        buf.extend_from_slice(&[0; 4]);
+        let entries = u32::try_from(changes.len()).map_err(|e| e.to_string())?;
+        for entity in changes {
+            let record = ledger.record_ref(&entity);
+            buf = postcard::to_extend(&(table_key(&entity).as_str(), record), buf)
+                .map_err(|e| e.to_string())?;
+            log.open.insert(entity);
         }
-        self.set_synchronous(durable)?;
-        write_batch(
-            &self.conn,
-            &self.ledger,
-            changes,
-            &mut self.log,
-            &mut self.buf,
-            durable,
-        )?;
-        Ok(true)
+        buf[..4].copy_from_slice(&entries.to_le_bytes());
+        let seq = log.next_seq;
+        log.next_seq = seq.saturating_add(1);
+        log.open_rows += 1;
+        log.open_bytes = log.open_bytes.saturating_add(buf.len());
+        self.row_hint = buf.len();
+        // (bounded whatever the mix: with every batch durable, a generation closes at most
+        // about 4/3 of `rows_max` rows after the one before it)
+        let quota = if !durable {
+            log.per_batch.saturating_mul(2)
+        } else if log.open_full() {
+            log.per_batch.saturating_mul(4)
+        } else {
+            log.per_batch.div_ceil(2)
+        };
+        let n = quota.min(log.closing.len());
+        let at = log.closing.len() - n;
+        let records = encode_records(ledger, &log.closing[at..])?;
+        log.closing.truncate(at);
+        let mut trim = None;
+        if log.closing.is_empty() {
+            trim = log.closing_last.take();
+            log.maybe_close(log.next_seq - 1, false);
+        }
+        Ok(Some(Job {
+            row: Some((seq, buf)),
+            records,
+            trim,
+            pending: std::mem::take(pending),
+        }))
+    }
+
+    /// Rebuilds the ledger from the file once the disk thread has finished (or discarded)
+    /// every job sent before, dropping every change that is not on disk.
+    fn reload(&mut self) {
+        let (tx, rx) = sync_channel(1);
+        let reloaded = match &self.disk {
+            Some(disk) if disk.send(DiskMsg::Reload(tx)).is_ok() => rx
+                .recv()
+                .unwrap_or_else(|_| Err("the sqlite disk thread stopped".into())),
+            _ => Err("the sqlite disk thread stopped".into()),
+        };
+        match reloaded {
+            Ok((ledger, log)) => {
+                self.ledger = ledger;
+                self.log = log;
+                self.broken = None;
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "sqlite reload failed; refusing all commands");
+                self.ledger.clear_changes();
+                self.broken = Some(format!("sqlite ledger could not be reloaded: {e}"));
+            }
+        }
+    }
+
+    /// At a clean close: has every logged entity written into `records` and the log
+    /// emptied, in one fsynced transaction, so the next open has nothing to replay; then
+    /// waits for the disk thread to finish.
+    fn close(mut self) {
+        self.take_disk_failure();
+        if self.broken.is_none() && self.compact_on_close {
+            let mut all: Vec<Entity> = std::mem::take(&mut self.log.closing);
+            all.extend(self.log.open.drain());
+            match encode_records(&self.ledger, &all) {
+                Ok(records) => {
+                    if let Some(disk) = &self.disk {
+                        let _ = disk.send(DiskMsg::Close(records));
+                    }
+                }
+                // The log stays whole: the next open replays it.
+                Err(e) => tracing::error!(error = %e, "sqlite compaction at close failed"),
+            }
+        }
+        drop(self.disk.take());
+        if let Some(h) = self.disk_thread.take() {
+            if h.join().is_err() {
+                tracing::error!("sqlite disk thread panicked");
+            }
+        }
+    }
+}
+
+fn answer_unavailable(pending: impl IntoIterator<Item = Pending>, why: &str) {
+    let err = StoreError::Unavailable(why.to_string());
+    for (tx, _) in pending {
+        let _ = tx.send(Err(err.clone()));
+    }
+}
+
+/// Encodes the current record of each entity for `records` (`None`: it no longer exists).
+fn encode_records(ledger: &Ledger, entities: &[Entity]) -> Result<Encoded, String> {
+    entities
+        .iter()
+        .map(|entity| {
+            let value = match ledger.record_ref(entity) {
+                Some(r) => Some(postcard::to_allocvec(&r).map_err(|e| e.to_string())?),
+                None => None,
+            };
+            Ok((table_key(entity), value))
+        })
+        .collect()
+}
+
+/// The disk thread: owns the connection, writes the applier's jobs in order (several in one
+/// transaction when they queued up behind a write), and answers each job's waiting
+/// commands once its transaction is committed (and fsynced, when one of them needs it).
+struct Disk {
+    conn: Connection,
+    rx: Receiver<DiskMsg>,
+    health: Arc<Mutex<DiskHealth>>,
+    rows_max: u64,
+    write_fault: Option<Arc<AtomicI32>>,
+    /// Whether the connection is at `synchronous=FULL` (every commit fsynced).
+    synced: bool,
+    /// A write failed and no reload has followed: jobs are not written but answered
+    /// unavailable (they were built on changes the file does not hold).
+    discarding: bool,
+    /// See `Writer::fatal`: no reload either.
+    fatal: bool,
+}
+
+impl Disk {
+    fn run(mut self) {
+        let mut next: Option<DiskMsg> = None;
+        loop {
+            let msg = match next.take() {
+                Some(msg) => msg,
+                None => match self.rx.recv() {
+                    Ok(msg) => msg,
+                    // The applier is gone (after its close).
+                    Err(_) => return,
+                },
+            };
+            match msg {
+                DiskMsg::Write(job) => {
+                    let mut jobs = vec![job];
+                    while jobs.len() < JOBS_PER_WRITE_MAX {
+                        match self.rx.try_recv() {
+                            Ok(DiskMsg::Write(job)) => jobs.push(job),
+                            Ok(other) => {
+                                next = Some(other);
+                                break;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    self.write(jobs);
+                }
+                DiskMsg::Reload(tx) => {
+                    let _ = tx.send(self.reload());
+                }
+                DiskMsg::Close(records) => self.close(&records),
+            }
+        }
+    }
+
+    fn injected(&self) -> i32 {
+        let Some(fault) = &self.write_fault else {
+            return 0;
+        };
+        let code = fault.load(Ordering::Relaxed);
+        if code & WRITE_FAULT_ONCE == 0 {
+            return code;
+        }
+        match fault.compare_exchange(code, 0, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => code & !WRITE_FAULT_ONCE,
+            Err(_) => 0,
+        }
+    }
+
+    /// Writes the jobs in one transaction: fsynced (`synchronous=FULL`) when one of them
+    /// needs it; otherwise written to the WAL without waiting for the disk
+    /// (`synchronous=NORMAL`), and the next durable commit's fsync covers it too (the WAL
+    /// is one file, synced whole). A crash of the machine can lose only such a trailing run
+    /// of non-durable transactions: commits, releases and finishes, whose loss only errs
+    /// towards charging more (the holds expire and are charged in full). A crash of the
+    /// process loses nothing written.
+    fn write(&mut self, jobs: Vec<Job>) {
+        if self.discarding {
+            for job in jobs {
+                answer_unavailable(job.pending, "sqlite write failed: an earlier write failed");
+            }
+            return;
+        }
+        let durable = jobs.iter().any(Job::durable);
+        let writes = jobs.iter().any(Job::writes);
+        let result = if !writes {
+            Ok(())
+        } else {
+            match self.injected() {
+                0 => self
+                    .set_synchronous(durable)
+                    .and_then(|()| write_jobs(&self.conn, &jobs)),
+                code => Err(WriteError::from(rusqlite::Error::SqliteFailure(
+                    rusqlite::ffi::Error::new(code),
+                    Some("injected write fault".into()),
+                ))),
+            }
+        };
+        match result {
+            Ok(()) => {
+                if writes {
+                    lock(&self.health).write_failing = None;
+                }
+                for job in jobs {
+                    for (tx, answer) in job.pending {
+                        let _ = tx.send(answer);
+                    }
+                }
+            }
+            Err(WriteError { message, fatal }) => {
+                tracing::error!(error = %message, fatal, "sqlite write failed");
+                self.discarding = true;
+                self.fatal |= fatal;
+                {
+                    let mut health = lock(&self.health);
+                    health.write_failing = Some(format!("the last sqlite write failed: {message}"));
+                    health.failed = Some(WriteError {
+                        message: message.clone(),
+                        fatal: self.fatal,
+                    });
+                }
+                let why = format!("sqlite write failed: {message}");
+                for job in jobs {
+                    answer_unavailable(job.pending, &why);
+                }
+            }
+        }
     }
 
     fn set_synchronous(&mut self, durable: bool) -> Result<(), WriteError> {
@@ -774,45 +1095,36 @@ impl Writer {
         Ok(())
     }
 
-    /// At a clean close: writes every logged entity into `records` and empties the log, in
-    /// one fsynced transaction, so the next open has nothing to replay.
-    fn compact_all(&mut self) {
-        let injected = self
-            .write_fault
-            .as_ref()
-            .is_some_and(|f| f.load(Ordering::Relaxed) != 0);
-        if self.broken.is_some() || !self.compact_on_close || injected {
+    fn reload(&mut self) -> Reloaded {
+        if self.fatal {
+            return Err("the sqlite file failed; refusing until spendgate restarts".into());
+        }
+        if !self.conn.is_autocommit() {
+            self.conn
+                .execute_batch("ROLLBACK")
+                .map_err(|e| format!("sqlite transaction could not be rolled back: {e}"))?;
+        }
+        let reloaded = load(&self.conn, self.rows_max)?;
+        self.discarding = false;
+        Ok(reloaded)
+    }
+
+    /// Writes every record the applier sent into `records` and deletes the log, in one
+    /// fsynced transaction.
+    fn close(&mut self, records: &Encoded) {
+        if self.discarding || self.injected() != 0 {
             return;
         }
-        let result = self
-            .set_synchronous(true)
-            .and_then(|()| compact_log(&self.conn, &self.ledger, &mut self.log, &mut self.buf));
+        let result = self.set_synchronous(true).and_then(|()| {
+            let tx = Transaction::new_unchecked(&self.conn, TransactionBehavior::Immediate)?;
+            write_encoded(&tx, records)?;
+            tx.execute("DELETE FROM log", [])?;
+            tx.commit()?;
+            Ok(())
+        });
         if let Err(e) = result {
             // The log stays whole: the next open replays it.
             tracing::error!(error = %e.message, "sqlite compaction at close failed");
-        }
-    }
-
-    /// Rebuilds the ledger from the file, dropping every change that is not on disk.
-    fn reload(&mut self) {
-        if !self.conn.is_autocommit() {
-            if let Err(e) = self.conn.execute_batch("ROLLBACK") {
-                self.ledger.clear_changes();
-                self.broken = Some(format!("sqlite transaction could not be rolled back: {e}"));
-                return;
-            }
-        }
-        match load(&self.conn, self.log.rows_max) {
-            Ok((ledger, log)) => {
-                self.ledger = ledger;
-                self.log = log;
-                self.broken = None;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "sqlite reload failed; refusing all commands");
-                self.ledger.clear_changes();
-                self.broken = Some(format!("sqlite ledger could not be reloaded: {e}"));
-            }
         }
     }
 }
@@ -838,122 +1150,37 @@ impl From<rusqlite::Error> for WriteError {
     }
 }
 
-/// Logs the current record of every changed entity (read from `ledger` without cloning) in
-/// one row, and writes the next part of the closed generation into `records`, in one
-/// transaction.
-fn write_batch(
-    conn: &Connection,
-    ledger: &Ledger,
-    changes: Vec<Entity>,
-    log: &mut LogState,
-    buf: &mut Vec<u8>,
-    durable: bool,
-) -> Result<(), WriteError> {
-    let e = WriteError::from;
-    let encode = |e: postcard::Error| WriteError {
-        message: e.to_string(),
-        fatal: false,
-    };
-    // Rolled back on drop unless committed. A failure leaves `log` ahead of the file; the
-    // writer then reloads it from the file.
-    let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
-    // The row: the number of entries (u32, little-endian), then the entries.
-    buf.clear();
-    buf.extend_from_slice(&[0; 4]);
-    let mut entries: u32 = 0;
-    for entity in changes {
-        let record = ledger.record_ref(&entity);
-        *buf = postcard::to_extend(&(table_key(&entity).as_str(), record), std::mem::take(buf))
-            .map_err(encode)?;
-        entries += 1;
-        log.open.insert(entity);
-    }
-    if entries > 0 {
-        buf[..4].copy_from_slice(&entries.to_le_bytes());
-        let seq = log.next_seq;
-        tx.prepare_cached(LOG_SQL)
-            .map_err(e)?
-            .execute((seq, buf.as_slice()))
-            .map_err(e)?;
-        log.next_seq = seq.saturating_add(1);
-        log.open_rows += 1;
-        log.open_bytes = log.open_bytes.saturating_add(buf.len());
-    }
-    // (bounded whatever the mix: with every batch durable, a generation closes at most
-    // about 4/3 of `rows_max` rows after the one before it)
-    let quota = if !durable {
-        log.per_batch.saturating_mul(2)
-    } else if log.open_full() {
-        log.per_batch.saturating_mul(4)
-    } else {
-        log.per_batch.div_ceil(2)
-    };
-    let n = quota.min(log.closing.len());
-    let at = log.closing.len() - n;
-    let part: Vec<Entity> = log.closing.drain(at..).collect();
-    write_records(&tx, ledger, &part, buf)?;
-    if log.closing.is_empty() {
-        if let Some(last) = log.closing_last.take() {
-            tx.prepare_cached(TRIM_SQL)
-                .map_err(e)?
-                .execute([last])
-                .map_err(e)?;
+/// Writes the jobs' log rows, compaction parts and trims, in order, in one transaction
+/// (rolled back whole on any error).
+fn write_jobs(conn: &Connection, jobs: &[Job]) -> Result<(), WriteError> {
+    let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
+    for job in jobs {
+        if let Some((seq, changes)) = &job.row {
+            tx.prepare_cached(LOG_SQL)?
+                .execute((seq, changes.as_slice()))?;
         }
-        log.maybe_close(log.next_seq - 1, false);
-    }
-    tx.commit().map_err(e)
-}
-
-/// Writes the current record of each entity into `records` (a row deleted when the entity
-/// no longer exists).
-fn write_records(
-    tx: &Transaction<'_>,
-    ledger: &Ledger,
-    entities: &[Entity],
-    buf: &mut Vec<u8>,
-) -> Result<(), WriteError> {
-    if entities.is_empty() {
-        return Ok(());
-    }
-    let e = WriteError::from;
-    let mut upsert = tx.prepare_cached(UPSERT_SQL).map_err(e)?;
-    let mut delete = tx.prepare_cached(DELETE_SQL).map_err(e)?;
-    for entity in entities {
-        let key = table_key(entity);
-        match ledger.record_ref(entity) {
-            Some(r) => {
-                buf.clear();
-                *buf = postcard::to_extend(&r, std::mem::take(buf)).map_err(|e| WriteError {
-                    message: e.to_string(),
-                    fatal: false,
-                })?;
-                upsert.execute((key.as_str(), buf.as_slice())).map_err(e)?;
-            }
-            None => {
-                delete.execute([key.as_str()]).map_err(e)?;
-            }
+        write_encoded(&tx, &job.records)?;
+        if let Some(last) = job.trim {
+            tx.prepare_cached(TRIM_SQL)?.execute([last])?;
         }
     }
+    tx.commit()?;
     Ok(())
 }
 
-/// Writes every entity the log holds into `records` and deletes the log, in one transaction.
-fn compact_log(
-    conn: &Connection,
-    ledger: &Ledger,
-    log: &mut LogState,
-    buf: &mut Vec<u8>,
-) -> Result<(), WriteError> {
-    let e = WriteError::from;
-    let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate).map_err(e)?;
-    let mut all: Vec<Entity> = std::mem::take(&mut log.closing);
-    all.extend(log.open.drain());
-    write_records(&tx, ledger, &all, buf)?;
-    tx.execute("DELETE FROM log", []).map_err(e)?;
-    tx.commit().map_err(e)?;
-    log.closing_last = None;
-    log.open_rows = 0;
-    log.open_bytes = 0;
+/// Writes encoded records into `records` (a row deleted for an entity that no longer exists).
+fn write_encoded(tx: &Transaction<'_>, records: &Encoded) -> Result<(), WriteError> {
+    if records.is_empty() {
+        return Ok(());
+    }
+    let mut upsert = tx.prepare_cached(UPSERT_SQL)?;
+    let mut delete = tx.prepare_cached(DELETE_SQL)?;
+    for (key, value) in records {
+        match value {
+            Some(bytes) => upsert.execute((key.as_str(), bytes.as_slice()))?,
+            None => delete.execute([key.as_str()])?,
+        };
+    }
     Ok(())
 }
 

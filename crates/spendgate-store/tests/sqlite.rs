@@ -5,6 +5,7 @@
 use spendgate_core::*;
 use spendgate_store::{
     Clock, ManualClock, SqliteOptions, SqliteStore, Store, StoreError, SystemClock,
+    WRITE_FAULT_ONCE,
 };
 use std::future::Future;
 use std::io::{BufRead, BufReader};
@@ -1357,4 +1358,106 @@ async fn an_admission_whose_caller_gave_up_is_not_applied() {
     assert_eq!(global_usage(&*store).await.reserved, Micros::ZERO);
     // A caller that waits is served as before.
     reserve(&*store, tool_step("r1", "on-time")).await;
+}
+
+/// The applier runs ahead of the disk (a pipeline): when a write fails, every job built on
+/// it is discarded too. Concurrent runs reserve and release steps while single writes fail,
+/// then every write for a while: afterwards every reservation that was acknowledged exists, none that was
+/// refused does, and what the store serves is what the file holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_disk_loses_no_acknowledged_reservation_and_keeps_no_refused_one() {
+    const TASKS: usize = 8;
+    const STEPS_PER_RUN: usize = 6;
+    const FAULTS: usize = 50;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let (store, fault) = open_faulty(&path, clock.clone());
+    let store = Arc::new(store);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let (store, stop) = (store.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let s: &dyn Store = &*store;
+            let (mut granted, mut refused) = (Vec::new(), Vec::new());
+            let mut r = 0;
+            while !stop.load(Ordering::Relaxed) {
+                r += 1;
+                let run = format!("run-{t}-{r}");
+                if s.admit_run(run_request(&run), None).await.is_err() {
+                    continue;
+                }
+                for i in 0..STEPS_PER_RUN {
+                    let step = format!("{run}-step-{i}");
+                    match s.reserve_step(model_step(&run, &step), None).await {
+                        Ok(a) => {
+                            a.value.expect("within every bound");
+                            granted.push(step.clone());
+                            // Not durable: may be lost with a failed write (then the
+                            // reservation stays held, to be charged at expiry).
+                            let _ = s.resolve(ReservationId(step), Resolution::Release).await;
+                        }
+                        Err(e) => {
+                            assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+                            refused.push(step);
+                        }
+                    }
+                }
+                let _ = s.finish(RunId(run)).await;
+            }
+            (granted, refused)
+        }));
+    }
+    // Single failed writes, each followed at once by writes that succeed: the jobs built on
+    // a failed one must not reach the file (their records hold its changes).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for _ in 0..FAULTS {
+        fault.store(SQLITE_FULL | WRITE_FAULT_ONCE, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // and a longer outage
+    fault.store(SQLITE_FULL, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    fault.store(0, Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    stop.store(true, Ordering::Relaxed);
+    let (mut granted, mut refused) = (Vec::new(), Vec::new());
+    for t in tasks {
+        let (g, r) = t.await.expect("task");
+        granted.extend(g);
+        refused.extend(r);
+    }
+    assert!(
+        !refused.is_empty(),
+        "the disk failed while reservations were made"
+    );
+    assert!(granted.len() > refused.len(), "{} granted", granted.len());
+    let (g, r) = (granted.clone(), refused.clone());
+    let (lost, kept) = store
+        .inspect(move |l| {
+            let lost: Vec<String> = g
+                .into_iter()
+                .filter(|id| l.reservation(&ReservationId(id.clone())).is_none())
+                .collect();
+            let kept: Vec<String> = r
+                .into_iter()
+                .filter(|id| l.reservation(&ReservationId(id.clone())).is_some())
+                .collect();
+            (lost, kept)
+        })
+        .await
+        .expect("inspect");
+    assert!(lost.is_empty(), "acknowledged but lost: {lost:?}");
+    assert!(kept.is_empty(), "refused but kept: {kept:?}");
+    check_invariants(&store).await;
+    let in_memory = snapshot(&store).await;
+    let store = Arc::into_inner(store).expect("the tasks are done");
+    drop(store);
+    let store = open(&path, Arc::new(clock));
+    assert_eq!(
+        snapshot(&store).await,
+        in_memory,
+        "served what the file holds"
+    );
 }

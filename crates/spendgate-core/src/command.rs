@@ -89,11 +89,13 @@ impl Command {
     }
 
     /// Whether the answer `reply` (to a command that does not need durability itself) must
-    /// still be durable before it is given: a first commit above its reservation (an
-    /// overrun). Losing it would charge only the reserved amount, less than the usage the
-    /// caller was told was charged, and reopen a scope the overrun closed.
+    /// still be durable before it is given: a commit above its reservation (an overrun).
+    /// Losing it would charge only the reserved amount, less than the usage the caller was
+    /// told was charged, and reopen a scope the overrun closed. A repeat of it too (a
+    /// client's retry): its answer must not leave before the first commit is on disk, which
+    /// a store that writes behind its answers may not have done yet.
     pub fn reply_needs_durability(reply: &Reply) -> bool {
-        matches!(reply, Reply::Resolved(a) if a.value.overrun && !a.value.repeated)
+        matches!(reply, Reply::Resolved(a) if a.value.overrun)
     }
 
     /// Whether the command only reads.

@@ -46,8 +46,8 @@
 //!   [`DISK_QUEUE_MAX`]); it then goes on with the next batch while the disk writes. The
 //!   disk thread writes the jobs in order, all those queued (up to [`JOBS_PER_WRITE_MAX`])
 //!   in one `BEGIN IMMEDIATE … COMMIT`. A command that needs durability
-//!   ([`Command::needs_durability`]), or whose answer does (a first commit above its
-//!   reservation: [`Command::reply_needs_durability`]), is answered by the disk thread only
+//!   ([`Command::needs_durability`]), or whose answer does (a commit above its reservation,
+//!   or a repeat of one: [`Command::reply_needs_durability`]), is answered by the disk thread only
 //!   after the commit holding its job and that commit's fsync; other commands are answered
 //!   by the applier as soon as they are applied, and a transaction of only such jobs is
 //!   written without an fsync of its own (the next durable commit's fsync covers it):
@@ -146,6 +146,10 @@ pub struct SqliteOptions {
     /// it reaches the file; with [`WRITE_FAULT_ONCE`] added, only the next write fails (the
     /// value is then reset to 0). `None` in production.
     pub write_fault: Option<Arc<AtomicI32>>,
+    /// For tests of the pipeline: the disk thread holds this lock while it writes (and
+    /// while it discards), so a test that holds it stalls the disk thread with the jobs it
+    /// took. `None` in production.
+    pub disk_gate: Option<Arc<Mutex<()>>>,
     /// Log rows per generation at most (at least 1; see the module's "Compaction").
     pub generation_rows_max: u64,
     /// Whether closing the store compacts the whole log into `records`. Only tests turn it
@@ -162,6 +166,7 @@ impl SqliteOptions {
             lock_wait: Duration::from_millis(LOCK_WAIT_MS_DEFAULT),
             max_file_bytes: None,
             write_fault: None,
+            disk_gate: None,
             generation_rows_max: GENERATION_ROWS_MAX,
             compact_on_close: true,
         }
@@ -208,6 +213,7 @@ impl SqliteStore {
             health: health.clone(),
             rows_max,
             write_fault: opts.write_fault.clone(),
+            gate: opts.disk_gate.clone(),
             synced: true,
             discarding: false,
             fatal: false,
@@ -723,7 +729,7 @@ impl Writer {
                     // command queue then fills and callers are refused (fail closed).
                     let sent = self.disk.as_ref().map(|d| d.send(DiskMsg::Write(job)));
                     if let Some(Err(std::sync::mpsc::SendError(DiskMsg::Write(job)))) = sent {
-                        answer_unavailable(job.pending, "the sqlite disk thread stopped");
+                        self.disk_gone(job.pending);
                     }
                 }
                 Err(e) => {
@@ -736,6 +742,18 @@ impl Writer {
             }
         }
         self.close();
+    }
+
+    /// The disk thread is gone (it panicked): nothing the ledger holds from now on reaches
+    /// the file, so the store refuses everything until a restart.
+    fn disk_gone(&mut self, pending: Vec<Pending>) {
+        const WHY: &str = "the sqlite disk thread stopped; refusing until spendgate restarts";
+        tracing::error!("{WHY}");
+        answer_unavailable(pending, WHY);
+        self.ledger.clear_changes();
+        self.fatal = true;
+        self.broken = Some(WHY.to_string());
+        lock(&self.health).write_failing = Some(WHY.to_string());
     }
 
     /// Takes a failure the disk thread reported: a fatal one closes the store until a
@@ -968,6 +986,7 @@ struct Disk {
     health: Arc<Mutex<DiskHealth>>,
     rows_max: u64,
     write_fault: Option<Arc<AtomicI32>>,
+    gate: Option<Arc<Mutex<()>>>,
     /// Whether the connection is at `synchronous=FULL` (every commit fsynced).
     synced: bool,
     /// A write failed and no reload has followed: jobs are not written but answered
@@ -1034,6 +1053,10 @@ impl Disk {
     /// towards charging more (the holds expire and are charged in full). A crash of the
     /// process loses nothing written.
     fn write(&mut self, jobs: Vec<Job>) {
+        let gate = self.gate.clone();
+        let _held = gate
+            .as_ref()
+            .map(|g| g.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
         if self.discarding {
             for job in jobs {
                 answer_unavailable(job.pending, "sqlite write failed: an earlier write failed");

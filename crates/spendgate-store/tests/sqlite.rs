@@ -1461,3 +1461,87 @@ async fn a_failing_disk_loses_no_acknowledged_reservation_and_keeps_no_refused_o
         "served what the file holds"
     );
 }
+
+/// A job queued behind a write that fails was built on that write's changes: it is not
+/// written and its waiting answers are refused, although the write after it would succeed.
+/// (The disk thread is stalled at `disk_gate` with the first job so that the second queues.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::await_holding_lock)] // the gate is held on purpose while the test waits
+async fn a_job_queued_behind_a_failed_write_is_discarded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let fault = Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let gate = Arc::new(Mutex::new(()));
+    let mut opts = SqliteOptions::new(&path);
+    opts.write_fault = Some(fault.clone());
+    opts.disk_gate = Some(gate.clone());
+    let store = Arc::new(SqliteStore::open(opts, policy(), Arc::new(clock.clone())).expect("open"));
+    admit(&*store, "r1").await;
+    let stalled = gate.lock().expect("gate");
+    let spawn_reserve = |step: &'static str| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            (&*store as &dyn Store)
+                .reserve_step(model_step("r1", step), None)
+                .await
+        })
+    };
+    let first = spawn_reserve("s1");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let second = spawn_reserve("s2");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    fault.store(SQLITE_FULL | WRITE_FAULT_ONCE, Ordering::Relaxed);
+    drop(stalled);
+    for (step, answer) in [("s1", first), ("s2", second)] {
+        let r = answer.await.expect("task");
+        assert!(
+            matches!(&r, Err(StoreError::Unavailable(m)) if m.contains("sqlite write failed")),
+            "{step}: {r:?}"
+        );
+    }
+    assert_eq!(fault.load(Ordering::Relaxed), 0, "one write failed");
+    reserve(&*store, model_step("r1", "s3")).await;
+    let present = store
+        .inspect(|l| ["s1", "s2", "s3"].map(|s| l.reservation(&ReservationId(s.into())).is_some()))
+        .await
+        .expect("inspect");
+    assert_eq!(present, [false, false, true]);
+    check_invariants(&store).await;
+    let in_memory = snapshot(&store).await;
+    drop(Arc::into_inner(store).expect("the tasks are done"));
+    let store = open(&path, Arc::new(clock));
+    assert_eq!(
+        snapshot(&store).await,
+        in_memory,
+        "served what the file holds"
+    );
+}
+
+/// A retried overrun commit (the client timed out and sent it again) is answered only once
+/// the first is on disk: when that write fails, both are refused and the step stays held.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeated_overrun_commit_waits_for_the_first_to_be_written() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, fault) = open_faulty(&db_path(&dir), ManualClock::new(T0));
+    let s: &dyn Store = &store;
+    admit(s, "r1").await;
+    reserve(s, model_step("r1", "big")).await;
+    fault.store(SQLITE_FULL, Ordering::Relaxed);
+    let commit = || Command::Resolve {
+        step: ReservationId("big".into()),
+        how: overrun_usage(),
+    };
+    let answers = s.execute_many(vec![commit(), commit()]).await;
+    for r in &answers {
+        assert!(
+            matches!(r, Err(StoreError::Unavailable(m)) if m.contains("sqlite write failed")),
+            "{answers:?}"
+        );
+    }
+    let held = store
+        .inspect(|l| l.reservation(&ReservationId("big".into())).map(|r| r.state))
+        .await
+        .expect("inspect");
+    assert_eq!(held, Some(ReservationState::Held));
+}

@@ -51,9 +51,12 @@
 //!   after the commit holding its job and that commit's fsync; other commands are answered
 //!   by the applier as soon as they are applied, and a transaction of only such jobs is
 //!   written without an fsync of its own (the next durable commit's fsync covers it):
-//!   losing one only errs towards charging more. A job that changed nothing but holds
-//!   answers (a refusal, a repeated answer) still goes through the disk queue, so it is
-//!   answered only after every job before it is written.
+//!   losing one only errs towards charging more. Except while an overrun commit is applied
+//!   but not yet written: until then, the other answers (a finish's charge, a release
+//!   refused because the step is committed, a read) may tell of it, so they wait for their
+//!   job's turn (sent after its transaction, and refused if a write before failed). A job
+//!   that changed nothing but holds answers (a refusal, a repeated answer) still goes
+//!   through the disk queue, so it is answered only after every job before it is written.
 //! - An admission still queued when its caller stopped waiting (store timeout: it answered
 //!   503) is dropped unapplied.
 //! - If a write fails, it is rolled back; the disk thread answers every waiting command of
@@ -71,16 +74,17 @@ use spendgate_core::{Command, Entity, Ledger, Policy, Record, Reply, ScopeKind};
 use std::collections::{HashMap, HashSet};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::oneshot;
 
-/// Commands waiting for the writer at most; past it calls are refused ("store queue full").
+/// Commands waiting for the applier at most; past it calls are refused ("store queue full").
 pub const QUEUE_MAX: usize = 4096;
-/// Commands the writer applies and commits together at most (one transaction, one fsync).
+/// Commands the applier applies together at most (one job, one log row; the disk thread may
+/// write several jobs in one transaction).
 pub const BATCH_MAX: usize = 512;
 /// How long `open` waits for another holder of the file to let go before it fails.
 pub const LOCK_WAIT_MS_DEFAULT: u64 = 250;
@@ -132,7 +136,7 @@ const TRIM_SQL: &str = "DELETE FROM log WHERE seq <= ?1";
 pub struct SqliteOptions {
     /// The database file (created when missing). Its directory must exist.
     pub path: PathBuf,
-    /// Bound of the command queue in front of the writer (at least 1).
+    /// Bound of the command queue in front of the applier (at least 1).
     pub queue_max: usize,
     /// Commands per group commit at most (at least 1).
     pub batch_max: usize,
@@ -180,7 +184,7 @@ enum Msg {
     Exec(Command, Answer<Reply>),
     /// Several commands applied in order in the same batch (one durable write).
     Many(Vec<(Command, Answer<Reply>)>),
-    /// Answered by the writer itself: whether it is alive and serving.
+    /// Answered by the applier itself: whether it and the disk thread are alive and serving.
     Ping(Answer<()>),
     /// Runs a closure over the ledger, between commands.
     Inspect(Inspector),
@@ -206,6 +210,7 @@ impl SqliteStore {
         let (ledger, log) = load(&conn, rows_max)
             .map_err(|e| StoreError::Unavailable(format!("sqlite {}: {e}", opts.path.display())))?;
         let health = Arc::new(Mutex::new(DiskHealth::default()));
+        let written = Arc::new(AtomicU64::new(0));
         let (disk_tx, disk_rx) = sync_channel(DISK_QUEUE_MAX);
         let disk = Disk {
             conn,
@@ -214,6 +219,7 @@ impl SqliteStore {
             rows_max,
             write_fault: opts.write_fault.clone(),
             gate: opts.disk_gate.clone(),
+            written: written.clone(),
             synced: true,
             discarding: false,
             fatal: false,
@@ -238,6 +244,10 @@ impl SqliteStore {
             broken: None,
             fatal: false,
             row_hint: 1024,
+            jobs_sent: 0,
+            overrun_job: 0,
+            batch_overrun: false,
+            written,
             compact_on_close: opts.compact_on_close,
         };
         // (if this fails, `writer` is dropped: its disk sender closes and the disk thread ends)
@@ -256,7 +266,7 @@ impl SqliteStore {
         &self.path
     }
 
-    /// Runs `f` over the writer's ledger between two commands (for tests that check state
+    /// Runs `f` over the applier's ledger between two commands (for tests that check state
     /// and invariants directly). It sees applied changes, including any not yet committed.
     pub async fn inspect<T: Send + 'static>(
         &self,
@@ -279,12 +289,12 @@ impl SqliteStore {
 }
 
 impl Drop for SqliteStore {
-    /// Closes the queue and waits for the writer to finish what was queued and close the file
+    /// Closes the queue and waits for both threads to finish what was queued and close the file
     /// (so that the file can be opened again at once).
     fn drop(&mut self) {
         drop(self.queue.take());
         if let Some(h) = self.writer.take() {
-            // Dropped by the writer itself (the last handle went into an `inspect` closure):
+            // Dropped by the applier itself (the last handle went into an `inspect` closure):
             // it ends on its own once the queue is empty.
             if h.thread().id() == std::thread::current().id() {
                 return;
@@ -637,11 +647,26 @@ struct Writer {
     fatal: bool,
     /// The length of the last log row (the next one's first allocation).
     row_hint: usize,
+    /// Jobs sent to the disk thread so far (the last one's number).
+    jobs_sent: u64,
+    /// The number of the last job sent that holds an overrun commit's answer (0: none).
+    overrun_job: u64,
+    /// Whether the batch being applied holds an overrun commit's answer.
+    batch_overrun: bool,
+    /// The number of the last job the disk thread is done with (written or discarded).
+    written: Arc<AtomicU64>,
     compact_on_close: bool,
 }
 
 /// A command applied in this batch whose answer waits for the write.
 type Pending = (Answer<Reply>, Result<Reply, StoreError>);
+
+/// The answers of the batch being applied that wait for its job (see [`Job`]).
+#[derive(Default)]
+struct Waiting {
+    pending: Vec<Pending>,
+    ordered: Vec<Pending>,
+}
 
 /// Records encoded for `records`: each entity's table key and its record (`None`: deleted).
 type Encoded = Vec<(String, Option<Vec<u8>>)>;
@@ -657,6 +682,13 @@ struct Job {
     trim: Option<i64>,
     /// Answers that wait for this job's write and its fsync.
     pending: Vec<Pending>,
+    /// Answers that wait only for this job's turn: sent once its transaction is committed,
+    /// with no fsync of their own. They were applied while an overrun commit was not yet on
+    /// disk, and may tell of it (a finish's charge, a refused release of the committed
+    /// step, a read): they must not leave before it is written, nor at all if its write fails.
+    ordered: Vec<Pending>,
+    /// This job's number (the applier's count of jobs sent).
+    number: u64,
 }
 
 impl Job {
@@ -700,43 +732,54 @@ fn lock(health: &Mutex<DiskHealth>) -> std::sync::MutexGuard<'_, DiskHealth> {
 
 impl Writer {
     fn run(mut self) {
-        let mut pending: Vec<Pending> = Vec::with_capacity(self.batch_max);
+        let mut waiting = Waiting::default();
         // Ends when every sender is gone (the store was dropped) and the queue is empty.
         while let Ok(first) = self.rx.recv() {
             self.take_disk_failure();
             if self.broken.is_some() && !self.fatal {
                 self.reload();
             }
-            let mut failed = self.handle(first, &mut pending);
+            self.batch_overrun = false;
+            let mut failed = self.handle(first, &mut waiting);
             for _ in 1..self.batch_max {
                 if failed {
                     break;
                 }
                 match self.rx.try_recv() {
-                    Ok(msg) => failed = self.handle(msg, &mut pending),
+                    Ok(msg) => failed = self.handle(msg, &mut waiting),
                     Err(TryRecvError::Empty | TryRecvError::Disconnected) => break,
                 }
             }
             let job = if failed {
                 Err("the ledger failed while applying a command".to_string())
             } else {
-                self.job(&mut pending)
+                self.job(&mut waiting)
             };
             match job {
                 Ok(None) => {}
-                Ok(Some(job)) => {
+                Ok(Some(mut job)) => {
+                    self.jobs_sent += 1;
+                    job.number = self.jobs_sent;
+                    if self.batch_overrun {
+                        self.overrun_job = job.number;
+                    }
                     // Blocks while the disk thread is [`DISK_QUEUE_MAX`] jobs behind: the
                     // command queue then fills and callers are refused (fail closed).
-                    let sent = self.disk.as_ref().map(|d| d.send(DiskMsg::Write(job)));
-                    if let Some(Err(std::sync::mpsc::SendError(DiskMsg::Write(job)))) = sent {
-                        self.disk_gone(job.pending);
+                    let unsent = match &self.disk {
+                        Some(disk) => disk.send(DiskMsg::Write(job)).err().map(|e| e.0),
+                        None => Some(DiskMsg::Write(job)),
+                    };
+                    if let Some(DiskMsg::Write(job)) = unsent {
+                        self.disk_gone(job.pending.into_iter().chain(job.ordered));
                     }
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "sqlite batch abandoned; reloading the ledger from disk");
                     lock(&self.health).write_failing =
                         Some(format!("the last sqlite write failed: {e}"));
-                    answer_unavailable(pending.drain(..), &format!("sqlite write failed: {e}"));
+                    let why = format!("sqlite write failed: {e}");
+                    answer_unavailable(waiting.pending.drain(..), &why);
+                    answer_unavailable(waiting.ordered.drain(..), &why);
                     self.reload();
                 }
             }
@@ -746,7 +789,7 @@ impl Writer {
 
     /// The disk thread is gone (it panicked): nothing the ledger holds from now on reaches
     /// the file, so the store refuses everything until a restart.
-    fn disk_gone(&mut self, pending: Vec<Pending>) {
+    fn disk_gone(&mut self, pending: impl IntoIterator<Item = Pending>) {
         const WHY: &str = "the sqlite disk thread stopped; refusing until spendgate restarts";
         tracing::error!("{WHY}");
         answer_unavailable(pending, WHY);
@@ -775,7 +818,7 @@ impl Writer {
     }
 
     /// Handles one message; returns true when the ledger panicked (the batch is abandoned).
-    fn handle(&mut self, msg: Msg, pending: &mut Vec<Pending>) -> bool {
+    fn handle(&mut self, msg: Msg, waiting: &mut Waiting) -> bool {
         match msg {
             Msg::Many(list) => {
                 let mut failed = false;
@@ -785,12 +828,15 @@ impl Writer {
                             "the ledger failed while applying a command".into(),
                         )));
                     } else {
-                        failed = self.handle(Msg::Exec(cmd, tx), pending);
+                        failed = self.handle(Msg::Exec(cmd, tx), waiting);
                     }
                 }
                 failed
             }
             Msg::Ping(tx) => {
+                if !self.fatal && self.disk_thread.as_ref().is_some_and(|h| h.is_finished()) {
+                    self.disk_gone(Vec::new());
+                }
                 let failing = lock(&self.health).write_failing.clone();
                 let _ = tx.send(match self.broken.clone().or(failing) {
                     None => Ok(()),
@@ -835,10 +881,14 @@ impl Writer {
                         return true;
                     }
                 };
-                let durable = cmd.needs_durability()
-                    || answer.as_ref().is_ok_and(Command::reply_needs_durability);
-                if durable {
-                    pending.push((tx, answer));
+                let overrun = answer.as_ref().is_ok_and(Command::reply_needs_durability);
+                if cmd.needs_durability() || overrun {
+                    self.batch_overrun |= overrun;
+                    waiting.pending.push((tx, answer));
+                } else if self.batch_overrun
+                    || self.overrun_job > self.written.load(Ordering::Acquire)
+                {
+                    waiting.ordered.push((tx, answer));
                 } else {
                     let _ = tx.send(answer);
                 }
@@ -851,17 +901,20 @@ impl Writer {
     /// (read from the ledger without cloning), with the next part of the compaction. `None`
     /// when there is nothing to write and no answer waits. An error (an encoding failure)
     /// leaves `log` ahead of the file: the caller reloads.
-    fn job(&mut self, pending: &mut Vec<Pending>) -> Result<Option<Job>, String> {
+    fn job(&mut self, waiting: &mut Waiting) -> Result<Option<Job>, String> {
         let changes = self.ledger.take_dirty();
         if changes.is_empty() {
-            return Ok((!pending.is_empty()).then(|| Job {
+            let answers = !waiting.pending.is_empty() || !waiting.ordered.is_empty();
+            return Ok(answers.then(|| Job {
                 row: None,
                 records: Vec::new(),
                 trim: None,
-                pending: std::mem::take(pending),
+                pending: std::mem::take(&mut waiting.pending),
+                ordered: std::mem::take(&mut waiting.ordered),
+                number: 0,
             }));
         }
-        let durable = !pending.is_empty();
+        let durable = !waiting.pending.is_empty();
         let (ledger, log) = (&self.ledger, &mut self.log);
         // The row: the number of entries (u32, little-endian), then the entries.
         let mut buf = Vec::with_capacity(self.row_hint);
@@ -901,7 +954,9 @@ impl Writer {
             row: Some((seq, buf)),
             records,
             trim,
-            pending: std::mem::take(pending),
+            pending: std::mem::take(&mut waiting.pending),
+            ordered: std::mem::take(&mut waiting.ordered),
+            number: 0,
         }))
     }
 
@@ -920,6 +975,9 @@ impl Writer {
                 self.ledger = ledger;
                 self.log = log;
                 self.broken = None;
+                // Every job sent before was written or discarded; an overrun not written is
+                // gone with the changes the reload dropped.
+                self.overrun_job = 0;
             }
             Err(e) => {
                 tracing::error!(error = %e, "sqlite reload failed; refusing all commands");
@@ -987,6 +1045,8 @@ struct Disk {
     rows_max: u64,
     write_fault: Option<Arc<AtomicI32>>,
     gate: Option<Arc<Mutex<()>>>,
+    /// See `Writer::written`.
+    written: Arc<AtomicU64>,
     /// Whether the connection is at `synchronous=FULL` (every commit fsynced).
     synced: bool,
     /// A write failed and no reload has followed: jobs are not written but answered
@@ -1057,9 +1117,11 @@ impl Disk {
         let _held = gate
             .as_ref()
             .map(|g| g.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let last = jobs.iter().map(|j| j.number).max().unwrap_or(0);
         if self.discarding {
             for job in jobs {
-                answer_unavailable(job.pending, "sqlite write failed: an earlier write failed");
+                let why = "sqlite write failed: an earlier write failed";
+                answer_unavailable(job.pending.into_iter().chain(job.ordered), why);
             }
             return;
         }
@@ -1084,10 +1146,13 @@ impl Disk {
                     lock(&self.health).write_failing = None;
                 }
                 for job in jobs {
-                    for (tx, answer) in job.pending {
+                    for (tx, answer) in job.pending.into_iter().chain(job.ordered) {
                         let _ = tx.send(answer);
                     }
                 }
+                // (only a write advances it: after a failure the applier defers its answers
+                // until its reload, which forgets the overrun that failed)
+                self.written.fetch_max(last, Ordering::Release);
             }
             Err(WriteError { message, fatal }) => {
                 tracing::error!(error = %message, fatal, "sqlite write failed");
@@ -1103,7 +1168,7 @@ impl Disk {
                 }
                 let why = format!("sqlite write failed: {message}");
                 for job in jobs {
-                    answer_unavailable(job.pending, &why);
+                    answer_unavailable(job.pending.into_iter().chain(job.ordered), &why);
                 }
             }
         }

@@ -1488,9 +1488,17 @@ async fn a_job_queued_behind_a_failed_write_is_discarded() {
         })
     };
     let first = spawn_reserve("s1");
+    applied(&store, |l| {
+        l.reservation(&ReservationId("s1".into())).is_some()
+    })
+    .await;
+    // (the idle disk thread takes the first job at once, alone, and waits at the gate)
     tokio::time::sleep(Duration::from_millis(100)).await;
     let second = spawn_reserve("s2");
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    applied(&store, |l| {
+        l.reservation(&ReservationId("s2".into())).is_some()
+    })
+    .await;
     fault.store(SQLITE_FULL | WRITE_FAULT_ONCE, Ordering::Relaxed);
     drop(stalled);
     for (step, answer) in [("s1", first), ("s2", second)] {
@@ -1544,4 +1552,88 @@ async fn a_repeated_overrun_commit_waits_for_the_first_to_be_written() {
         .await
         .expect("inspect");
     assert_eq!(held, Some(ReservationState::Held));
+}
+
+/// Waits until the applier has applied what `done` looks for (bounded: 5 s).
+async fn applied(store: &SqliteStore, done: fn(&Ledger) -> bool) {
+    for _ in 0..500 {
+        if store.inspect(done).await.expect("inspect") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("not applied within 5 s");
+}
+
+/// Answers given while an overrun commit is not yet on disk, which may tell of it (a
+/// finish's charge, a release refused because the step is committed), wait for its write:
+/// when it fails they are refused too, and the step and run are as the file has them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::await_holding_lock)] // the gate is held on purpose while the test waits
+async fn answers_after_an_unwritten_overrun_wait_for_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let fault = Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let gate = Arc::new(Mutex::new(()));
+    let mut opts = SqliteOptions::new(db_path(&dir));
+    opts.write_fault = Some(fault.clone());
+    opts.disk_gate = Some(gate.clone());
+    let store =
+        Arc::new(SqliteStore::open(opts, policy(), Arc::new(ManualClock::new(T0))).expect("open"));
+    admit(&*store, "r1").await;
+    reserve(&*store, model_step("r1", "big")).await;
+    let stalled = gate.lock().expect("gate");
+    let spawn = |cmd: Command| {
+        let store = store.clone();
+        tokio::spawn(async move { (&*store as &dyn Store).execute(cmd).await })
+    };
+    let big = || ReservationId("big".into());
+    let commit = spawn(Command::Resolve {
+        step: big(),
+        how: overrun_usage(),
+    });
+    applied(&store, |l| {
+        l.reservation(&ReservationId("big".into()))
+            .is_some_and(|r| r.state == ReservationState::Committed)
+    })
+    .await;
+    let release = spawn(Command::Resolve {
+        step: big(),
+        how: Resolution::Release,
+    });
+    let finish = spawn(Command::Finish {
+        run: RunId("r1".into()),
+    });
+    applied(&store, |l| {
+        l.run(&RunId("r1".into()))
+            .is_some_and(|r| r.state != RunState::Active)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !release.is_finished() && !finish.is_finished(),
+        "answered before the overrun was written"
+    );
+    fault.store(SQLITE_FULL | WRITE_FAULT_ONCE, Ordering::Relaxed);
+    drop(stalled);
+    for (what, task) in [("commit", commit), ("release", release), ("finish", finish)] {
+        let r = task.await.expect("task");
+        assert!(
+            matches!(&r, Err(StoreError::Unavailable(m)) if m.contains("sqlite write failed")),
+            "{what}: {r:?}"
+        );
+    }
+    let (step, run) = store
+        .inspect(|l| {
+            (
+                l.reservation(&ReservationId("big".into())).map(|r| r.state),
+                l.run(&RunId("r1".into())).map(|r| r.state),
+            )
+        })
+        .await
+        .expect("inspect");
+    assert_eq!(
+        (step, run),
+        (Some(ReservationState::Held), Some(RunState::Active))
+    );
+    check_invariants(&store).await;
 }

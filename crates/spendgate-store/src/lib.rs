@@ -14,7 +14,7 @@ use std::time::Duration;
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
-pub use sqlite::{SqliteOptions, SqliteStore, WRITE_FAULT_ONCE};
+pub use sqlite::{DiskGate, SqliteOptions, SqliteStore, WRITE_FAULT_ONCE};
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {

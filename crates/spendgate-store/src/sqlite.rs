@@ -107,6 +107,33 @@ pub const WAL_AUTOCHECKPOINT_PAGES: u32 = 4000;
 /// SQLite's page cache, in KiB (SQLite's default is 2000).
 pub const PAGE_CACHE_KIB: i64 = 65_536;
 
+/// A test hook ([`SqliteOptions::disk_gate`]): the disk thread passes it before each write,
+/// and waits there while a test holds it.
+#[derive(Debug, Default)]
+pub struct DiskGate {
+    lock: Mutex<()>,
+    arrivals: AtomicU64,
+}
+
+impl DiskGate {
+    /// Stalls the disk thread at its next write until the guard is dropped.
+    pub fn hold(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.lock
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// How many writes reached the gate (counted before they wait at it).
+    pub fn arrivals(&self) -> u64 {
+        self.arrivals.load(Ordering::SeqCst)
+    }
+
+    fn pass(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.arrivals.fetch_add(1, Ordering::SeqCst);
+        self.hold()
+    }
+}
+
 /// Added to a [`SqliteOptions::write_fault`] code: only the next write fails.
 pub const WRITE_FAULT_ONCE: i32 = 1 << 16;
 /// Applied batches waiting for the disk thread at most; past it the applier waits for the
@@ -150,10 +177,10 @@ pub struct SqliteOptions {
     /// it reaches the file; with [`WRITE_FAULT_ONCE`] added, only the next write fails (the
     /// value is then reset to 0). `None` in production.
     pub write_fault: Option<Arc<AtomicI32>>,
-    /// For tests of the pipeline: the disk thread holds this lock while it writes (and
-    /// while it discards), so a test that holds it stalls the disk thread with the jobs it
-    /// took. `None` in production.
-    pub disk_gate: Option<Arc<Mutex<()>>>,
+    /// For tests of the pipeline: the disk thread passes this gate before each write (or
+    /// discard), so a test that holds it stalls the disk thread with the jobs it took.
+    /// `None` in production.
+    pub disk_gate: Option<Arc<DiskGate>>,
     /// Log rows per generation at most (at least 1; see the module's "Compaction").
     pub generation_rows_max: u64,
     /// Whether closing the store compacts the whole log into `records`. Only tests turn it
@@ -653,7 +680,7 @@ struct Writer {
     overrun_job: u64,
     /// Whether the batch being applied holds an overrun commit's answer.
     batch_overrun: bool,
-    /// The number of the last job the disk thread is done with (written or discarded).
+    /// The number of the last job the disk thread wrote (a discarded one does not count).
     written: Arc<AtomicU64>,
     compact_on_close: bool,
 }
@@ -1044,7 +1071,7 @@ struct Disk {
     health: Arc<Mutex<DiskHealth>>,
     rows_max: u64,
     write_fault: Option<Arc<AtomicI32>>,
-    gate: Option<Arc<Mutex<()>>>,
+    gate: Option<Arc<DiskGate>>,
     /// See `Writer::written`.
     written: Arc<AtomicU64>,
     /// Whether the connection is at `synchronous=FULL` (every commit fsynced).
@@ -1114,9 +1141,7 @@ impl Disk {
     /// process loses nothing written.
     fn write(&mut self, jobs: Vec<Job>) {
         let gate = self.gate.clone();
-        let _held = gate
-            .as_ref()
-            .map(|g| g.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+        let _passed = gate.as_ref().map(|g| g.pass());
         let last = jobs.iter().map(|j| j.number).max().unwrap_or(0);
         if self.discarding {
             for job in jobs {
@@ -1145,14 +1170,14 @@ impl Disk {
                 if writes {
                     lock(&self.health).write_failing = None;
                 }
+                // (only a write advances it: after a failure the applier defers its answers
+                // until its reload, which forgets the overrun that failed)
+                self.written.fetch_max(last, Ordering::Release);
                 for job in jobs {
                     for (tx, answer) in job.pending.into_iter().chain(job.ordered) {
                         let _ = tx.send(answer);
                     }
                 }
-                // (only a write advances it: after a failure the applier defers its answers
-                // until its reload, which forgets the overrun that failed)
-                self.written.fetch_max(last, Ordering::Release);
             }
             Err(WriteError { message, fatal }) => {
                 tracing::error!(error = %message, fatal, "sqlite write failed");

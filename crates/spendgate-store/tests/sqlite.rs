@@ -4,7 +4,7 @@
 
 use spendgate_core::*;
 use spendgate_store::{
-    Clock, ManualClock, SqliteOptions, SqliteStore, Store, StoreError, SystemClock,
+    Clock, DiskGate, ManualClock, SqliteOptions, SqliteStore, Store, StoreError, SystemClock,
     WRITE_FAULT_ONCE,
 };
 use std::future::Future;
@@ -1472,13 +1472,14 @@ async fn a_job_queued_behind_a_failed_write_is_discarded() {
     let path = db_path(&dir);
     let clock = ManualClock::new(T0);
     let fault = Arc::new(std::sync::atomic::AtomicI32::new(0));
-    let gate = Arc::new(Mutex::new(()));
+    let gate = Arc::new(DiskGate::default());
     let mut opts = SqliteOptions::new(&path);
     opts.write_fault = Some(fault.clone());
     opts.disk_gate = Some(gate.clone());
     let store = Arc::new(SqliteStore::open(opts, policy(), Arc::new(clock.clone())).expect("open"));
     admit(&*store, "r1").await;
-    let stalled = gate.lock().expect("gate");
+    let arrived = gate.arrivals();
+    let stalled = gate.hold();
     let spawn_reserve = |step: &'static str| {
         let store = store.clone();
         tokio::spawn(async move {
@@ -1488,12 +1489,18 @@ async fn a_job_queued_behind_a_failed_write_is_discarded() {
         })
     };
     let first = spawn_reserve("s1");
-    applied(&store, |l| {
-        l.reservation(&ReservationId("s1".into())).is_some()
-    })
-    .await;
-    // (the idle disk thread takes the first job at once, alone, and waits at the gate)
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The disk thread took the first job alone and waits at the gate.
+    for _ in 0..500 {
+        if gate.arrivals() > arrived {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        gate.arrivals(),
+        arrived + 1,
+        "the first job reached the gate"
+    );
     let second = spawn_reserve("s2");
     applied(&store, |l| {
         l.reservation(&ReservationId("s2".into())).is_some()
@@ -1501,10 +1508,13 @@ async fn a_job_queued_behind_a_failed_write_is_discarded() {
     .await;
     fault.store(SQLITE_FULL | WRITE_FAULT_ONCE, Ordering::Relaxed);
     drop(stalled);
-    for (step, answer) in [("s1", first), ("s2", second)] {
+    for (step, answer, why) in [
+        ("s1", first, "injected write fault"),
+        ("s2", second, "an earlier write failed"),
+    ] {
         let r = answer.await.expect("task");
         assert!(
-            matches!(&r, Err(StoreError::Unavailable(m)) if m.contains("sqlite write failed")),
+            matches!(&r, Err(StoreError::Unavailable(m)) if m.contains(why)),
             "{step}: {r:?}"
         );
     }
@@ -1573,7 +1583,7 @@ async fn applied(store: &SqliteStore, done: fn(&Ledger) -> bool) {
 async fn answers_after_an_unwritten_overrun_wait_for_it() {
     let dir = tempfile::tempdir().expect("tempdir");
     let fault = Arc::new(std::sync::atomic::AtomicI32::new(0));
-    let gate = Arc::new(Mutex::new(()));
+    let gate = Arc::new(DiskGate::default());
     let mut opts = SqliteOptions::new(db_path(&dir));
     opts.write_fault = Some(fault.clone());
     opts.disk_gate = Some(gate.clone());
@@ -1581,7 +1591,7 @@ async fn answers_after_an_unwritten_overrun_wait_for_it() {
         Arc::new(SqliteStore::open(opts, policy(), Arc::new(ManualClock::new(T0))).expect("open"));
     admit(&*store, "r1").await;
     reserve(&*store, model_step("r1", "big")).await;
-    let stalled = gate.lock().expect("gate");
+    let stalled = gate.hold();
     let spawn = |cmd: Command| {
         let store = store.clone();
         tokio::spawn(async move { (&*store as &dyn Store).execute(cmd).await })

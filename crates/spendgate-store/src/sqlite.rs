@@ -273,7 +273,6 @@ impl SqliteStore {
             row_hint: 1024,
             jobs_sent: 0,
             overrun_job: 0,
-            batch_overrun: false,
             written,
             compact_on_close: opts.compact_on_close,
         };
@@ -561,9 +560,23 @@ impl LogState {
     }
 }
 
+/// Runs `f` on each row of `sql`'s answer, in order.
+fn each_row(
+    conn: &Connection,
+    sql: &str,
+    mut f: impl FnMut(&rusqlite::Row<'_>) -> Result<(), String>,
+) -> Result<(), String> {
+    let mut stmt = conn.prepare(sql).map_err(|e| e.to_string())?;
+    let mut rows = stmt.query([]).map_err(|e| e.to_string())?;
+    while let Some(row) = rows.next().map_err(|e| e.to_string())? {
+        f(row)?;
+    }
+    Ok(())
+}
+
 /// Reads every record, replays the log over them and rebuilds the ledger (with change
-/// tracking), the run of every reservation, and the log's state: everything the log holds
-/// is one closed generation, to be compacted by the next batches.
+/// tracking) and the log's state: everything the log holds is one closed generation, to be
+/// compacted by the next batches.
 fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, LogState), String> {
     let mut records: HashMap<String, Record> = HashMap::new();
     let check = |key: &str, record: &Record| -> Result<(), String> {
@@ -572,27 +585,22 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, LogState), String> 
         }
         Ok(())
     };
-    {
-        let mut stmt = conn
-            .prepare("SELECT key, value FROM records")
-            .map_err(|e| e.to_string())?;
-        let mut rows = stmt.query([]).map_err(|e| e.to_string())?;
-        while let Some(row) = rows.next().map_err(|e| e.to_string())? {
-            let key: String = row.get(0).map_err(|e| e.to_string())?;
-            let value = row.get_ref(1).map_err(|e| e.to_string())?;
-            let bytes = value.as_blob().map_err(|e| format!("record {key}: {e}"))?;
-            let (record, rest): (Record, &[u8]) =
-                postcard::take_from_bytes(bytes).map_err(|e| format!("record {key}: {e}"))?;
-            if !rest.is_empty() {
-                return Err(format!(
-                    "record {key} has {} bytes past its end (written by another layout?)",
-                    rest.len()
-                ));
-            }
-            check(&key, &record)?;
-            records.insert(key, record);
+    each_row(conn, "SELECT key, value FROM records", |row| {
+        let key: String = row.get(0).map_err(|e| e.to_string())?;
+        let value = row.get_ref(1).map_err(|e| e.to_string())?;
+        let bytes = value.as_blob().map_err(|e| format!("record {key}: {e}"))?;
+        let (record, rest): (Record, &[u8]) =
+            postcard::take_from_bytes(bytes).map_err(|e| format!("record {key}: {e}"))?;
+        if !rest.is_empty() {
+            return Err(format!(
+                "record {key} has {} bytes past its end (written by another layout?)",
+                rest.len()
+            ));
         }
-    }
+        check(&key, &record)?;
+        records.insert(key, record);
+        Ok(())
+    })?;
     let mut log = LogState {
         next_seq: 1,
         rows_max,
@@ -600,51 +608,46 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, LogState), String> 
     };
     let mut touched: HashSet<Entity> = HashSet::new();
     let meta_key = Entity::Meta.storage_key();
-    {
-        let mut stmt = conn
-            .prepare("SELECT seq, changes FROM log ORDER BY seq")
-            .map_err(|e| e.to_string())?;
-        let mut rows = stmt.query([]).map_err(|e| e.to_string())?;
-        while let Some(row) = rows.next().map_err(|e| e.to_string())? {
-            let seq: i64 = row.get(0).map_err(|e| e.to_string())?;
-            let value = row.get_ref(1).map_err(|e| e.to_string())?;
-            let blob = value.as_blob().map_err(|e| format!("log row {seq}: {e}"))?;
-            let (count, mut bytes) = match blob.split_first_chunk::<4>() {
-                Some((count, rest)) if u32::from_le_bytes(*count) > 0 => {
-                    (u32::from_le_bytes(*count), rest)
+    each_row(conn, "SELECT seq, changes FROM log ORDER BY seq", |row| {
+        let seq: i64 = row.get(0).map_err(|e| e.to_string())?;
+        let value = row.get_ref(1).map_err(|e| e.to_string())?;
+        let blob = value.as_blob().map_err(|e| format!("log row {seq}: {e}"))?;
+        let (count, mut bytes) = match blob.split_first_chunk::<4>() {
+            Some((count, rest)) if u32::from_le_bytes(*count) > 0 => {
+                (u32::from_le_bytes(*count), rest)
+            }
+            _ => return Err(format!("log row {seq}: no entries")),
+        };
+        for _ in 0..count {
+            let ((key, record), rest): ((String, Option<Record>), &[u8]) =
+                postcard::take_from_bytes(bytes).map_err(|e| format!("log row {seq}: {e}"))?;
+            bytes = rest;
+            if key.is_empty() || (record.is_none() && key == meta_key) {
+                return Err(format!("log row {seq}: a malformed entry ({key:?})"));
+            }
+            match record {
+                Some(record) => {
+                    check(&key, &record).map_err(|e| format!("log row {seq}: {e}"))?;
+                    touched.insert(record.entity());
+                    records.insert(key, record);
                 }
-                _ => return Err(format!("log row {seq}: no entries")),
-            };
-            for _ in 0..count {
-                let ((key, record), rest): ((String, Option<Record>), &[u8]) =
-                    postcard::take_from_bytes(bytes).map_err(|e| format!("log row {seq}: {e}"))?;
-                bytes = rest;
-                if key.is_empty() || (record.is_none() && key == meta_key) {
-                    return Err(format!("log row {seq}: a malformed entry ({key:?})"));
-                }
-                match record {
-                    Some(record) => {
-                        check(&key, &record).map_err(|e| format!("log row {seq}: {e}"))?;
-                        touched.insert(record.entity());
-                        records.insert(key, record);
-                    }
-                    None => {
-                        if let Some(old) = records.remove(&key) {
-                            touched.insert(old.entity());
-                        }
+                None => {
+                    if let Some(old) = records.remove(&key) {
+                        touched.insert(old.entity());
                     }
                 }
             }
-            if !bytes.is_empty() {
-                return Err(format!(
-                    "log row {seq} has {} bytes past its entries",
-                    bytes.len()
-                ));
-            }
-            log.next_seq = seq.saturating_add(1);
-            log.open_rows += 1;
         }
-    }
+        if !bytes.is_empty() {
+            return Err(format!(
+                "log row {seq} has {} bytes past its entries",
+                bytes.len()
+            ));
+        }
+        log.next_seq = seq.saturating_add(1);
+        log.open_rows += 1;
+        Ok(())
+    })?;
     log.open = touched;
     log.maybe_close(log.next_seq - 1, true);
     Ok((Ledger::restore(records.into_values(), true), log))
@@ -674,12 +677,11 @@ struct Writer {
     fatal: bool,
     /// The length of the last log row (the next one's first allocation).
     row_hint: usize,
-    /// Jobs sent to the disk thread so far (the last one's number).
+    /// Jobs made so far (the last one's number).
     jobs_sent: u64,
-    /// The number of the last job sent that holds an overrun commit's answer (0: none).
+    /// The number of the last job that holds an overrun commit's answer, the batch being
+    /// applied included (0: none).
     overrun_job: u64,
-    /// Whether the batch being applied holds an overrun commit's answer.
-    batch_overrun: bool,
     /// The number of the last job the disk thread wrote (a discarded one does not count).
     written: Arc<AtomicU64>,
     compact_on_close: bool,
@@ -688,11 +690,35 @@ struct Writer {
 /// A command applied in this batch whose answer waits for the write.
 type Pending = (Answer<Reply>, Result<Reply, StoreError>);
 
-/// The answers of the batch being applied that wait for its job (see [`Job`]).
+/// The answers of a batch that wait for its job.
 #[derive(Default)]
 struct Waiting {
+    /// Answers that wait for the job's write and its fsync.
     pending: Vec<Pending>,
+    /// Answers that wait only for the job's turn: sent once its transaction is committed,
+    /// with no fsync of their own. They were applied while an overrun commit was not yet on
+    /// disk, and may tell of it (a finish's charge, a refused release of the committed
+    /// step, a read): they must not leave before it is written, nor at all if its write fails.
     ordered: Vec<Pending>,
+}
+
+impl Waiting {
+    fn is_empty(&self) -> bool {
+        self.pending.is_empty() && self.ordered.is_empty()
+    }
+
+    fn send(self) {
+        for (tx, answer) in self.pending.into_iter().chain(self.ordered) {
+            let _ = tx.send(answer);
+        }
+    }
+
+    fn refuse(self, why: &str) {
+        let err = StoreError::Unavailable(why.to_string());
+        for (tx, _) in self.pending.into_iter().chain(self.ordered) {
+            let _ = tx.send(Err(err.clone()));
+        }
+    }
 }
 
 /// Records encoded for `records`: each entity's table key and its record (`None`: deleted).
@@ -707,21 +733,15 @@ struct Job {
     records: Encoded,
     /// Log rows up to this `seq` are deleted (their generation is wholly in `records`).
     trim: Option<i64>,
-    /// Answers that wait for this job's write and its fsync.
-    pending: Vec<Pending>,
-    /// Answers that wait only for this job's turn: sent once its transaction is committed,
-    /// with no fsync of their own. They were applied while an overrun commit was not yet on
-    /// disk, and may tell of it (a finish's charge, a refused release of the committed
-    /// step, a read): they must not leave before it is written, nor at all if its write fails.
-    ordered: Vec<Pending>,
-    /// This job's number (the applier's count of jobs sent).
+    answers: Waiting,
+    /// This job's number (the applier's count of jobs made).
     number: u64,
 }
 
 impl Job {
     /// Whether its answers wait for the disk's flush (see [`Command::needs_durability`]).
     fn durable(&self) -> bool {
-        !self.pending.is_empty()
+        !self.answers.pending.is_empty()
     }
 
     fn writes(&self) -> bool {
@@ -766,7 +786,6 @@ impl Writer {
             if self.broken.is_some() && !self.fatal {
                 self.reload();
             }
-            self.batch_overrun = false;
             let mut failed = self.handle(first, &mut waiting);
             for _ in 1..self.batch_max {
                 if failed {
@@ -784,12 +803,7 @@ impl Writer {
             };
             match job {
                 Ok(None) => {}
-                Ok(Some(mut job)) => {
-                    self.jobs_sent += 1;
-                    job.number = self.jobs_sent;
-                    if self.batch_overrun {
-                        self.overrun_job = job.number;
-                    }
+                Ok(Some(job)) => {
                     // Blocks while the disk thread is [`DISK_QUEUE_MAX`] jobs behind: the
                     // command queue then fills and callers are refused (fail closed).
                     let unsent = match &self.disk {
@@ -797,16 +811,14 @@ impl Writer {
                         None => Some(DiskMsg::Write(job)),
                     };
                     if let Some(DiskMsg::Write(job)) = unsent {
-                        self.disk_gone(job.pending.into_iter().chain(job.ordered));
+                        self.disk_gone(job.answers);
                     }
                 }
                 Err(e) => {
                     tracing::error!(error = %e, "sqlite batch abandoned; reloading the ledger from disk");
                     lock(&self.health).write_failing =
                         Some(format!("the last sqlite write failed: {e}"));
-                    let why = format!("sqlite write failed: {e}");
-                    answer_unavailable(waiting.pending.drain(..), &why);
-                    answer_unavailable(waiting.ordered.drain(..), &why);
+                    std::mem::take(&mut waiting).refuse(&format!("sqlite write failed: {e}"));
                     self.reload();
                 }
             }
@@ -816,10 +828,10 @@ impl Writer {
 
     /// The disk thread is gone (it panicked): nothing the ledger holds from now on reaches
     /// the file, so the store refuses everything until a restart.
-    fn disk_gone(&mut self, pending: impl IntoIterator<Item = Pending>) {
+    fn disk_gone(&mut self, answers: Waiting) {
         const WHY: &str = "the sqlite disk thread stopped; refusing until spendgate restarts";
         tracing::error!("{WHY}");
-        answer_unavailable(pending, WHY);
+        answers.refuse(WHY);
         self.ledger.clear_changes();
         self.fatal = true;
         self.broken = Some(WHY.to_string());
@@ -862,7 +874,7 @@ impl Writer {
             }
             Msg::Ping(tx) => {
                 if !self.fatal && self.disk_thread.as_ref().is_some_and(|h| h.is_finished()) {
-                    self.disk_gone(Vec::new());
+                    self.disk_gone(Waiting::default());
                 }
                 let failing = lock(&self.health).write_failing.clone();
                 let _ = tx.send(match self.broken.clone().or(failing) {
@@ -909,12 +921,13 @@ impl Writer {
                     }
                 };
                 let overrun = answer.as_ref().is_ok_and(Command::reply_needs_durability);
+                if overrun {
+                    // (the number of the job this batch becomes)
+                    self.overrun_job = self.jobs_sent + 1;
+                }
                 if cmd.needs_durability() || overrun {
-                    self.batch_overrun |= overrun;
                     waiting.pending.push((tx, answer));
-                } else if self.batch_overrun
-                    || self.overrun_job > self.written.load(Ordering::Acquire)
-                {
+                } else if self.overrun_job > self.written.load(Ordering::Acquire) {
                     waiting.ordered.push((tx, answer));
                 } else {
                     let _ = tx.send(answer);
@@ -931,15 +944,10 @@ impl Writer {
     fn job(&mut self, waiting: &mut Waiting) -> Result<Option<Job>, String> {
         let changes = self.ledger.take_dirty();
         if changes.is_empty() {
-            let answers = !waiting.pending.is_empty() || !waiting.ordered.is_empty();
-            return Ok(answers.then(|| Job {
-                row: None,
-                records: Vec::new(),
-                trim: None,
-                pending: std::mem::take(&mut waiting.pending),
-                ordered: std::mem::take(&mut waiting.ordered),
-                number: 0,
-            }));
+            if waiting.is_empty() {
+                return Ok(None);
+            }
+            return Ok(Some(self.numbered(None, Vec::new(), None, waiting)));
         }
         let durable = !waiting.pending.is_empty();
         let (ledger, log) = (&self.ledger, &mut self.log);
@@ -977,14 +985,29 @@ impl Writer {
             trim = log.closing_last.take();
             log.maybe_close(log.next_seq - 1, false);
         }
-        Ok(Some(Job {
-            row: Some((seq, buf)),
+        Ok(Some(self.numbered(
+            Some((seq, buf)),
             records,
             trim,
-            pending: std::mem::take(&mut waiting.pending),
-            ordered: std::mem::take(&mut waiting.ordered),
-            number: 0,
-        }))
+            waiting,
+        )))
+    }
+
+    fn numbered(
+        &mut self,
+        row: Option<(i64, Vec<u8>)>,
+        records: Encoded,
+        trim: Option<i64>,
+        waiting: &mut Waiting,
+    ) -> Job {
+        self.jobs_sent += 1;
+        Job {
+            row,
+            records,
+            trim,
+            answers: std::mem::take(waiting),
+            number: self.jobs_sent,
+        }
     }
 
     /// Rebuilds the ledger from the file once the disk thread has finished (or discarded)
@@ -1038,13 +1061,6 @@ impl Writer {
                 tracing::error!("sqlite disk thread panicked");
             }
         }
-    }
-}
-
-fn answer_unavailable(pending: impl IntoIterator<Item = Pending>, why: &str) {
-    let err = StoreError::Unavailable(why.to_string());
-    for (tx, _) in pending {
-        let _ = tx.send(Err(err.clone()));
     }
 }
 
@@ -1145,8 +1161,8 @@ impl Disk {
         let last = jobs.iter().map(|j| j.number).max().unwrap_or(0);
         if self.discarding {
             for job in jobs {
-                let why = "sqlite write failed: an earlier write failed";
-                answer_unavailable(job.pending.into_iter().chain(job.ordered), why);
+                job.answers
+                    .refuse("sqlite write failed: an earlier write failed");
             }
             return;
         }
@@ -1174,9 +1190,7 @@ impl Disk {
                 // until its reload, which forgets the overrun that failed)
                 self.written.fetch_max(last, Ordering::Release);
                 for job in jobs {
-                    for (tx, answer) in job.pending.into_iter().chain(job.ordered) {
-                        let _ = tx.send(answer);
-                    }
+                    job.answers.send();
                 }
             }
             Err(WriteError { message, fatal }) => {
@@ -1193,7 +1207,7 @@ impl Disk {
                 }
                 let why = format!("sqlite write failed: {message}");
                 for job in jobs {
-                    answer_unavailable(job.pending.into_iter().chain(job.ordered), &why);
+                    job.answers.refuse(&why);
                 }
             }
         }

@@ -1218,11 +1218,41 @@ fn open_faulty(
     path: &Path,
     clock: ManualClock,
 ) -> (SqliteStore, Arc<std::sync::atomic::AtomicI32>) {
+    let (store, fault, _) = open_gated(path, clock);
+    (store, fault)
+}
+
+/// A store whose writes fail while `fault` holds a SQLite result code, and whose disk thread
+/// waits at `gate` while a test holds it.
+fn open_gated(
+    path: &Path,
+    clock: ManualClock,
+) -> (
+    SqliteStore,
+    Arc<std::sync::atomic::AtomicI32>,
+    Arc<DiskGate>,
+) {
     let fault = Arc::new(std::sync::atomic::AtomicI32::new(0));
+    let gate = Arc::new(DiskGate::default());
     let mut opts = SqliteOptions::new(path);
     opts.write_fault = Some(fault.clone());
+    opts.disk_gate = Some(gate.clone());
     let store = SqliteStore::open(opts, policy(), Arc::new(clock)).expect("open");
-    (store, fault)
+    (store, fault, gate)
+}
+
+/// The store keeps its invariants and serves what its file holds: reopened, it has the same
+/// records.
+async fn assert_served_state_is_on_disk(store: SqliteStore, path: &Path, clock: ManualClock) {
+    check_invariants(&store).await;
+    let in_memory = snapshot(&store).await;
+    drop(store);
+    let store = open(path, Arc::new(clock));
+    assert_eq!(
+        snapshot(&store).await,
+        in_memory,
+        "served what the file holds"
+    );
 }
 
 const SQLITE_IOERR: i32 = 10;
@@ -1450,16 +1480,8 @@ async fn a_failing_disk_loses_no_acknowledged_reservation_and_keeps_no_refused_o
         .expect("inspect");
     assert!(lost.is_empty(), "acknowledged but lost: {lost:?}");
     assert!(kept.is_empty(), "refused but kept: {kept:?}");
-    check_invariants(&store).await;
-    let in_memory = snapshot(&store).await;
     let store = Arc::into_inner(store).expect("the tasks are done");
-    drop(store);
-    let store = open(&path, Arc::new(clock));
-    assert_eq!(
-        snapshot(&store).await,
-        in_memory,
-        "served what the file holds"
-    );
+    assert_served_state_is_on_disk(store, &path, clock).await;
 }
 
 /// A job queued behind a write that fails was built on that write's changes: it is not
@@ -1471,12 +1493,8 @@ async fn a_job_queued_behind_a_failed_write_is_discarded() {
     let dir = tempfile::tempdir().expect("tempdir");
     let path = db_path(&dir);
     let clock = ManualClock::new(T0);
-    let fault = Arc::new(std::sync::atomic::AtomicI32::new(0));
-    let gate = Arc::new(DiskGate::default());
-    let mut opts = SqliteOptions::new(&path);
-    opts.write_fault = Some(fault.clone());
-    opts.disk_gate = Some(gate.clone());
-    let store = Arc::new(SqliteStore::open(opts, policy(), Arc::new(clock.clone())).expect("open"));
+    let (store, fault, gate) = open_gated(&path, clock.clone());
+    let store = Arc::new(store);
     admit(&*store, "r1").await;
     let arrived = gate.arrivals();
     let stalled = gate.hold();
@@ -1525,15 +1543,8 @@ async fn a_job_queued_behind_a_failed_write_is_discarded() {
         .await
         .expect("inspect");
     assert_eq!(present, [false, false, true]);
-    check_invariants(&store).await;
-    let in_memory = snapshot(&store).await;
-    drop(Arc::into_inner(store).expect("the tasks are done"));
-    let store = open(&path, Arc::new(clock));
-    assert_eq!(
-        snapshot(&store).await,
-        in_memory,
-        "served what the file holds"
-    );
+    let store = Arc::into_inner(store).expect("the tasks are done");
+    assert_served_state_is_on_disk(store, &path, clock).await;
 }
 
 /// A retried overrun commit (the client timed out and sent it again) is answered only once
@@ -1582,13 +1593,8 @@ async fn applied(store: &SqliteStore, done: fn(&Ledger) -> bool) {
 #[allow(clippy::await_holding_lock)] // the gate is held on purpose while the test waits
 async fn answers_after_an_unwritten_overrun_wait_for_it() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let fault = Arc::new(std::sync::atomic::AtomicI32::new(0));
-    let gate = Arc::new(DiskGate::default());
-    let mut opts = SqliteOptions::new(db_path(&dir));
-    opts.write_fault = Some(fault.clone());
-    opts.disk_gate = Some(gate.clone());
-    let store =
-        Arc::new(SqliteStore::open(opts, policy(), Arc::new(ManualClock::new(T0))).expect("open"));
+    let (store, fault, gate) = open_gated(&db_path(&dir), ManualClock::new(T0));
+    let store = Arc::new(store);
     admit(&*store, "r1").await;
     reserve(&*store, model_step("r1", "big")).await;
     let stalled = gate.hold();

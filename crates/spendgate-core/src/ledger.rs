@@ -179,8 +179,6 @@ pub struct Run {
     pub ended_at: Option<UnixMs>,
     /// Concurrency slots held while active.
     pub slots: Vec<ScopeKey>,
-    /// Every step reservation of the run, in order.
-    pub steps: Vec<ReservationId>,
     pub hold: Option<ReservationId>,
     pub bounds: RunBounds,
     pub mode: ReservationMode,
@@ -620,6 +618,10 @@ pub struct Ledger {
     rates: HashMap<String, u64>,
     slots: HashMap<ScopeKey, u32>,
     runs: HashMap<RunId, Run>,
+    /// Each run's step reservations (not persisted: rebuilt on restore from the
+    /// reservations, each of which names its run). Kept out of the run's record so that the
+    /// record a step rewrites stays the same size however many steps the run took.
+    run_steps: HashMap<RunId, Vec<ReservationId>>,
     reservations: HashMap<ReservationId, Reservation>,
     idempotency: HashMap<String, IdempotencyRecord>,
     timers: BTreeSet<(UnixMs, Timer)>,
@@ -757,8 +759,17 @@ impl Ledger {
             }
         }
         let mut stats = Stats::default();
+        let mut steps: Vec<(&RunId, UnixMs, &ReservationId)> = Vec::new();
         for r in l.reservations.values() {
             stats.count(r, true);
+            if r.kind != ReservationKind::RunHold && l.runs.contains_key(&r.run_id) {
+                steps.push((&r.run_id, r.created, &r.id));
+            }
+        }
+        // In the order they were taken (as far as the clock tells; the order is not used).
+        steps.sort_unstable();
+        for (run, _, id) in steps {
+            l.run_steps.entry(run.clone()).or_default().push(id.clone());
         }
         stats.runs_active = l
             .runs
@@ -979,7 +990,8 @@ impl Ledger {
             return;
         };
         debug_assert!(run.state != RunState::Active, "only ended runs are purged");
-        for s in run.steps.iter().chain(run.hold.iter()) {
+        let steps = self.run_steps.remove(run_id).unwrap_or_default();
+        for s in steps.iter().chain(run.hold.iter()) {
             if let Some(r) = self.reservations.remove(s) {
                 self.stats.count(&r, false);
             }
@@ -1182,7 +1194,8 @@ impl Ledger {
             return;
         };
         debug_assert_eq!(run.state, RunState::Active);
-        let (steps, hold, slots) = (run.steps.clone(), run.hold.clone(), run.slots.clone());
+        let (hold, slots) = (run.hold.clone(), run.slots.clone());
+        let steps = self.run_steps.get(run_id).cloned().unwrap_or_default();
         let lease_until = run.lease_until;
         let step_end = if end == RunState::Expired {
             ReservationState::Expired
@@ -1504,7 +1517,6 @@ impl Ledger {
             state: RunState::Active,
             ended_at: None,
             slots: plan.slots,
-            steps: Vec::new(),
             hold: None,
             bounds,
             mode: policy.mode,
@@ -1761,7 +1773,10 @@ impl Ledger {
                 StepCounter::Model(false) => run.rounds += 1,
                 StepCounter::Tool => run.tool_calls += 1,
             }
-            run.steps.push(req.step_id.clone());
+            self.run_steps
+                .entry(req.run_id.clone())
+                .or_default()
+                .push(req.step_id.clone());
         }
         self.touch(Entity::Run(req.run_id.clone()));
         self.renew(&req.run_id, now, policy.lease_ttl_ms);
@@ -1926,14 +1941,19 @@ impl Ledger {
         let value = RunEnded {
             state: run.state,
             charged,
-            steps: run.steps.len() as u32,
+            steps: self.steps_of(run_id).len() as u32,
             repeated,
         };
         Ok(self.answer(value, swept || !repeated))
     }
 
+    /// A run's step reservations (its whole-run hold is not one).
+    fn steps_of(&self, run_id: &RunId) -> &[ReservationId] {
+        self.run_steps.get(run_id).map_or(&[], Vec::as_slice)
+    }
+
     fn run_charged(&self, run: &Run) -> Micros {
-        run.steps
+        self.steps_of(&run.id)
             .iter()
             .filter_map(|s| self.reservations.get(s))
             .fold(Micros::ZERO, |a, r| a.add_capped(r.charged))
@@ -2275,6 +2295,15 @@ impl Ledger {
                     e.0 += r.charged.0;
                 }
                 e.2 |= r.overrun;
+            }
+            let listed = self.steps_of(&r.run_id).contains(&r.id);
+            let should_be = r.kind != ReservationKind::RunHold && self.runs.contains_key(&r.run_id);
+            if listed != should_be {
+                return Err(format!(
+                    "reservation {} is {}listed among its run's steps",
+                    r.id.0,
+                    if listed { "" } else { "not " }
+                ));
             }
             let terminal_ok = match r.state {
                 ReservationState::Held | ReservationState::Committed => true,

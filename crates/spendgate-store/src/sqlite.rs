@@ -27,9 +27,12 @@
 //!   the open one gathers past its bound while the closing one drains), and every state is on disk twice at most
 //!   (log, then `records`) instead of once per change. A clean close compacts everything
 //!   (the log is empty after it); an open after a crash replays what the log holds.
-//! - The schema version is kept in `PRAGMA user_version` (a version 4 file, `records`
-//!   alone with its reservations under their run's prefix, is upgraded at open: the empty
-//!   log is added and each reservation's row moves to its own key). Postcard does not describe itself: a change to the layout of
+//! - The schema version is kept in `PRAGMA user_version`. Older files are upgraded at open:
+//!   version 4 (`records` alone, reservations under their run's prefix) gains the empty log
+//!   and each reservation's row moves to its own key; versions 4 and 5 listed a run's steps
+//!   in its record (rewritten at every step, growing with the run), which version 6 keeps
+//!   in memory only (see [`v5`]): the whole file is read in the old layout and written in
+//!   the new one in one transaction. Postcard does not describe itself: a change to the layout of
 //!   any record type in `spendgate-core` (other than a new enum variant at the end) must
 //!   bump [`SCHEMA_VERSION`]. A record that does not decode to exactly its bytes fails the
 //!   open (fail closed).
@@ -81,6 +84,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::oneshot;
 
+#[doc(hidden)]
+pub mod v5;
+
 /// Commands waiting for the applier at most; past it calls are refused ("store queue full").
 pub const QUEUE_MAX: usize = 4096;
 /// Commands the applier applies together at most (one job, one log row; the disk thread may
@@ -90,9 +96,11 @@ pub const BATCH_MAX: usize = 512;
 pub const LOCK_WAIT_MS_DEFAULT: u64 = 250;
 /// The layout version kept in `PRAGMA user_version`: the table, the keys, and the postcard
 /// layout of [`Record`].
-pub const SCHEMA_VERSION: i64 = 5;
+pub const SCHEMA_VERSION: i64 = 6;
 /// A file of this version (no log table) is upgraded at open.
 const SCHEMA_VERSION_BEFORE_LOG: i64 = 4;
+/// The last version whose run records listed their steps (see [`v5`]).
+const SCHEMA_VERSION_OLD_RUNS: i64 = 5;
 /// Log rows (group commits) a generation gathers at most before it is compacted.
 pub const GENERATION_ROWS_MAX: u64 = 1024;
 /// Distinct entities a generation gathers at most before it is compacted.
@@ -232,10 +240,16 @@ impl SqliteStore {
         policy: Policy,
         clock: Arc<dyn Clock>,
     ) -> Result<SqliteStore, StoreError> {
-        let conn = open_connection(&opts)?;
+        let (conn, version) = open_connection(&opts)?;
         let rows_max = opts.generation_rows_max.max(1);
-        let (ledger, log) = load(&conn, rows_max)
-            .map_err(|e| StoreError::Unavailable(format!("sqlite {}: {e}", opts.path.display())))?;
+        let failed =
+            |e: String| StoreError::Unavailable(format!("sqlite {}: {e}", opts.path.display()));
+        let (mut ledger, mut log) =
+            load_as(&conn, rows_max, version < SCHEMA_VERSION).map_err(failed)?;
+        if version < SCHEMA_VERSION {
+            upgrade(&conn, &ledger).map_err(failed)?;
+            (ledger, log) = load(&conn, rows_max).map_err(failed)?;
+        }
         let health = Arc::new(Mutex::new(DiskHealth::default()));
         let written = Arc::new(AtomicU64::new(0));
         let (disk_tx, disk_rx) = sync_channel(DISK_QUEUE_MAX);
@@ -415,8 +429,10 @@ fn refuse_foreign(path: &Path) -> Result<(), StoreError> {
     }
 }
 
-/// Opens the file, sets the pragmas, takes the exclusive lock and checks or creates the schema.
-fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
+/// Opens the file, sets the pragmas, takes the exclusive lock and checks or creates the
+/// schema. Answers the file's version: [`SCHEMA_VERSION`], or [`SCHEMA_VERSION_OLD_RUNS`]
+/// (a version 4 file is brought to 5 here; `upgrade` takes 5 to 6 once it is loaded).
+fn open_connection(opts: &SqliteOptions) -> Result<(Connection, i64), StoreError> {
     let path = opts.path.as_path();
     let err = |e| sql_err(path, e);
     refuse_foreign(path)?;
@@ -451,10 +467,10 @@ fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
             .map_err(err)?;
     }
     let tx = Transaction::new_unchecked(&conn, TransactionBehavior::Immediate).map_err(err)?;
-    let version: i64 = tx
+    let found: i64 = tx
         .pragma_query_value(None, "user_version", |r| r.get(0))
         .map_err(err)?;
-    match version {
+    let version = match found {
         0 => {
             let objects: i64 = tx
                 .query_row(OTHER_TABLES_SQL, [], |r| r.get(0))
@@ -464,26 +480,59 @@ fn open_connection(opts: &SqliteOptions) -> Result<Connection, StoreError> {
             }
             tx.execute_batch(&format!("{RECORDS_TABLE_SQL}{LOG_TABLE_SQL}"))
                 .map_err(err)?;
+            SCHEMA_VERSION
         }
         SCHEMA_VERSION_BEFORE_LOG => {
             tx.execute_batch(LOG_TABLE_SQL).map_err(err)?;
             tx.execute(MOVE_RESERVATIONS_SQL, []).map_err(err)?;
+            SCHEMA_VERSION_OLD_RUNS
         }
-        SCHEMA_VERSION => {}
+        SCHEMA_VERSION_OLD_RUNS | SCHEMA_VERSION => found,
         other => {
             return Err(StoreError::Unavailable(format!(
                 "sqlite {}: schema version {other} is not supported (this build reads \
-                 versions {SCHEMA_VERSION_BEFORE_LOG} and {SCHEMA_VERSION})",
+                 versions {SCHEMA_VERSION_BEFORE_LOG} to {SCHEMA_VERSION})",
                 path.display()
             )))
         }
-    }
+    };
     // Always a write: it takes the exclusive lock now, so a second process fails at open
     // rather than at its first command.
-    tx.pragma_update(None, "user_version", SCHEMA_VERSION)
+    tx.pragma_update(None, "user_version", version)
         .map_err(err)?;
     tx.commit().map_err(err)?;
-    Ok(conn)
+    Ok((conn, version))
+}
+
+/// Brings a version 5 file to [`SCHEMA_VERSION`]: every record of `ledger` (loaded from it
+/// with the old layout) is written in the new one, the log emptied and the version set, in
+/// one fsynced transaction (a crash before its end leaves the version 5 file as it was).
+fn upgrade(conn: &Connection, ledger: &Ledger) -> Result<(), String> {
+    let run = || -> Result<(), WriteError> {
+        let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
+        tx.execute_batch("DELETE FROM records; DELETE FROM log;")?;
+        let encoded = ledger
+            .records()
+            .iter()
+            .map(|r| {
+                let bytes = postcard::to_allocvec(r).map_err(|e| WriteError {
+                    message: e.to_string(),
+                    fatal: false,
+                })?;
+                Ok((table_key(&r.entity()), Some(bytes)))
+            })
+            .collect::<Result<Encoded, WriteError>>()?;
+        write_encoded(&tx, &encoded)?;
+        tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
+        tx.commit()?;
+        Ok(())
+    };
+    run().map_err(|e| {
+        format!(
+            "upgrading to schema version {SCHEMA_VERSION}: {}",
+            e.message
+        )
+    })
 }
 
 /// The key prefix of a run's rows: its id, length first, so that no id can reach into
@@ -578,6 +627,11 @@ fn each_row(
 /// tracking) and the log's state: everything the log holds is one closed generation, to be
 /// compacted by the next batches.
 fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, LogState), String> {
+    load_as(conn, rows_max, false)
+}
+
+/// [`load`], reading the layout of versions 4 and 5 when `old_runs` (see [`v5`]).
+fn load_as(conn: &Connection, rows_max: u64, old_runs: bool) -> Result<(Ledger, LogState), String> {
     let mut records: HashMap<String, Record> = HashMap::new();
     let check = |key: &str, record: &Record| -> Result<(), String> {
         if table_key(&record.entity()) != key {
@@ -589,8 +643,12 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, LogState), String> 
         let key: String = row.get(0).map_err(|e| e.to_string())?;
         let value = row.get_ref(1).map_err(|e| e.to_string())?;
         let bytes = value.as_blob().map_err(|e| format!("record {key}: {e}"))?;
-        let (record, rest): (Record, &[u8]) =
-            postcard::take_from_bytes(bytes).map_err(|e| format!("record {key}: {e}"))?;
+        let (record, rest) = if old_runs {
+            v5::take_record(bytes)
+        } else {
+            postcard::take_from_bytes(bytes)
+        }
+        .map_err(|e| format!("record {key}: {e}"))?;
         if !rest.is_empty() {
             return Err(format!(
                 "record {key} has {} bytes past its end (written by another layout?)",
@@ -619,8 +677,12 @@ fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, LogState), String> 
             _ => return Err(format!("log row {seq}: no entries")),
         };
         for _ in 0..count {
-            let ((key, record), rest): ((String, Option<Record>), &[u8]) =
-                postcard::take_from_bytes(bytes).map_err(|e| format!("log row {seq}: {e}"))?;
+            let ((key, record), rest): ((String, Option<Record>), &[u8]) = if old_runs {
+                v5::take_entry(bytes)
+            } else {
+                postcard::take_from_bytes(bytes)
+            }
+            .map_err(|e| format!("log row {seq}: {e}"))?;
             bytes = rest;
             if key.is_empty() || (record.is_none() && key == meta_key) {
                 return Err(format!("log row {seq}: a malformed entry ({key:?})"));
@@ -1390,7 +1452,28 @@ mod tests {
             let (back, rest): (Record, &[u8]) = postcard::take_from_bytes(&b).expect("decodes");
             assert!(rest.is_empty());
             assert_eq!(back, owned);
+            // Versions 4 and 5 (see `v5`): a run's record carried its steps; every other
+            // record, and a log entry of one, reads the same.
+            let old = match &owned {
+                Record::Run(run) => {
+                    assert_eq!(b.first(), Some(&v5::RUN_VARIANT), "Record::Run's index");
+                    v5::encode_run(run, vec![ReservationId("step-1".into())]).expect("v5 run")
+                }
+                _ => b.clone(),
+            };
+            let (back, rest) = v5::take_record(&old).expect("v5 decodes");
+            assert!(rest.is_empty());
+            assert_eq!(back, owned);
+            let mut entry = postcard::to_allocvec(&("key", true)).expect("entry head");
+            entry.extend(&old);
+            let ((key, back), rest) = v5::take_entry(&entry).expect("v5 entry decodes");
+            assert!(rest.is_empty());
+            assert_eq!((key.as_str(), back), ("key", Some(owned)));
         }
+        let deleted = postcard::to_allocvec(&("key", Option::<Record>::None)).expect("entry");
+        let (entry, rest) = v5::take_entry(&deleted).expect("v5 deletion decodes");
+        assert!(rest.is_empty());
+        assert_eq!(entry, ("key".to_string(), None));
         let names: std::collections::BTreeSet<&str> = dirty
             .iter()
             .map(|e| match e {

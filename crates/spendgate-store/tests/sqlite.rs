@@ -17,6 +17,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 const T0: UnixMs = UnixMs(1_800_000_000_000);
+const SCHEMA_VERSION_NOW: i64 = spendgate_store::sqlite::SCHEMA_VERSION;
 const LEASE_TTL_MS: u64 = 1000;
 const BUDGET: Micros = Micros(1_000_000);
 const TOOL_COST: Micros = Micros(10_000);
@@ -455,6 +456,107 @@ async fn table_rows_open(store: &SqliteStore) -> usize {
     store.inspect(|l| l.records().len()).await.expect("inspect")
 }
 
+/// Rewrites a cleanly closed store's file as version 5 wrote it: each run's record lists the
+/// run's steps (`spendgate_store::sqlite::v5`). With `log_one_run`, one run's record moves
+/// from `records` into a log row, as a crash leaves it.
+fn write_as_version_5(path: &Path, log_one_run: bool) {
+    let c = rusqlite::Connection::open(path).expect("open");
+    assert_eq!(table_rows(path, "log"), 0, "closed cleanly");
+    let records: Vec<(String, Record)> = c
+        .prepare("SELECT key, value FROM records")
+        .expect("prepare")
+        .query_map([], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
+        })
+        .expect("query")
+        .map(|row| {
+            let (key, value) = row.expect("row");
+            (key, postcard::from_bytes(&value).expect("record"))
+        })
+        .collect();
+    let mut steps: std::collections::HashMap<RunId, Vec<ReservationId>> = Default::default();
+    for (_, record) in &records {
+        if let Record::Reservation(r) = record {
+            if r.kind != ReservationKind::RunHold {
+                steps
+                    .entry(r.run_id.clone())
+                    .or_default()
+                    .push(r.id.clone());
+            }
+        }
+    }
+    let mut logged = !log_one_run;
+    let mut runs = 0;
+    for (key, record) in &records {
+        let Record::Run(run) = record else { continue };
+        let run_steps = steps.remove(&run.id).unwrap_or_default();
+        runs += usize::from(!run_steps.is_empty());
+        let old = spendgate_store::sqlite::v5::encode_run(run, run_steps).expect("v5 run");
+        if logged {
+            c.execute("UPDATE records SET value = ?1 WHERE key = ?2", (&old, key))
+                .expect("old run");
+        } else {
+            // One entry: the count, the key, `Some` (written as the byte 1), the record.
+            let mut row = 1u32.to_le_bytes().to_vec();
+            row.extend(postcard::to_allocvec(&(key.as_str(), true)).expect("entry head"));
+            row.extend(&old);
+            c.execute("DELETE FROM records WHERE key = ?1", [key])
+                .expect("moved");
+            c.execute("INSERT INTO log(seq, changes) VALUES (1, ?1)", [&row])
+                .expect("logged");
+            logged = true;
+        }
+    }
+    assert!(runs >= 2 && logged, "runs with steps were rewritten");
+    c.execute_batch("PRAGMA user_version = 5;")
+        .expect("version 5");
+}
+
+fn schema_version(path: &Path) -> i64 {
+    let c = rusqlite::Connection::open(path).expect("open");
+    c.query_row("PRAGMA user_version", [], |r| r.get(0))
+        .expect("version")
+}
+
+/// A file of version 5, whose run records listed their steps, opens (its log replayed in the
+/// old layout too), is rewritten in the current layout and serves the same state: the
+/// steps of each run, rebuilt from the reservations, are settled by its finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_whose_runs_list_their_steps_is_upgraded() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let store = open(&path, Arc::new(clock.clone()));
+    churn(&store, &clock, 0..6).await;
+    let served = snapshot(&store).await;
+    drop(store);
+    write_as_version_5(&path, true);
+    assert_eq!(table_rows(&path, "log"), 1);
+
+    let store = open(&path, Arc::new(clock.clone()));
+    assert_eq!(snapshot(&store).await, served);
+    check_invariants(&store).await;
+    // run-4 is active with its tool step held and its model step committed (see churn).
+    let s: &dyn Store = &store;
+    let ended = s.finish(RunId("run-4".into())).await.expect("finish");
+    assert_eq!(ended.value.steps, 2, "{:?}", ended.value);
+    let held = store
+        .inspect(|l| {
+            l.reservation(&ReservationId("run-4.t".into()))
+                .map(|r| r.state)
+        })
+        .await
+        .expect("inspect");
+    assert_eq!(
+        held,
+        Some(ReservationState::Unknown),
+        "the held step was settled"
+    );
+    check_invariants(&store).await;
+    assert_served_state_is_on_disk(store, &path, clock).await;
+    assert_eq!(schema_version(&path), SCHEMA_VERSION_NOW);
+}
+
 /// A file of the layout before the log (schema version 4: `records` alone) opens, gains the
 /// log and serves the same state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -478,6 +580,9 @@ async fn a_file_without_the_log_is_upgraded() {
             .collect::<Result<_, _>>()
             .expect("rows");
         assert!(keys.len() >= 5, "{keys:?}");
+        drop(c);
+        write_as_version_5(&path, false);
+        let c = rusqlite::Connection::open(&path).expect("open");
         for key in keys {
             let id = &key[2..];
             let (run, _) = id.rsplit_once('.').expect("RUN.x");
@@ -490,13 +595,10 @@ async fn a_file_without_the_log_is_upgraded() {
     }
     let store = open(&path, Arc::new(clock.clone()));
     assert_eq!(snapshot(&store).await, served);
+    check_invariants(&store).await;
     churn(&store, &clock, 5..6).await;
     drop(store);
-    let c = rusqlite::Connection::open(&path).expect("open");
-    let version: i64 = c
-        .query_row("PRAGMA user_version", [], |r| r.get(0))
-        .expect("version");
-    assert_eq!(version, 5);
+    assert_eq!(schema_version(&path), SCHEMA_VERSION_NOW);
     assert_eq!(table_rows(&path, "log"), 0);
 }
 

@@ -10,7 +10,14 @@ use crate::money::{Micros, ModelPrice, TokenUsage, ToolPrice, MICROS_MAX};
 use crate::scope::{IpScope, Policy, ReservationMode, RunBounds, ScopeKey, ScopeKind, ScopePolicy};
 use crate::window::{UnixMs, Window, WindowId};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::BTreeSet;
+use std::collections::HashMap as StdHashMap;
+
+/// The ledger's maps hash with foldhash, seeded at random per process (several times
+/// faster than SipHash on these short keys, and not predictable from outside: the keys
+/// hold client-chosen ids).
+type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 /// How long an adjustment's key (`Command::Adjust { once }`) is remembered.
 pub const ADJUSTMENT_KEY_TTL_MS: u64 = 86_400_000;
@@ -451,7 +458,7 @@ pub struct Summary {
     pub seq: u64,
     pub cutoff: Option<String>,
     pub runs_active: u64,
-    pub reservations: HashMap<String, u64>,
+    pub reservations: StdHashMap<String, u64>,
     pub held_micros: Micros,
     pub charged_micros: Micros,
     pub overruns: u64,
@@ -526,20 +533,44 @@ pub enum RecordRef<'a> {
 impl Entity {
     /// A stable text key for the entity, unique across kinds.
     pub fn storage_key(&self) -> String {
+        let mut key = String::new();
+        self.write_storage_key(&mut key);
+        key
+    }
+
+    /// Appends [`Entity::storage_key`] to `out` (no allocation of its own).
+    pub fn write_storage_key(&self, out: &mut String) {
+        use std::fmt::Write;
         match self {
-            Entity::Meta => "m".to_string(),
+            Entity::Meta => out.push('m'),
             Entity::Counter(k) => {
-                format!(
-                    "c|{}|{}|{}",
-                    k.scope,
-                    k.window.window.name(),
-                    k.window.index
-                )
+                out.push_str("c|");
+                out.push_str(k.scope.kind.name());
+                if k.scope.kind != ScopeKind::Global {
+                    out.push(':');
+                    out.push_str(&k.scope.id);
+                }
+                out.push('|');
+                out.push_str(k.window.window.name());
+                // Writing into a String cannot fail.
+                let _ = write!(out, "|{}", k.window.index);
             }
-            Entity::Rate(k) => format!("g|{k}"),
-            Entity::Run(id) => format!("r|{}", id.0),
-            Entity::Reservation(id) => format!("s|{}", id.0),
-            Entity::Idempotency(k) => format!("i|{k}"),
+            Entity::Rate(k) => {
+                out.push_str("g|");
+                out.push_str(k);
+            }
+            Entity::Run(id) => {
+                out.push_str("r|");
+                out.push_str(&id.0);
+            }
+            Entity::Reservation(id) => {
+                out.push_str("s|");
+                out.push_str(&id.0);
+            }
+            Entity::Idempotency(k) => {
+                out.push_str("i|");
+                out.push_str(k);
+            }
         }
     }
 }
@@ -2195,7 +2226,7 @@ impl Ledger {
     pub fn summary(&self, now: UnixMs) -> Summary {
         let _ = now;
         let st = &self.stats;
-        let mut reservations = HashMap::new();
+        let mut reservations = StdHashMap::new();
         for state in STATES {
             let n = st.by_state[state_index(state)];
             if n > 0 {
@@ -2285,7 +2316,7 @@ impl Ledger {
     pub fn check_invariants(&self) -> Result<(), String> {
         // Per counter: charged, held, and whether an overrun was charged to it (an overrun
         // may take used + reserved past the limit while used is still within it).
-        let mut sums: HashMap<&CounterKey, (u64, u64, bool)> = HashMap::new();
+        let mut sums: HashMap<&CounterKey, (u64, u64, bool)> = HashMap::default();
         for r in self.reservations.values() {
             for k in &r.counters {
                 let e = sums.entry(k).or_default();
@@ -2432,6 +2463,40 @@ mod tests {
     use super::*;
     use crate::rate::Rate;
     use crate::scope::Budget;
+
+    /// Storage keys are stable (a store finds its rows by them): one of each kind, spelled out.
+    #[test]
+    fn storage_keys_are_spelled_as_stored() {
+        let day = Window::Day.at(UnixMs(86_400_000 * 3));
+        let counter = |kind, id: &str| {
+            Entity::Counter(CounterKey {
+                scope: ScopeKey::new(kind, id),
+                window: day,
+            })
+        };
+        let cases = [
+            (Entity::Meta, "m"),
+            (counter(ScopeKind::Global, ""), "c|global|day|3"),
+            (counter(ScopeKind::Session, "s1"), "c|session:s1|day|3"),
+            (
+                counter(ScopeKind::Ip, "10.0.0.0/24"),
+                "c|ip:10.0.0.0/24|day|3",
+            ),
+            (Entity::Rate("rate|x".into()), "g|rate|x"),
+            (Entity::Run(RunId("run-1".into())), "r|run-1"),
+            (
+                Entity::Reservation(ReservationId("stp-1".into())),
+                "s|stp-1",
+            ),
+            (Entity::Idempotency("k".into()), "i|k"),
+        ];
+        for (entity, key) in cases {
+            assert_eq!(entity.storage_key(), key);
+            let mut out = String::from("prefix/");
+            entity.write_storage_key(&mut out);
+            assert_eq!(out, format!("prefix/{key}"));
+        }
+    }
 
     #[test]
     fn first_in_order_selects_and_sorts() {

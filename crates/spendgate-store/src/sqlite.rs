@@ -75,7 +75,10 @@ use crate::{Clock, Store, StoreError};
 use async_trait::async_trait;
 use rusqlite::{Connection, ErrorCode, OpenFlags, Transaction, TransactionBehavior};
 use spendgate_core::{Command, Entity, Ledger, Policy, Record, Reply, ScopeKind};
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+
+/// Hashes with foldhash, seeded at random per process (see `spendgate_core`'s ledger).
+type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
@@ -536,24 +539,34 @@ fn upgrade(conn: &Connection, ledger: &Ledger) -> Result<(), String> {
     })
 }
 
-/// The key prefix of a run's rows: its id, length first, so that no id can reach into
-/// another run's rows whatever characters it holds.
-fn run_prefix(run: &str) -> String {
-    format!("r|{:03}{run}", run.len())
-}
-
 /// The table key of an entity: [`Entity::storage_key`], except for a run and its run
 /// counter, which share the run's prefix.
 fn table_key(entity: &Entity) -> String {
+    let mut key = String::new();
+    write_table_key(entity, &mut key);
+    key
+}
+
+/// Appends [`table_key`] to `out`. A run's rows begin with its id, length first, so that no
+/// id can reach into another run's rows whatever characters it holds.
+fn write_table_key(entity: &Entity, out: &mut String) {
+    use std::fmt::Write;
+    // Writing into a String cannot fail.
     match entity {
-        Entity::Run(id) => run_prefix(&id.0),
-        Entity::Counter(k) if k.scope.kind == ScopeKind::Run => format!(
-            "{}|c|{}|{}",
-            run_prefix(&k.scope.id),
-            k.window.window.name(),
-            k.window.index
-        ),
-        other => other.storage_key(),
+        Entity::Run(id) => {
+            let _ = write!(out, "r|{:03}{}", id.0.len(), id.0);
+        }
+        Entity::Counter(k) if k.scope.kind == ScopeKind::Run => {
+            let _ = write!(
+                out,
+                "r|{:03}{}|c|{}|{}",
+                k.scope.id.len(),
+                k.scope.id,
+                k.window.window.name(),
+                k.window.index
+            );
+        }
+        other => other.write_storage_key(out),
     }
 }
 
@@ -670,7 +683,7 @@ fn load_as(conn: &Connection, rows_max: u64, old_runs: bool) -> Result<(Ledger, 
         rows_max,
         ..LogState::default()
     };
-    let mut touched: HashSet<Entity> = HashSet::new();
+    let mut touched: HashSet<Entity> = HashSet::default();
     let meta_key = Entity::Meta.storage_key();
     each_row(conn, "SELECT seq, changes FROM log ORDER BY seq", |row| {
         let seq: i64 = row.get(0).map_err(|e| e.to_string())?;
@@ -1023,10 +1036,12 @@ impl Writer {
         let mut buf = Vec::with_capacity(self.row_hint);
         buf.extend_from_slice(&[0; 4]);
         let entries = u32::try_from(changes.len()).map_err(|e| e.to_string())?;
+        let mut key = String::new();
         for entity in changes {
             let record = ledger.record_ref(&entity);
-            buf = postcard::to_extend(&(table_key(&entity).as_str(), record), buf)
-                .map_err(|e| e.to_string())?;
+            key.clear();
+            write_table_key(&entity, &mut key);
+            buf = postcard::to_extend(&(key.as_str(), record), buf).map_err(|e| e.to_string())?;
             log.open.insert(entity);
         }
         buf[..4].copy_from_slice(&entries.to_le_bytes());

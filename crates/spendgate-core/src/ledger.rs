@@ -488,7 +488,7 @@ enum Timer {
 }
 
 /// A record that changed and must be written by a durable store.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Entity {
     Meta,
     Counter(CounterKey),

@@ -13,9 +13,12 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeSet;
 use std::collections::HashMap as StdHashMap;
 
-/// The ledger's maps hash with foldhash, seeded at random per process (several times
-/// faster than SipHash on these short keys, and not predictable from outside: the keys
-/// hold client-chosen ids).
+/// The ledger's maps hash with foldhash: several times faster than SipHash on these short
+/// keys. Some keys hold client-chosen text (a conversation id from the operator's backend,
+/// an address prefix), so flooding one bucket would slow the applier (never admit more:
+/// every call past `store.timeout_ms` is refused). foldhash is "minimally DoS-resistant":
+/// its seed is random per process and per map, and colliding keys cannot be computed
+/// without it; no answer shows a hash value or a map's iteration order.
 type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
@@ -2314,6 +2317,43 @@ impl Ledger {
     /// Checks I1 and I2 over the whole ledger; returns the first violation found. Used by
     /// tests and debug assertions; O(size of the ledger).
     pub fn check_invariants(&self) -> Result<(), String> {
+        // Each run's list of steps holds exactly its step reservations, each once.
+        let mut listed = 0usize;
+        for (run_id, steps) in &self.run_steps {
+            if !self.runs.contains_key(run_id) {
+                return Err(format!(
+                    "steps are listed for run {}, which does not exist",
+                    run_id.0
+                ));
+            }
+            let mut seen: HashSet<&ReservationId> = HashSet::default();
+            for s in steps {
+                let is_step = self
+                    .reservations
+                    .get(s)
+                    .is_some_and(|r| r.run_id == *run_id && r.kind != ReservationKind::RunHold);
+                if !is_step {
+                    return Err(format!(
+                        "run {} lists {}, not one of its steps",
+                        run_id.0, s.0
+                    ));
+                }
+                if !seen.insert(s) {
+                    return Err(format!("run {} lists {} twice", run_id.0, s.0));
+                }
+            }
+            listed += steps.len();
+        }
+        let steps = self
+            .reservations
+            .values()
+            .filter(|r| r.kind != ReservationKind::RunHold && self.runs.contains_key(&r.run_id))
+            .count();
+        if listed != steps {
+            return Err(format!(
+                "{listed} steps are listed among runs, {steps} exist"
+            ));
+        }
         // Per counter: charged, held, and whether an overrun was charged to it (an overrun
         // may take used + reserved past the limit while used is still within it).
         let mut sums: HashMap<&CounterKey, (u64, u64, bool)> = HashMap::default();
@@ -2326,15 +2366,6 @@ impl Ledger {
                     e.0 += r.charged.0;
                 }
                 e.2 |= r.overrun;
-            }
-            let listed = self.steps_of(&r.run_id).contains(&r.id);
-            let should_be = r.kind != ReservationKind::RunHold && self.runs.contains_key(&r.run_id);
-            if listed != should_be {
-                return Err(format!(
-                    "reservation {} is {}listed among its run's steps",
-                    r.id.0,
-                    if listed { "" } else { "not " }
-                ));
             }
             let terminal_ok = match r.state {
                 ReservationState::Held | ReservationState::Committed => true,
@@ -2548,6 +2579,57 @@ mod tests {
         l.admit_run(p, now, &req(run, run), None)
             .expect("valid request")
             .value
+    }
+
+    /// A run's steps are not in its record: a ledger restored from its records lists them
+    /// again from the reservations, so a finish after a restart settles every held step.
+    #[test]
+    fn a_restored_ledger_lists_each_runs_steps() {
+        let p = policy();
+        let mut l = Ledger::new();
+        let now = UnixMs(1_000);
+        let tool = |run: &str, step: &str| StepRequest {
+            run_id: RunId(run.into()),
+            step_id: ReservationId(step.into()),
+            kind: StepKind::Tool {
+                tool: "t".into(),
+                price: ToolPrice {
+                    per_call: Micros(10),
+                    per_unit: Micros(0),
+                },
+                units: 1,
+            },
+        };
+        for (run, steps) in [("a", 3), ("b", 1), ("c", 0)] {
+            admit(&mut l, &p, now, run).expect("admitted");
+            for i in 0..steps {
+                let r = l.reserve_step(&p, now, &tool(run, &format!("{run}.{i}")), None);
+                r.expect("valid").value.expect("reserved");
+            }
+        }
+        l.check_invariants().expect("invariants");
+        let mut restored = Ledger::restore(l.records(), false);
+        restored
+            .check_invariants()
+            .expect("invariants after restore");
+        for (run, steps) in [("a", 3), ("b", 1), ("c", 0)] {
+            let ended = restored
+                .finish(&p, now, &RunId(run.into()))
+                .expect("finish");
+            assert_eq!(ended.value.steps, steps, "run {run}");
+            assert_eq!(
+                ended.value.charged,
+                Micros(10 * u64::from(steps)),
+                "run {run}"
+            );
+        }
+        assert!(restored
+            .reservations(None, 100)
+            .iter()
+            .all(|r| r.state == ReservationState::Unknown));
+        restored
+            .check_invariants()
+            .expect("invariants after finish");
     }
 
     /// A backlog of expiries larger than one sweep's bound is worked off over several sweeps.

@@ -16,7 +16,7 @@
 //!   (deduplicated: a global counter changed by every step is one entry); when the
 //!   generation is full ([`GENERATION_ROWS_MAX`] rows, [`GENERATION_ENTITIES_MAX`] entities
 //!   or [`GENERATION_LOG_BYTES_MAX`] bytes) it closes, and each later batch writes the
-//!   current record of some of its entities into `records`, in key order so that one
+//!   current record of some of its entities into `records`, sorted so that one
 //!   batch's rows share a few pages (at least
 //!   [`COMPACT_PER_BATCH_MIN`], paced to finish in about as many batches as the generation
 //!   took to fill), in the same transaction as that batch's log row. Most of that work goes
@@ -617,9 +617,11 @@ impl LogState {
         if !(self.open_full() || force) {
             return;
         }
-        // Sorted (kind, then id: for the kinds a step changes, the order of their table
-        // keys), so that a slice taken from its end writes neighbouring rows (a few pages)
-        // instead of rows spread over the table (see `GENERATION_ENTITIES_MAX` for the pause).
+        // Sorted by entity (kind, then id; no key strings built): close to the table's key
+        // order (within a kind, ids that sort together are stored together; a run counter's
+        // row sits with its run's, and run keys start with the id's length), so a slice taken
+        // from its end writes mostly neighbouring rows (a few pages) instead of rows spread
+        // over the table. See `GENERATION_ENTITIES_MAX` for the pause.
         self.closing = self.open.drain().collect();
         self.closing.sort_unstable();
         let rows = usize::try_from(self.open_rows).unwrap_or(usize::MAX).max(1);
@@ -1404,8 +1406,9 @@ mod tests {
         StepRequest, ToolPrice, UnixMs, Window,
     };
 
-    /// A closed generation is compacted in order: each slice taken from the end of `closing`
-    /// holds neighbouring keys (rows on a few pages).
+    /// A closed generation is compacted in entity order: for runs (ids of one length) and
+    /// reservations, the order of their table keys, so a slice taken from the end of
+    /// `closing` holds neighbouring rows.
     #[test]
     fn a_closed_generation_is_compacted_in_key_order() {
         let mut log = LogState {
@@ -1433,6 +1436,19 @@ mod tests {
         assert_eq!(taken.len(), 11);
         sorted.reverse();
         assert_eq!(taken, sorted, "taken from the end in descending key order");
+    }
+
+    /// This test's run record as version 5 wrote it (postcard bytes from a build of d024bc1):
+    /// a reference for `v5`'s layout made without it.
+    const V5_RUN: &str = "030572756e2d3101730163010b31302e302e302e302f32340180a0f1c2b134c0c9f8c2b1\
+        34b08af3c2b1340001000000040000010b31302e302e302e302f32340201730301630106737465702d3100\
+        808001807d800880800408100278c09a0c004000";
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
+            .collect()
     }
 
     /// What the writer encodes from a borrowed record decodes as the owned record, for every
@@ -1511,7 +1527,10 @@ mod tests {
             let old = match &owned {
                 Record::Run(run) => {
                     assert_eq!(b.first(), Some(&v5::RUN_VARIANT), "Record::Run's index");
-                    v5::encode_run(run, vec![ReservationId("step-1".into())]).expect("v5 run")
+                    let old =
+                        v5::encode_run(run, vec![ReservationId("step-1".into())]).expect("v5 run");
+                    assert_eq!(old, unhex(V5_RUN), "as version 5 wrote this run");
+                    old
                 }
                 _ => b.clone(),
             };

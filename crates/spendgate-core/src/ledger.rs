@@ -547,16 +547,14 @@ impl Entity {
         match self {
             Entity::Meta => out.push('m'),
             Entity::Counter(k) => {
-                out.push_str("c|");
-                out.push_str(k.scope.kind.name());
-                if k.scope.kind != ScopeKind::Global {
-                    out.push(':');
-                    out.push_str(&k.scope.id);
-                }
-                out.push('|');
-                out.push_str(k.window.window.name());
                 // Writing into a String cannot fail.
-                let _ = write!(out, "|{}", k.window.index);
+                let _ = write!(
+                    out,
+                    "c|{}|{}|{}",
+                    k.scope,
+                    k.window.window.name(),
+                    k.window.index
+                );
             }
             Entity::Rate(k) => {
                 out.push_str("g|");

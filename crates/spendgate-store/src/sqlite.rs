@@ -251,11 +251,12 @@ impl SqliteStore {
         let rows_max = opts.generation_rows_max.max(1);
         let failed =
             |e: String| StoreError::Unavailable(format!("sqlite {}: {e}", opts.path.display()));
-        let (mut ledger, mut log) =
+        let (ledger, mut log) =
             load_as(&conn, rows_max, version < SCHEMA_VERSION).map_err(failed)?;
         if version < SCHEMA_VERSION {
             upgrade(&conn, &ledger).map_err(failed)?;
-            (ledger, log) = load(&conn, rows_max).map_err(failed)?;
+            // The file now holds the ledger in `records` and an empty log.
+            log = LogState::new(rows_max);
         }
         let health = Arc::new(Mutex::new(DiskHealth::default()));
         let written = Arc::new(AtomicU64::new(0));
@@ -515,26 +516,17 @@ fn open_connection(opts: &SqliteOptions) -> Result<(Connection, i64), StoreError
 /// with the old layout) is written in the new one, the log emptied and the version set, in
 /// one fsynced transaction (a crash before its end leaves the version 5 file as it was).
 fn upgrade(conn: &Connection, ledger: &Ledger) -> Result<(), String> {
-    let run = || -> Result<(), WriteError> {
+    let entities: Vec<Entity> = ledger.records().iter().map(Record::entity).collect();
+    let encoded = encode_records(ledger, &entities)?;
+    let write = || -> Result<(), WriteError> {
         let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
         tx.execute_batch("DELETE FROM records; DELETE FROM log;")?;
-        let encoded = ledger
-            .records()
-            .iter()
-            .map(|r| {
-                let bytes = postcard::to_allocvec(r).map_err(|e| WriteError {
-                    message: e.to_string(),
-                    fatal: false,
-                })?;
-                Ok((table_key(&r.entity()), Some(bytes)))
-            })
-            .collect::<Result<Encoded, WriteError>>()?;
         write_encoded(&tx, &encoded)?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         tx.commit()?;
         Ok(())
     };
-    run().map_err(|e| {
+    write().map_err(|e| {
         format!(
             "upgrading to schema version {SCHEMA_VERSION}: {}",
             e.message
@@ -601,6 +593,15 @@ struct LogState {
 }
 
 impl LogState {
+    /// The state of an empty log.
+    fn new(rows_max: u64) -> LogState {
+        LogState {
+            next_seq: 1,
+            rows_max,
+            ..LogState::default()
+        }
+    }
+
     /// Whether the open generation reached one of its bounds.
     fn open_full(&self) -> bool {
         self.open_rows >= self.rows_max
@@ -682,11 +683,7 @@ fn load_as(conn: &Connection, rows_max: u64, old_runs: bool) -> Result<(Ledger, 
         records.insert(key, record);
         Ok(())
     })?;
-    let mut log = LogState {
-        next_seq: 1,
-        rows_max,
-        ..LogState::default()
-    };
+    let mut log = LogState::new(rows_max);
     let mut touched: HashSet<Entity> = HashSet::default();
     let meta_key = Entity::Meta.storage_key();
     each_row(conn, "SELECT seq, changes FROM log ORDER BY seq", |row| {

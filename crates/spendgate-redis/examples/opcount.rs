@@ -5,13 +5,15 @@
 //! phase = instructions per call; the idle server adds a few thousand per second).
 //!
 //! `OPCOUNT_URL=redis://127.0.0.1:PORT cargo run --release -p spendgate-redis --example opcount
-//!  -- [RUNS] [POLICY] [PREFIX]`
+//!  -- [RUNS] [POLICY] [PREFIX] [STEPS]`
 //!
-//! Phases: admit_run (RUNS runs), reserve_step (4 tool steps per run), resolve (their
-//! commits), reserve_model and resolve_model (one model step per run), heartbeat, finish, then
+//! Phases: admit_run (RUNS runs), reserve_step (STEPS tool steps per run, default 4), resolve
+//! (their commits), reserve_model and resolve_model (one model step per run), heartbeat, finish, then
 //! the proxy's batches: admit_run + reserve_step, and resolve + finish. POLICY as in opbench
 //! (`bench`: one global day budget; `full`: budgets on every scope). Sequential, one client.
-//! Run it against a fresh server (or another PREFIX) each time.
+//! Run ids and step ids have the length of the server's (`api::new_id`: 48 bytes), so that
+//! records weigh what they weigh in service. Run it against a fresh server (or another PREFIX)
+//! each time. `scripts/opcount.sh` runs it under callgrind and prints the table.
 
 mod common;
 
@@ -22,6 +24,19 @@ use std::time::Duration;
 
 const TOOL_STEPS: usize = 4;
 
+/// An id of the server's length (`api::new_id`: a 4-byte prefix and 44 hex digits), unique
+/// per (`family`, `n`).
+fn id(prefix: &str, family: u64, n: usize) -> String {
+    format!("{prefix}_{family:012x}{n:032x}")
+}
+
+/// Step `k` of a run: the run id's last 40 digits (its first 4 are zeros) with the step's own
+/// prefix and `k` after them.
+fn step_id(run: &RunId, k: &str) -> ReservationId {
+    let base = run.0.get(8..).unwrap_or(&run.0);
+    ReservationId(format!("stp_{base}{k:->4}"))
+}
+
 /// The shared policy, with room for model rounds and leases long enough for a slow
 /// (instrumented) server.
 fn policy(kind: &str) -> Policy {
@@ -31,9 +46,9 @@ fn policy(kind: &str) -> Policy {
     p
 }
 
-fn run_request(tag: &str, n: usize) -> RunRequest {
+fn run_request(family: u64, n: usize) -> RunRequest {
     RunRequest {
-        run_id: RunId(format!("{tag}-run-{n}")),
+        run_id: RunId(id("run", family, n)),
         session: format!("session-{}", n % 8),
         ips: vec![IpScope {
             prefix: format!("10.0.{}.1/32", n % 8),
@@ -44,10 +59,10 @@ fn run_request(tag: &str, n: usize) -> RunRequest {
     }
 }
 
-fn model_step(run: &RunId, step: String) -> StepRequest {
+fn model_step(run: &RunId, step: ReservationId) -> StepRequest {
     StepRequest {
         run_id: run.clone(),
-        step_id: ReservationId(step),
+        step_id: step,
         kind: StepKind::Model {
             model: "bench-model".into(),
             price: ModelPrice {
@@ -118,6 +133,10 @@ async fn main() -> Result<(), String> {
     let runs: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(200);
     let kind = args.get(2).cloned().unwrap_or_else(|| "bench".into());
     let tag = args.get(3).cloned().unwrap_or_else(|| "opcount".into());
+    let steps: usize = args
+        .get(4)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(TOOL_STEPS);
     let url = std::env::var("OPCOUNT_URL").map_err(|_| "set OPCOUNT_URL")?;
     // OPCOUNT_PID: the valgrind'ed server's pid (callgrind_control target); unset = no dumps.
     let ph = Phase {
@@ -137,7 +156,7 @@ async fn main() -> Result<(), String> {
     let s: &dyn Store = &store;
     // Warm up: the library loaded, the policy parsed, the epoch written.
     s.ready().await.map_err(|e| e.to_string())?;
-    let reqs: Vec<RunRequest> = (0..runs).map(|n| run_request(&tag, n)).collect();
+    let reqs: Vec<RunRequest> = (0..runs).map(|n| run_request(1, n)).collect();
     let ids: Vec<RunId> = reqs.iter().map(|r| r.run_id.clone()).collect();
     let one = |cmd: Command| s.execute(cmd);
 
@@ -155,37 +174,37 @@ async fn main() -> Result<(), String> {
     ph.end("admit_run", runs)?;
 
     ph.start()?;
-    for k in 0..TOOL_STEPS {
+    for k in 0..steps {
         for id in &ids {
-            let req = common::tool_step(id, ReservationId(format!("{}.{k}", id.0)));
+            let req = common::tool_step(id, step_id(id, &k.to_string()));
             check(
                 one(Command::ReserveStep { req, idem: None }).await,
                 "reserve",
             )?;
         }
     }
-    ph.end("reserve_step", runs * TOOL_STEPS)?;
+    ph.end("reserve_step", runs * steps)?;
 
     ph.start()?;
-    for k in 0..TOOL_STEPS {
+    for k in 0..steps {
         for id in &ids {
-            let step = ReservationId(format!("{}.{k}", id.0));
+            let step = step_id(id, &k.to_string());
             let how = Resolution::Commit(Settlement::Units(0));
             check(one(Command::Resolve { step, how }).await, "resolve")?;
         }
     }
-    ph.end("resolve", runs * TOOL_STEPS)?;
+    ph.end("resolve", runs * steps)?;
 
     ph.start()?;
     for id in &ids {
-        let req = model_step(id, format!("{}.m", id.0));
+        let req = model_step(id, step_id(id, "m"));
         check(one(Command::ReserveStep { req, idem: None }).await, "model")?;
     }
     ph.end("reserve_model", runs)?;
 
     ph.start()?;
     for id in &ids {
-        let step = ReservationId(format!("{}.m", id.0));
+        let step = step_id(id, "m");
         let how = Resolution::Commit(usage());
         check(one(Command::Resolve { step, how }).await, "resolve model")?;
     }
@@ -202,7 +221,7 @@ async fn main() -> Result<(), String> {
 
     // finish with one step still held (charged as unknown), like a run cut short
     for id in &ids {
-        let req = common::tool_step(id, ReservationId(format!("{}.h", id.0)));
+        let req = common::tool_step(id, step_id(id, "h"));
         check(
             one(Command::ReserveStep { req, idem: None }).await,
             "reserve",
@@ -215,9 +234,7 @@ async fn main() -> Result<(), String> {
     ph.end("finish", runs)?;
 
     // the proxy: admission + model step in one batch, then commit + finish in one batch
-    let reqs2: Vec<RunRequest> = (0..runs)
-        .map(|n| run_request(&format!("{tag}-b"), n))
-        .collect();
+    let reqs2: Vec<RunRequest> = (0..runs).map(|n| run_request(2, n)).collect();
     ph.start()?;
     for r in &reqs2 {
         let cmds = vec![
@@ -226,7 +243,7 @@ async fn main() -> Result<(), String> {
                 idem: None,
             },
             Command::ReserveStep {
-                req: model_step(&r.run_id, format!("{}.0", r.run_id.0)),
+                req: model_step(&r.run_id, step_id(&r.run_id, "0")),
                 idem: None,
             },
         ];
@@ -240,7 +257,7 @@ async fn main() -> Result<(), String> {
     for r in &reqs2 {
         let cmds = vec![
             Command::Resolve {
-                step: ReservationId(format!("{}.0", r.run_id.0)),
+                step: step_id(&r.run_id, "0"),
                 how: Resolution::Commit(usage()),
             },
             Command::Finish {

@@ -60,6 +60,10 @@ end
 local function kRun(id) return B .. ':r:' .. id end
 local function kRes(id) return B .. ':s:' .. id end
 local function kIdem(k) return B .. ':i:' .. k end
+-- A run's step ids, in order: a list of its own (RPUSH at each step), not part of the run
+-- record, so that the record a step rewrites stays the same size however many steps the run
+-- took (as the core's run_steps index beside the run).
+local function kSteps(id) return B .. ':rs:' .. id end
 local function kCounter(enc)
   local keys = KC.keys
   local k = keys[enc]
@@ -166,14 +170,13 @@ local R_STATE, R_DEADLINE, R_LEASE, R_ROUNDS, R_TOOLS, R_RETRIES, R_ENDED = 1, 2
 -- The run's lifetime counter: R_C is 1 once it exists, then limit used reserved overrun
 -- adjusted at R_C + 1 .. R_C + 5.
 local R_C = 8
--- The run's steps: their ids in order (netstrings, see enc), the (saturating) sum of their
--- charges, how many are held (a step is charged once, when it settles from held) and how many
--- there are.
-local R_STEPS, R_CHARGED, R_NHELD, R_NSTEPS = 14, 15, 16, 17
+-- The (saturating) sum of the run's step charges, how many steps are held (a step is charged
+-- once, when it settles from held) and how many there are (their ids: the list at kSteps).
+local R_CHARGED, R_NHELD, R_NSTEPS = 14, 15, 16
 -- R_IMM: what never changes, packed once at admission (IMM_FMT: the bounds and the mode, then
 -- the msgpack of the rest, parsed only by the calls that need it; see run_imm), indexed by
 -- these:
-local R_IMM = 18
+local R_IMM = 17
 local R_ID, R_SESSION, R_CONV, R_IPS, R_CREATED, R_SLOTS, R_HOLD, R_MODE = 1, 2, 3, 4, 5, 6, 7, 8
 -- R_IPS: list of {prefix, factor}; R_SLOTS: list of slot names; R_HOLD: hold id or ''.
 -- The run bounds: in ctx out trb rounds tools retries secs cost shrink minout.
@@ -181,10 +184,10 @@ local R_B_IN, R_B_CTX, R_B_OUT, R_B_TRB, R_B_ROUNDS, R_B_TOOLS, R_B_RETRIES, R_B
   13, 14, 15, 16, 17
 local R_B_SHRINK, R_B_MINOUT = 18, 19
 -- state; deadline lease rounds tools retries ended, the counter (6), charged nheld nsteps;
--- steps; imm.
--- (struct.pack copies a string byte by byte: the long ones, steps and imm, follow the packed
--- head with their lengths in it, joined by concatenation)
-local RUN_FMT = '<I1c0dddddddddddddddI4I4'
+-- imm.
+-- (struct.pack copies a string byte by byte: the long one, imm, follows the packed head with
+-- its length in it, joined by concatenation)
+local RUN_FMT = '<I1c0dddddddddddddddI4'
 -- the 11 bounds (R_B_IN ..), mode; then the rest (msgpack of id session conv ips created
 -- slots hold)
 local IMM_FMT = '<dddddddddddI1c0'
@@ -196,9 +199,8 @@ local function run_get(id)
   if r == nil then
     local s = kv_get(kRun(id))
     if s then
-      local st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ch, nh, ns, nsteps, _, pos = sunpack(RUN_FMT, s)
-      r = { st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ssub(s, pos, pos + nsteps - 1), ch, nh, ns,
-        ssub(s, pos + nsteps) }
+      local st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ch, nh, ns, _, pos = sunpack(RUN_FMT, s)
+      r = { st, dl, ls, ro, to, re, en, c, c1, c2, c3, c4, c5, ch, nh, ns, ssub(s, pos) }
     else
       r = false
     end
@@ -208,7 +210,7 @@ local function run_get(id)
 end
 local function run_pack(r)
   return spack(RUN_FMT, #r[1], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12],
-    r[13], r[15], r[16], r[17], #r[14], #r[18]) .. r[14] .. r[18]
+    r[13], r[14], r[15], r[16], #r[17]) .. r[17]
 end
 local function imm_pack(bounds, mode, rest)
   local packed = cmsgpack.pack(rest)
@@ -992,7 +994,7 @@ local function end_run(id, now, endstate)
   if endstate == 'expired' then step_end = 'expired' end
   local acc = acc_new()
   if run[R_NHELD] > 0 then
-    for _, s in ipairs(dec(run[R_STEPS])) do
+    for _, s in ipairs(rcall('LRANGE', kSteps(id), '0', '-1')) do
       local r = res_get(s)
       if r and r[S_STATE] == 'held' then settle(s, step_end, r[S_AMOUNT], now, acc, r) end
     end
@@ -1030,7 +1032,11 @@ local function purge_run(id)
   local run = run_get(id)
   if not run then return end
   local hid = run_imm(run, true)[R_HOLD]
-  for _, s in ipairs(dec(run[R_STEPS])) do res_remove(s) end
+  if run[R_NSTEPS] > 0 then
+    local ks = kSteps(id)
+    for _, s in ipairs(rcall('LRANGE', ks, '0', '-1')) do res_remove(s) end
+    rcall('DEL', ks)
+  end
   if hid ~= '' then res_remove(hid) end
   cdel(RUN_C .. id)
   run_del(id)
@@ -1248,7 +1254,7 @@ function OPS.admit_run(now, swept, A)
     end
     local imm = imm_pack({ b['in'], b.ctx, b.out, b.trb, b.rounds, b.tools, b.retries, b.secs, b.cost, b.shrink,
       b.minout }, P.mode, { run_id, session, conv, ips, now, slots, hid })
-    run_put(run_id, { 'active', deadline, lease, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, '', 0, 0, 0, imm })
+    run_put(run_id, { 'active', deadline, lease, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, imm })
     timer_add(lease, '1|' .. run_id)
     mincr('nrec', 1)
     mincr('active', 1)
@@ -1416,7 +1422,7 @@ function OPS.reserve_step(now, swept, A)
     end
     local rr = run_get(run_id)
     rr[field] = rr[field] + 1
-    rr[R_STEPS] = rr[R_STEPS] .. S(#step_id) .. ':' .. step_id
+    rcall('RPUSH', kSteps(run_id), step_id)
     rr[R_NSTEPS] = rr[R_NSTEPS] + 1
     rr[R_NHELD] = rr[R_NHELD] + 1
     run_put(run_id, rr)

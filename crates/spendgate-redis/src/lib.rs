@@ -608,7 +608,7 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
 /// The layout of what the ledger script stores (keys, packed records, meta fields). Every
 /// epoch id starts with it, so a deployment whose data was written in another layout is
 /// refused rather than misread. Bump it with any change of the stored layout.
-pub const LEDGER_FORMAT: &str = "f7";
+pub const LEDGER_FORMAT: &str = "f8";
 
 /// The script's `now` argument: empty for the Redis server's clock.
 fn now_arg(clock: &ClockSource) -> String {

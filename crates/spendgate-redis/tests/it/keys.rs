@@ -5,8 +5,9 @@
 
 use crate::support::*;
 use spendgate_core::*;
-use spendgate_store::Store;
+use spendgate_store::{ManualClock, Store};
 use spendgate_testkit::RespValue;
+use std::sync::Arc;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn counter_keys_are_fixed_length_hashes_of_outside_ids() {
@@ -107,5 +108,93 @@ async fn counter_keys_are_fixed_length_hashes_of_outside_ids() {
     assert!(
         usage.iter().any(|u| u.used == Micros(10)),
         "the conversation's counter is found by its id: {usage:?}"
+    );
+}
+
+/// A run's step ids are a list of their own, not part of the run record: the record that
+/// every step call rewrites (a reservation, its commit) weighs the same after its tenth step
+/// as after its first, and the list goes when the run is purged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runs_record_stays_the_same_size_however_many_steps_it_took() {
+    let server = server(false);
+    let prefix = fresh_prefix("steps");
+    let clock = ManualClock::new(UnixMs(1_796_082_000_000));
+    let opts = options(&server, &prefix, Some(Arc::new(clock.clone())));
+    let store = open(opts, Policy::default()).await;
+    let s: &dyn Store = &store;
+    let run = RunId(format!("run_{}", "0".repeat(44)));
+    s.admit_run(
+        RunRequest {
+            run_id: run.clone(),
+            session: "s".into(),
+            ips: vec![IpScope {
+                prefix: "192.0.2.1/32".into(),
+                factor: 1,
+            }],
+            conversation: "c".into(),
+            input_bytes: 1,
+        },
+        None,
+    )
+    .await
+    .expect("admit")
+    .value
+    .expect("admitted");
+    let base = format!("{{{prefix}}}");
+    let run_key = format!("{base}:r:{}", run.0);
+    let steps_key = format!("{base}:rs:{}", run.0);
+    let strlen = |k: &str| cmd(&server, &["STRLEN", k]);
+    let mut sizes = Vec::new();
+    for n in 0..10 {
+        let step = ReservationId(format!("stp_{n:044}"));
+        s.reserve_step(
+            StepRequest {
+                run_id: run.clone(),
+                step_id: step.clone(),
+                kind: StepKind::Tool {
+                    tool: "t".into(),
+                    price: ToolPrice {
+                        per_call: Micros(10),
+                        per_unit: Micros::ZERO,
+                    },
+                    units: 0,
+                },
+            },
+            None,
+        )
+        .await
+        .expect("reserve")
+        .value
+        .expect("reserved");
+        // the last step stays held: finishing the run charges it, found through the list
+        if n < 9 {
+            s.resolve(step, Resolution::Commit(Settlement::Units(0)))
+                .await
+                .expect("commit");
+        }
+        sizes.push(strlen(&run_key));
+    }
+    assert!(
+        sizes.iter().all(|s| s == &sizes[0]),
+        "run record sizes: {sizes:?}"
+    );
+    assert_eq!(cmd(&server, &["LLEN", &steps_key]), "10");
+    let finished = s.finish(run.clone()).await.expect("finish").value;
+    assert_eq!(
+        (finished.steps, finished.charged),
+        (10, Micros(100)),
+        "every step charged, the held one in full: {finished:?}"
+    );
+    // past the retention of an ended run's records, a sweep purges the run and its list
+    clock.advance_ms(RECORD_RETENTION_MS + 1_000);
+    s.sweep().await.expect("sweep");
+    assert_eq!(
+        (
+            cmd(&server, &["EXISTS", &run_key]),
+            cmd(&server, &["EXISTS", &steps_key]),
+            cmd(&server, &["EXISTS", &format!("{base}:s:stp_{:044}", 9)]),
+        ),
+        ("0".into(), "0".into(), "0".into()),
+        "the run, its step list and its reservations are purged"
     );
 }

@@ -354,6 +354,8 @@ async fn main() -> anyhow::Result<()> {
         dropped
     };
     let elapsed = start.elapsed().as_secs_f64();
+    // (the closed loops below count theirs apart: the open loop's row is its own)
+    let open_errors = ctx.errors.swap(0, Ordering::Relaxed);
     // The closed loops come last: they saturate the server and the disk, and what they leave
     // to write back would otherwise sit in the open loop's tail.
     let mut closed = Vec::new();
@@ -391,6 +393,12 @@ async fn main() -> anyhow::Result<()> {
         "| pair requests vs `/healthz` requests (best of each) | {:.0}% |",
         100.0 * pairs_rps * 2.0 / healthz_rps.max(1.0)
     );
+    if !closed.is_empty() {
+        println!(
+            "| closed loops: refused or failed calls | {} |",
+            ctx.errors.load(Ordering::Relaxed)
+        );
+    }
     println!(
         "| open loop: offered | {} pairs/s for {}s ({} pairs, {:.1}s) |",
         args.rate, args.seconds, total, elapsed
@@ -399,7 +407,7 @@ async fn main() -> anyhow::Result<()> {
         "| open loop: completed / dropped / errors | {} / {} / {} |",
         ph.len(),
         dropped,
-        ctx.errors.load(Ordering::Relaxed)
+        open_errors
     );
     println!(
         "| open loop: `/healthz` latency at the same rate (baseline) p50 / p99 / max | {:.3} / {:.3} / {:.3} ms |",

@@ -52,21 +52,6 @@ fn run_req(id: &str) -> RunRequest {
     }
 }
 
-fn tool_step(run: &str, step: &str) -> StepRequest {
-    StepRequest {
-        run_id: RunId(run.into()),
-        step_id: ReservationId(step.into()),
-        kind: StepKind::Tool {
-            tool: "search".into(),
-            price: ToolPrice {
-                per_call: Micros(TOOL),
-                per_unit: Micros::ZERO,
-            },
-            units: 0,
-        },
-    }
-}
-
 fn store_of(s: &RedisStore) -> &dyn Store {
     s
 }
@@ -77,7 +62,7 @@ async fn admit(s: &dyn Store, id: &str) {
 }
 
 async fn reserve(s: &dyn Store, run: &str, step: &str) -> Result<StepReserved, Refusal> {
-    s.reserve_step(tool_step(run, step), None)
+    s.reserve_step(tool_step(run, step, TOOL), None)
         .await
         .expect("reserve")
         .value
@@ -131,7 +116,7 @@ async fn paused_redis_fails_fast_and_service_resumes_without_reopening() {
             idem: None,
         },
         Command::ReserveStep {
-            req: tool_step("r1", "x2"),
+            req: tool_step("r1", "x2", TOOL),
             idem: None,
         },
         Command::Resolve {
@@ -601,7 +586,7 @@ async fn sixteen_tasks_on_four_replicas_grant_exactly_the_budget() {
             let mut granted = 0u64;
             for i in 0.. {
                 match s
-                    .reserve_step(tool_step(&run, &format!("{run}-{i}")), None)
+                    .reserve_step(tool_step(&run, &format!("{run}-{i}"), TOOL), None)
                     .await
                     .expect("reserve")
                     .value

@@ -41,25 +41,11 @@ async fn counter_keys_are_fixed_length_hashes_of_outside_ids() {
     .value
     .expect("admitted");
     let step = ReservationId("run_keys.0".into());
-    s.reserve_step(
-        StepRequest {
-            run_id: run.clone(),
-            step_id: step.clone(),
-            kind: StepKind::Tool {
-                tool: "t".into(),
-                price: ToolPrice {
-                    per_call: Micros(10),
-                    per_unit: Micros::ZERO,
-                },
-                units: 0,
-            },
-        },
-        None,
-    )
-    .await
-    .expect("reserve")
-    .value
-    .expect("reserved");
+    s.reserve_step(tool_step(&run.0, &step.0, 10), None)
+        .await
+        .expect("reserve")
+        .value
+        .expect("reserved");
     s.resolve(step, Resolution::Commit(Settlement::Units(0)))
         .await
         .expect("commit");
@@ -147,25 +133,11 @@ async fn a_runs_record_stays_the_same_size_however_many_steps_it_took() {
     let mut sizes = Vec::new();
     for n in 0..10 {
         let step = ReservationId(format!("stp_{n:044}"));
-        s.reserve_step(
-            StepRequest {
-                run_id: run.clone(),
-                step_id: step.clone(),
-                kind: StepKind::Tool {
-                    tool: "t".into(),
-                    price: ToolPrice {
-                        per_call: Micros(10),
-                        per_unit: Micros::ZERO,
-                    },
-                    units: 0,
-                },
-            },
-            None,
-        )
-        .await
-        .expect("reserve")
-        .value
-        .expect("reserved");
+        s.reserve_step(tool_step(&run.0, &step.0, 10), None)
+            .await
+            .expect("reserve")
+            .value
+            .expect("reserved");
         // the last step stays held: finishing the run charges it, found through the list
         if n < 9 {
             s.resolve(step, Resolution::Commit(Settlement::Units(0)))

@@ -1,6 +1,6 @@
 //! Shared helpers: a private Redis server and stores on it.
 
-use spendgate_core::Policy;
+use spendgate_core::{Micros, Policy, ReservationId, RunId, StepKind, StepRequest, ToolPrice};
 use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
 use spendgate_store::Clock;
 use spendgate_testkit::RedisServer;
@@ -181,4 +181,20 @@ pub async fn open_only(opts: RedisOptions, policy: Policy) -> RedisStore {
     RedisStore::open(opts, policy)
         .await
         .unwrap_or_else(|e| panic!("open redis store: {e}"))
+}
+
+/// A tool step of `run` priced `per_call` micros a call.
+pub fn tool_step(run: &str, step: &str, per_call: u64) -> StepRequest {
+    StepRequest {
+        run_id: RunId(run.into()),
+        step_id: ReservationId(step.into()),
+        kind: StepKind::Tool {
+            tool: "search".into(),
+            price: ToolPrice {
+                per_call: Micros(per_call),
+                per_unit: Micros::ZERO,
+            },
+            units: 0,
+        },
+    }
 }

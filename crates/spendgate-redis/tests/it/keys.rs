@@ -109,23 +109,12 @@ async fn a_runs_record_stays_the_same_size_however_many_steps_it_took() {
     let store = open(opts, Policy::default()).await;
     let s: &dyn Store = &store;
     let run = RunId(format!("run_{}", "0".repeat(44)));
-    s.admit_run(
-        RunRequest {
-            run_id: run.clone(),
-            session: "s".into(),
-            ips: vec![IpScope {
-                prefix: "192.0.2.1/32".into(),
-                factor: 1,
-            }],
-            conversation: "c".into(),
-            input_bytes: 1,
-        },
-        None,
-    )
-    .await
-    .expect("admit")
-    .value
-    .expect("admitted");
+    let who = spendgate_conformance::support::Who::new("s", "c", "192.0.2.1/32");
+    s.admit_run(who.run(&run.0), None)
+        .await
+        .expect("admit")
+        .value
+        .expect("admitted");
     let base = format!("{{{prefix}}}");
     let run_key = format!("{base}:r:{}", run.0);
     let steps_key = format!("{base}:rs:{}", run.0);

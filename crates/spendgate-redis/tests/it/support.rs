@@ -1,6 +1,6 @@
 //! Shared helpers: a private Redis server and stores on it.
 
-use spendgate_core::{Micros, Policy, ReservationId, RunId, StepKind, StepRequest, ToolPrice};
+use spendgate_core::{Micros, Policy, StepRequest, ToolPrice};
 use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
 use spendgate_store::Clock;
 use spendgate_testkit::RedisServer;
@@ -185,16 +185,9 @@ pub async fn open_only(opts: RedisOptions, policy: Policy) -> RedisStore {
 
 /// A tool step of `run` priced `per_call` micros a call.
 pub fn tool_step(run: &str, step: &str, per_call: u64) -> StepRequest {
-    StepRequest {
-        run_id: RunId(run.into()),
-        step_id: ReservationId(step.into()),
-        kind: StepKind::Tool {
-            tool: "search".into(),
-            price: ToolPrice {
-                per_call: Micros(per_call),
-                per_unit: Micros::ZERO,
-            },
-            units: 0,
-        },
-    }
+    let price = ToolPrice {
+        per_call: Micros(per_call),
+        per_unit: Micros::ZERO,
+    };
+    spendgate_conformance::support::tool_step(run, step, price, 0)
 }

@@ -9,6 +9,8 @@
 #
 # RUNS (default 100) runs of STEPS tool steps (default 4) and a model step each; POLICY `bench`
 # or `full` (see opcount.rs). Without a binary, this tree's is built. Needs valgrind.
+# OPCOUNT_REDIS: the redis-server to run (a build with symbols lets `callgrind_annotate` split
+# the Lua interpreter's share); OPCOUNT_KEEP=DIR keeps the callgrind dumps in DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-100}
@@ -26,6 +28,7 @@ dir=$(mktemp -d)
 vpid=
 cleanup() { [ -n "$vpid" ] && kill "$vpid" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$dir"; }
 trap cleanup EXIT
+[ -n "${OPCOUNT_KEEP:-}" ] && mkdir -p "$OPCOUNT_KEEP"
 
 # count BIN OUT: instructions per call of each phase of one opcount run, as "phase value" lines
 count() {
@@ -33,7 +36,7 @@ count() {
   port=$(free_port)
   mkdir -p "$out"
   (cd "$out" && exec valgrind --tool=callgrind --callgrind-out-file="$out/cg.%p" \
-    redis-server --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$out" \
+    "${OPCOUNT_REDIS:-redis-server}" --port "$port" --bind 127.0.0.1 --save "" --appendonly no --dir "$out" \
     > "$out/redis.log" 2>&1) &
   vpid=$!
   for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
@@ -51,6 +54,7 @@ count() {
 i=0
 for b in "${bins[@]}"; do
   count "$b" "$dir/$i" > "$dir/table.$i"
+  [ -n "${OPCOUNT_KEEP:-}" ] && cp -r "$dir/$i" "$OPCOUNT_KEEP/$i"
   i=$((i + 1))
 done
 echo "Redis server instructions per call (callgrind; $RUNS runs of $STEPS tool steps, policy $POLICY)"

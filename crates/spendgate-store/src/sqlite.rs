@@ -66,8 +66,9 @@
 //!   503) is dropped unapplied.
 //! - If a write fails, it is rolled back; the disk thread answers every waiting command of
 //!   it, and of every later job built on it, with [`StoreError::Unavailable`], and tells
-//!   the applier, which before its next batch has the disk thread reload the ledger from
-//!   the file (dropping every change not on disk); `ready` fails until a write succeeds
+//!   the applier, which takes no more commands into the batch under way and before its
+//!   next batch has the disk thread reload the ledger from the file (dropping every change
+//!   not on disk); `ready` fails until a write succeeds
 //!   again. After an I/O error or corruption the file's content is not known (Linux may
 //!   drop unsynced pages and report it once): the store refuses everything until the
 //!   process restarts and SQLite recovers the file.
@@ -82,7 +83,7 @@ use std::collections::HashMap;
 type HashSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -260,12 +261,14 @@ impl SqliteStore {
             log = LogState::new(rows_max);
         }
         let health = Arc::new(Mutex::new(DiskHealth::default()));
+        let failure_reported = Arc::new(AtomicBool::new(false));
         let written = Arc::new(AtomicU64::new(0));
         let (disk_tx, disk_rx) = sync_channel(DISK_QUEUE_MAX);
         let disk = Disk {
             conn,
             rx: disk_rx,
             health: health.clone(),
+            failure_reported: failure_reported.clone(),
             rows_max,
             write_fault: opts.write_fault.clone(),
             gate: opts.disk_gate.clone(),
@@ -291,6 +294,7 @@ impl SqliteStore {
             disk: Some(disk_tx),
             disk_thread: Some(disk_thread),
             health,
+            failure_reported,
             broken: None,
             fatal: false,
             row_hint: 1024,
@@ -817,6 +821,11 @@ struct Writer {
     disk: Option<SyncSender<DiskMsg>>,
     disk_thread: Option<JoinHandle<()>>,
     health: Arc<Mutex<DiskHealth>>,
+    /// Set (under `health`'s lock) when the disk thread reports a failed write, cleared when
+    /// the applier takes it: a batch takes no more commands once it is set, so that the next
+    /// one reloads before it applies anything (a command applied on changes that a failed
+    /// write dropped would only be refused when its job is discarded).
+    failure_reported: Arc<AtomicBool>,
     /// Why the ledger is not being served: a failed write could not be followed by a reload.
     /// Every batch retries the reload first, unless `fatal`.
     broken: Option<String>,
@@ -937,7 +946,7 @@ impl Writer {
             }
             let mut failed = self.handle(first, &mut waiting);
             for _ in 1..self.batch_max {
-                if failed {
+                if failed || self.failure_reported.load(Ordering::Acquire) {
                     break;
                 }
                 match self.rx.try_recv() {
@@ -990,7 +999,12 @@ impl Writer {
     /// Takes a failure the disk thread reported: a fatal one closes the store until a
     /// restart; another makes the next batch reload the ledger first.
     fn take_disk_failure(&mut self) {
-        let Some(WriteError { message, fatal }) = lock(&self.health).failed.take() else {
+        let taken = {
+            let mut health = lock(&self.health);
+            self.failure_reported.store(false, Ordering::Release);
+            health.failed.take()
+        };
+        let Some(WriteError { message, fatal }) = taken else {
             return;
         };
         self.ledger.clear_changes();
@@ -1245,6 +1259,8 @@ struct Disk {
     conn: Connection,
     rx: Receiver<DiskMsg>,
     health: Arc<Mutex<DiskHealth>>,
+    /// See `Writer::failure_reported`.
+    failure_reported: Arc<AtomicBool>,
     rows_max: u64,
     write_fault: Option<Arc<AtomicI32>>,
     gate: Option<Arc<DiskGate>>,
@@ -1364,6 +1380,7 @@ impl Disk {
                         message: message.clone(),
                         fatal: self.fatal,
                     });
+                    self.failure_reported.store(true, Ordering::Release);
                 }
                 let why = format!("sqlite write failed: {message}");
                 for job in jobs {

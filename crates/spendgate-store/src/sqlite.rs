@@ -260,15 +260,13 @@ impl SqliteStore {
             // The file now holds the ledger in `records` and an empty log.
             log = LogState::new(rows_max);
         }
-        let health = Arc::new(Mutex::new(DiskHealth::default()));
-        let failure_reported = Arc::new(AtomicBool::new(false));
+        let health = Arc::new(Health::default());
         let written = Arc::new(AtomicU64::new(0));
         let (disk_tx, disk_rx) = sync_channel(DISK_QUEUE_MAX);
         let disk = Disk {
             conn,
             rx: disk_rx,
             health: health.clone(),
-            failure_reported: failure_reported.clone(),
             rows_max,
             write_fault: opts.write_fault.clone(),
             gate: opts.disk_gate.clone(),
@@ -294,7 +292,6 @@ impl SqliteStore {
             disk: Some(disk_tx),
             disk_thread: Some(disk_thread),
             health,
-            failure_reported,
             broken: None,
             fatal: false,
             row_hint: 1024,
@@ -820,12 +817,7 @@ struct Writer {
     /// `None` only while closing.
     disk: Option<SyncSender<DiskMsg>>,
     disk_thread: Option<JoinHandle<()>>,
-    health: Arc<Mutex<DiskHealth>>,
-    /// Set (under `health`'s lock) when the disk thread reports a failed write, cleared when
-    /// the applier takes it: a batch takes no more commands once it is set, so that the next
-    /// one reloads before it applies anything (a command applied on changes that a failed
-    /// write dropped would only be refused when its job is discarded).
-    failure_reported: Arc<AtomicBool>,
+    health: Arc<Health>,
     /// Why the ledger is not being served: a failed write could not be followed by a reload.
     /// Every batch retries the reload first, unless `fatal`.
     broken: Option<String>,
@@ -928,9 +920,42 @@ struct DiskHealth {
     write_failing: Option<String>,
 }
 
-fn lock(health: &Mutex<DiskHealth>) -> std::sync::MutexGuard<'_, DiskHealth> {
+/// [`DiskHealth`], shared by the two threads.
+#[derive(Default)]
+struct Health {
+    state: Mutex<DiskHealth>,
+    /// Whether `state.failed` holds a failure (set and cleared under the lock): read without
+    /// it before each command a batch takes, so that a batch takes no more once a write
+    /// failed and the next one reloads before it applies anything (a command applied on
+    /// changes that the failed write dropped would only be refused when its job is discarded).
+    failure_reported: AtomicBool,
+}
+
+impl Health {
+    /// The disk thread's report of a failed write.
+    fn report_failure(&self, failed: WriteError) {
+        let mut state = lock(self);
+        state.write_failing = Some(format!("the last sqlite write failed: {}", failed.message));
+        state.failed = Some(failed);
+        self.failure_reported.store(true, Ordering::Release);
+    }
+
+    /// Takes the failure reported since the last call, if any.
+    fn take_failure(&self) -> Option<WriteError> {
+        let mut state = lock(self);
+        self.failure_reported.store(false, Ordering::Release);
+        state.failed.take()
+    }
+
+    fn failure_reported(&self) -> bool {
+        self.failure_reported.load(Ordering::Acquire)
+    }
+}
+
+fn lock(health: &Health) -> std::sync::MutexGuard<'_, DiskHealth> {
     // Its fields are plain values, whole whatever panicked while holding it.
     health
+        .state
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -946,7 +971,7 @@ impl Writer {
             }
             let mut failed = self.handle(first, &mut waiting);
             for _ in 1..self.batch_max {
-                if failed || self.failure_reported.load(Ordering::Acquire) {
+                if failed || self.health.failure_reported() {
                     break;
                 }
                 match self.rx.try_recv() {
@@ -999,12 +1024,7 @@ impl Writer {
     /// Takes a failure the disk thread reported: a fatal one closes the store until a
     /// restart; another makes the next batch reload the ledger first.
     fn take_disk_failure(&mut self) {
-        let taken = {
-            let mut health = lock(&self.health);
-            self.failure_reported.store(false, Ordering::Release);
-            health.failed.take()
-        };
-        let Some(WriteError { message, fatal }) = taken else {
+        let Some(WriteError { message, fatal }) = self.health.take_failure() else {
             return;
         };
         self.ledger.clear_changes();
@@ -1258,9 +1278,7 @@ fn encode_records(ledger: &Ledger, entities: &[Entity]) -> Result<Encoded, Strin
 struct Disk {
     conn: Connection,
     rx: Receiver<DiskMsg>,
-    health: Arc<Mutex<DiskHealth>>,
-    /// See `Writer::failure_reported`.
-    failure_reported: Arc<AtomicBool>,
+    health: Arc<Health>,
     rows_max: u64,
     write_fault: Option<Arc<AtomicI32>>,
     gate: Option<Arc<DiskGate>>,
@@ -1373,15 +1391,10 @@ impl Disk {
                 tracing::error!(error = %message, fatal, "sqlite write failed");
                 self.discarding = true;
                 self.fatal |= fatal;
-                {
-                    let mut health = lock(&self.health);
-                    health.write_failing = Some(format!("the last sqlite write failed: {message}"));
-                    health.failed = Some(WriteError {
-                        message: message.clone(),
-                        fatal: self.fatal,
-                    });
-                    self.failure_reported.store(true, Ordering::Release);
-                }
+                self.health.report_failure(WriteError {
+                    message: message.clone(),
+                    fatal: self.fatal,
+                });
                 let why = format!("sqlite write failed: {message}");
                 for job in jobs {
                     job.answers.refuse(&why);

@@ -20,6 +20,12 @@
 //! the server can warn about it.
 //!
 //! Extensions to SPEC §9 (all optional):
+//! - `server.public_requests_max`, `service_requests_max`, `admin_requests_max`,
+//!   `health_requests_max`: requests in flight per class of caller; `address_requests_max`:
+//!   requests in flight per client address prefix without a valid token;
+//!   `address_connections_max`: connections per socket peer (trusted proxies exempt);
+//!   `body_min_bytes_per_s`, `body_grace_ms`: the minimum rate of a request body after its
+//!   grace (see `crate::capacity`).
 //! - `sessions.verifier_url`, `sessions.verifier_secret`: an external siteverify-style checker
 //!   used instead of the built-in proof-of-work challenge.
 //! - `identity.ipv6_wider_prefixes` (default `[56, 48]`): wider IPv6 prefixes, limited too, the
@@ -59,6 +65,27 @@ use toml::Spanned;
 
 // ---------------------------------------------------------------------------------------------
 // Named bounds.
+
+/// `[server]` capacity defaults (see `crate::capacity`): requests in flight per class of
+/// caller, per client address prefix, connections per peer, and the minimum body rate.
+pub const PUBLIC_REQUESTS_MAX_DEFAULT: u64 = 4_096;
+pub const SERVICE_REQUESTS_MAX_DEFAULT: u64 = 4_096;
+pub const ADMIN_REQUESTS_MAX_DEFAULT: u64 = 64;
+pub const HEALTH_REQUESTS_MAX_DEFAULT: u64 = 256;
+pub const ADDRESS_REQUESTS_MAX_DEFAULT: u64 = 64;
+pub const ADDRESS_CONNECTIONS_MAX_DEFAULT: u64 = 256;
+pub const BODY_MIN_BYTES_PER_S_DEFAULT: u64 = 4_096;
+pub const BODY_GRACE_MS_DEFAULT: u64 = 2_000;
+/// Largest bound of one class's (or one address's) requests in flight.
+pub const CLASS_REQUESTS_MAX: u64 = 65_536;
+/// `server.body_min_bytes_per_s` range: below the floor a body could hold its request for
+/// hours (4 MiB at 256 bytes a second is about 4.5 hours, already long).
+pub const BODY_MIN_BYTES_PER_S_FLOOR: u64 = 256;
+pub const BODY_MIN_BYTES_PER_S_MAX: u64 = 16 * 1024 * 1024;
+/// `server.body_grace_ms` range (below the decision API's request timeout, 15 s, so that a
+/// stalled body is answered 408 by its rate, not 504).
+pub const BODY_GRACE_MS_MIN: u64 = 100;
+pub const BODY_GRACE_MS_MAX: u64 = 10_000;
 
 /// Service and admin tokens shorter than this draw a warning at start and in check-config.
 pub const TOKEN_BYTES_ADVISED: usize = 16;
@@ -178,6 +205,44 @@ pub struct ServerConfig {
     pub admin_tokens: Vec<Secret>,
     pub browser_direct: bool,
     pub dry_run: bool,
+    pub capacity: CapacityConfig,
+}
+
+/// How much of the process each class of caller and each client address may hold, and how
+/// fast a body must arrive (`[server]` keys of the same names; see `crate::capacity`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CapacityConfig {
+    /// Requests in flight from guests and anyone without a valid service or admin token.
+    pub public_requests_max: usize,
+    /// Requests in flight with a valid service token (the operator's backend).
+    pub service_requests_max: usize,
+    /// Requests in flight with a valid admin token.
+    pub admin_requests_max: usize,
+    /// Requests in flight to `/healthz`, `/readyz` and `/metrics`.
+    pub health_requests_max: usize,
+    /// Requests in flight without a valid token, per client address prefix (at
+    /// `identity.ipv4_prefix` / `ipv6_prefix`; each wider IPv6 prefix at this times its factor).
+    pub address_requests_max: usize,
+    /// Connections per socket peer (its prefix as above); a trusted proxy is exempt.
+    pub address_connections_max: usize,
+    /// After `body_grace`, a request body must have arrived at this average rate at least.
+    pub body_min_bytes_per_s: u64,
+    pub body_grace: Duration,
+}
+
+impl Default for CapacityConfig {
+    fn default() -> Self {
+        CapacityConfig {
+            public_requests_max: PUBLIC_REQUESTS_MAX_DEFAULT as usize,
+            service_requests_max: SERVICE_REQUESTS_MAX_DEFAULT as usize,
+            admin_requests_max: ADMIN_REQUESTS_MAX_DEFAULT as usize,
+            health_requests_max: HEALTH_REQUESTS_MAX_DEFAULT as usize,
+            address_requests_max: ADDRESS_REQUESTS_MAX_DEFAULT as usize,
+            address_connections_max: ADDRESS_CONNECTIONS_MAX_DEFAULT as usize,
+            body_min_bytes_per_s: BODY_MIN_BYTES_PER_S_DEFAULT,
+            body_grace: Duration::from_millis(BODY_GRACE_MS_DEFAULT),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -517,6 +582,14 @@ struct RawServer {
     admin_tokens: Vec<String>,
     browser_direct: bool,
     dry_run: bool,
+    public_requests_max: u64,
+    service_requests_max: u64,
+    admin_requests_max: u64,
+    health_requests_max: u64,
+    address_requests_max: u64,
+    address_connections_max: u64,
+    body_min_bytes_per_s: u64,
+    body_grace_ms: u64,
 }
 
 impl Default for RawServer {
@@ -528,6 +601,14 @@ impl Default for RawServer {
             admin_tokens: vec!["env:SPENDGATE_ADMIN_TOKEN".to_string()],
             browser_direct: false,
             dry_run: false,
+            public_requests_max: PUBLIC_REQUESTS_MAX_DEFAULT,
+            service_requests_max: SERVICE_REQUESTS_MAX_DEFAULT,
+            admin_requests_max: ADMIN_REQUESTS_MAX_DEFAULT,
+            health_requests_max: HEALTH_REQUESTS_MAX_DEFAULT,
+            address_requests_max: ADDRESS_REQUESTS_MAX_DEFAULT,
+            address_connections_max: ADDRESS_CONNECTIONS_MAX_DEFAULT,
+            body_min_bytes_per_s: BODY_MIN_BYTES_PER_S_DEFAULT,
+            body_grace_ms: BODY_GRACE_MS_DEFAULT,
         }
     }
 }
@@ -1445,6 +1526,7 @@ impl Validator<'_, '_> {
                 ));
             }
         }
+        let capacity = self.capacity(&p, raw)?;
         Ok(ServerConfig {
             listen,
             trusted_proxies,
@@ -1452,6 +1534,40 @@ impl Validator<'_, '_> {
             admin_tokens,
             browser_direct: raw.browser_direct,
             dry_run: raw.dry_run,
+            capacity,
+        })
+    }
+
+    fn capacity(&mut self, p: &KeyPath, raw: &RawServer) -> R<CapacityConfig> {
+        let class = |this: &Self, key: &str, v: u64| -> R<usize> {
+            this.range(&p.key(key), v, 1, CLASS_REQUESTS_MAX)
+                .map(|v| v as usize)
+        };
+        let connections_max = crate::listener::CONNECTIONS_MAX as u64;
+        Ok(CapacityConfig {
+            public_requests_max: class(self, "public_requests_max", raw.public_requests_max)?,
+            service_requests_max: class(self, "service_requests_max", raw.service_requests_max)?,
+            admin_requests_max: class(self, "admin_requests_max", raw.admin_requests_max)?,
+            health_requests_max: class(self, "health_requests_max", raw.health_requests_max)?,
+            address_requests_max: class(self, "address_requests_max", raw.address_requests_max)?,
+            address_connections_max: self.range(
+                &p.key("address_connections_max"),
+                raw.address_connections_max,
+                1,
+                connections_max,
+            )? as usize,
+            body_min_bytes_per_s: self.range(
+                &p.key("body_min_bytes_per_s"),
+                raw.body_min_bytes_per_s,
+                BODY_MIN_BYTES_PER_S_FLOOR,
+                BODY_MIN_BYTES_PER_S_MAX,
+            )?,
+            body_grace: Duration::from_millis(self.range(
+                &p.key("body_grace_ms"),
+                raw.body_grace_ms,
+                BODY_GRACE_MS_MIN,
+                BODY_GRACE_MS_MAX,
+            )?),
         })
     }
 
@@ -2210,6 +2326,15 @@ impl Config {
         );
         o.kv("browser_direct", s.browser_direct);
         o.kv("dry_run", s.dry_run);
+        let c = &s.capacity;
+        o.kv("public_requests_max", c.public_requests_max);
+        o.kv("service_requests_max", c.service_requests_max);
+        o.kv("admin_requests_max", c.admin_requests_max);
+        o.kv("health_requests_max", c.health_requests_max);
+        o.kv("address_requests_max", c.address_requests_max);
+        o.kv("address_connections_max", c.address_connections_max);
+        o.kv("body_min_bytes_per_s", c.body_min_bytes_per_s);
+        o.kv("body_grace_ms", c.body_grace.as_millis());
 
         let st = &self.store;
         o.line("");

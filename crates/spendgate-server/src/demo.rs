@@ -146,7 +146,8 @@ pub async fn run(
             },
         );
 
-    let app = spendgate_server::router(state.clone())
+    // The demo's pages are public routes like the others, behind the same bounds.
+    let pages = axum::Router::new()
         .route("/", get(|| async { Redirect::temporary("/demo/") }))
         .route("/demo", get(|| async { Redirect::temporary("/demo/") }))
         .route("/demo/", get(page))
@@ -157,6 +158,7 @@ pub async fn run(
                 async move { Json(json!({ "models": models })) }
             }),
         );
+    let app = spendgate_server::router_with(state.clone(), pages);
     let sweeper =
         spendgate_store::spawn_sweeper(state.store.clone(), spendgate_server::SWEEP_EVERY);
 
@@ -168,7 +170,12 @@ pub async fn run(
     tracing::info!(%addr, %mock_addr, "spendgate demo listening");
 
     let idle = listener::idle_time(MOCK_TIMEOUT);
-    let listener = listener::Bounded::new(listener, listener::CONNECTIONS_MAX, idle);
+    let listener = listener::Bounded::new(
+        listener,
+        listener::CONNECTIONS_MAX,
+        idle,
+        listener::PeerBound::of(&state.config),
+    );
     let result =
         listener::serve(listener, app, shutdown, listener::HEADER_READ_TIMEOUT, idle).await;
     sweeper.abort();

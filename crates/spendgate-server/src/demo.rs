@@ -128,8 +128,7 @@ pub async fn run(
 
     spendgate_server::tokens::warm_up();
     let store = spendgate_server::open_store(&cfg).await?;
-    let listener = tokio::net::TcpListener::bind(cfg.server.listen)
-        .await
+    let listener = listener::bind(cfg.server.listen)
         .with_context(|| format!("binding {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;
     let mut state = spendgate_server::build_state(cfg, store)?;

@@ -53,6 +53,26 @@ pub const HEAD_BYTES_MAX: usize = 2 * crate::HEADER_BYTES_MAX + 8 * 1024;
 pub const LINGER: Duration = Duration::from_secs(2);
 pub const LINGER_BYTES_MAX: usize = 256 * 1024;
 
+/// Connection attempts the kernel queues for `accept` (capped by `net.core.somaxconn`,
+/// 4,096 on current Linux). std's and mio's 128 overflows in a burst of connection attempts:
+/// past the queue the kernel drops a SYN and the client tries again a second later (then 3,
+/// 7 s…), the operator's backend as much as a flood; a deeper queue lets the accept loop,
+/// which closes a flooding peer's excess connections at once, catch up.
+pub const LISTEN_BACKLOG: u32 = 4_096;
+
+/// A listening socket on `addr` with [`LISTEN_BACKLOG`] (and `SO_REUSEADDR`, as std and mio
+/// set it).
+pub fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
 /// Least time between two warnings about a peer at its connection bound.
 pub const PEER_WARN_EVERY_S: u64 = 60;
 

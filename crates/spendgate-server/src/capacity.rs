@@ -123,6 +123,8 @@ impl std::fmt::Debug for Capacity {
 pub enum Full {
     Class(Class),
     Address,
+    /// A public request on a connection slot reserved for the others (`listener::Bounded`).
+    Connections,
 }
 
 /// What a request in flight holds; released when dropped.
@@ -247,6 +249,10 @@ pub fn refusal(full: Full) -> Response {
             ScopeKind::Ip,
             "too many requests in flight from this address; retry later".to_string(),
         ),
+        Full::Connections => (
+            ScopeKind::Global,
+            "the gateway is at its bound of connections; retry later".to_string(),
+        ),
     };
     let mut res = ApiError {
         retry_after_s: Some(CAPACITY_RETRY_AFTER_S),
@@ -264,6 +270,14 @@ pub fn refusal(full: Full) -> Response {
 /// slots until the answer has been sent.
 pub async fn admit(State(state): State<Shared>, req: Request, next: Next) -> Response {
     let class = classify(&state, req.uri().path(), req.headers());
+    if class == Class::Public
+        && req
+            .extensions()
+            .get::<crate::listener::Reserved>()
+            .is_some()
+    {
+        return refusal(Full::Connections);
+    }
     let prefixes = if class.per_address() {
         address_prefixes(&state, &req)
     } else {

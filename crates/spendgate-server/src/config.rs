@@ -24,6 +24,8 @@
 //!   `health_requests_max`: requests in flight per class of caller; `address_requests_max`:
 //!   requests in flight per client address prefix without a valid token;
 //!   `address_connections_max`: connections per socket peer (trusted proxies exempt);
+//!   `connections_max`, `connections_reserved`: connections at once, and those kept for
+//!   callers that are not public;
 //!   `body_min_bytes_per_s`, `body_grace_ms`: the minimum rate of a request body after its
 //!   grace (see `crate::capacity`).
 //! - `sessions.verifier_url`, `sessions.verifier_secret`: an external siteverify-style checker
@@ -74,6 +76,9 @@ pub const ADMIN_REQUESTS_MAX_DEFAULT: u64 = 64;
 pub const HEALTH_REQUESTS_MAX_DEFAULT: u64 = 256;
 pub const ADDRESS_REQUESTS_MAX_DEFAULT: u64 = 64;
 pub const ADDRESS_CONNECTIONS_MAX_DEFAULT: u64 = 256;
+/// Connections kept for callers that are not public (a valid service or admin token, or a
+/// health route) once the others are all taken.
+pub const CONNECTIONS_RESERVED_DEFAULT: u64 = 1_024;
 pub const BODY_MIN_BYTES_PER_S_DEFAULT: u64 = 4_096;
 pub const BODY_GRACE_MS_DEFAULT: u64 = 2_000;
 /// Largest bound of one class's (or one address's) requests in flight.
@@ -225,6 +230,11 @@ pub struct CapacityConfig {
     pub address_requests_max: usize,
     /// Connections per socket peer (its prefix as above); a trusted proxy is exempt.
     pub address_connections_max: usize,
+    /// Connections served at once (at most `listener::CONNECTIONS_MAX`, what the open files
+    /// limit is raised for), of which `connections_reserved` are taken only once the others
+    /// are all taken and serve no public request.
+    pub connections_max: usize,
+    pub connections_reserved: usize,
     /// After `body_grace`, a request body must have arrived at this average rate at least.
     pub body_min_bytes_per_s: u64,
     pub body_grace: Duration,
@@ -239,6 +249,8 @@ impl Default for CapacityConfig {
             health_requests_max: HEALTH_REQUESTS_MAX_DEFAULT as usize,
             address_requests_max: ADDRESS_REQUESTS_MAX_DEFAULT as usize,
             address_connections_max: ADDRESS_CONNECTIONS_MAX_DEFAULT as usize,
+            connections_max: crate::listener::CONNECTIONS_MAX,
+            connections_reserved: CONNECTIONS_RESERVED_DEFAULT as usize,
             body_min_bytes_per_s: BODY_MIN_BYTES_PER_S_DEFAULT,
             body_grace: Duration::from_millis(BODY_GRACE_MS_DEFAULT),
         }
@@ -588,6 +600,8 @@ struct RawServer {
     health_requests_max: u64,
     address_requests_max: u64,
     address_connections_max: u64,
+    connections_max: u64,
+    connections_reserved: u64,
     body_min_bytes_per_s: u64,
     body_grace_ms: u64,
 }
@@ -607,6 +621,8 @@ impl Default for RawServer {
             health_requests_max: HEALTH_REQUESTS_MAX_DEFAULT,
             address_requests_max: ADDRESS_REQUESTS_MAX_DEFAULT,
             address_connections_max: ADDRESS_CONNECTIONS_MAX_DEFAULT,
+            connections_max: crate::listener::CONNECTIONS_MAX as u64,
+            connections_reserved: CONNECTIONS_RESERVED_DEFAULT,
             body_min_bytes_per_s: BODY_MIN_BYTES_PER_S_DEFAULT,
             body_grace_ms: BODY_GRACE_MS_DEFAULT,
         }
@@ -1543,8 +1559,22 @@ impl Validator<'_, '_> {
             this.range(&p.key(key), v, 1, CLASS_REQUESTS_MAX)
                 .map(|v| v as usize)
         };
-        let connections_max = crate::listener::CONNECTIONS_MAX as u64;
+        let connections_max = self.range(
+            &p.key("connections_max"),
+            raw.connections_max,
+            2,
+            crate::listener::CONNECTIONS_MAX as u64,
+        )?;
+        // (at most half: the other half at least serves everyone)
+        let connections_reserved = self.range(
+            &p.key("connections_reserved"),
+            raw.connections_reserved,
+            0,
+            connections_max / 2,
+        )?;
         Ok(CapacityConfig {
+            connections_max: connections_max as usize,
+            connections_reserved: connections_reserved as usize,
             public_requests_max: class(self, "public_requests_max", raw.public_requests_max)?,
             service_requests_max: class(self, "service_requests_max", raw.service_requests_max)?,
             admin_requests_max: class(self, "admin_requests_max", raw.admin_requests_max)?,
@@ -2333,6 +2363,8 @@ impl Config {
         o.kv("health_requests_max", c.health_requests_max);
         o.kv("address_requests_max", c.address_requests_max);
         o.kv("address_connections_max", c.address_connections_max);
+        o.kv("connections_max", c.connections_max);
+        o.kv("connections_reserved", c.connections_reserved);
         o.kv("body_min_bytes_per_s", c.body_min_bytes_per_s);
         o.kv("body_grace_ms", c.body_grace.as_millis());
 

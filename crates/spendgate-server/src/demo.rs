@@ -169,9 +169,11 @@ pub async fn run(
     tracing::info!(%addr, %mock_addr, "spendgate demo listening");
 
     let idle = listener::idle_time(MOCK_TIMEOUT);
+    let cap = state.config.server.capacity;
     let listener = listener::Bounded::new(
         listener,
-        listener::CONNECTIONS_MAX,
+        cap.connections_max,
+        cap.connections_reserved,
         idle,
         listener::PeerBound::of(&state.config),
     );

@@ -494,9 +494,16 @@ pub async fn serve(
         .max()
         .unwrap_or_default();
     let peers = listener::PeerBound::of(&state.config);
+    let cap = state.config.server.capacity;
     let app = router(state);
     let idle = listener::idle_time(longest_upstream);
-    let listener = listener::Bounded::new(listener, listener::CONNECTIONS_MAX, idle, peers);
+    let listener = listener::Bounded::new(
+        listener,
+        cap.connections_max,
+        cap.connections_reserved,
+        idle,
+        peers,
+    );
     let result =
         listener::serve(listener, app, shutdown, listener::HEADER_READ_TIMEOUT, idle).await;
     sweeper.abort();

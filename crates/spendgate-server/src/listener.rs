@@ -29,8 +29,19 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
-/// Connections served at once by one process.
+/// Connections served at once by one process (most `server.connections_max` may be; the
+/// open files limit is raised for this many).
 pub const CONNECTIONS_MAX: usize = 16_384;
+
+/// Longest time from accepting a connection on a reserved slot until its request's head
+/// has arrived (and, kept alive, between its requests): a reserved slot is for the
+/// operator's backend, which sends at once, and a silent connection holds one no longer.
+pub const RESERVED_HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Marks a request that came on a reserved connection slot (see [`Bounded`]): it is served
+/// only if it is not public (`capacity::admit`).
+#[derive(Clone, Copy, Debug)]
+pub struct Reserved;
 /// Shortest idle time of a connection.
 pub const CONNECTION_IDLE_MIN: Duration = Duration::from_secs(120);
 /// How much longer than the longest upstream timeout a connection may stay idle.
@@ -153,9 +164,16 @@ impl Drop for PeerHold {
 }
 
 /// A TCP listener whose connections are counted (in all and per peer) and closed when idle.
+/// Of its slots, `reserved` are taken only once the others are all taken: a request on such
+/// a connection is served only when it is not public (a valid service or admin token, or a
+/// health route; `capacity::admit` refuses the others), and its head must come within
+/// [`RESERVED_HEADER_READ_TIMEOUT`]. So guests holding every ordinary slot (silent
+/// connections hold one for `HEADER_READ_TIMEOUT`) still leave the operator's backend room
+/// to connect.
 pub struct Bounded {
     inner: TcpListener,
     slots: Arc<Semaphore>,
+    reserved: Arc<Semaphore>,
     idle: Duration,
     peers: PeerBound,
     /// Connections open per peer prefix (only prefixes with one at least: at most
@@ -167,17 +185,43 @@ pub struct Bounded {
 }
 
 impl Bounded {
-    pub fn new(inner: TcpListener, max: usize, idle: Duration, peers: PeerBound) -> Bounded {
-        assert!(max > 0, "a listener serves at least one connection");
+    pub fn new(
+        inner: TcpListener,
+        max: usize,
+        reserved: usize,
+        idle: Duration,
+        peers: PeerBound,
+    ) -> Bounded {
+        assert!(
+            reserved < max,
+            "a listener serves at least one connection besides the reserved ones"
+        );
         assert!(peers.max > 0, "a peer may open one connection at least");
         Bounded {
             inner,
-            slots: Arc::new(Semaphore::new(max)),
+            slots: Arc::new(Semaphore::new(max - reserved)),
+            reserved: Arc::new(Semaphore::new(reserved)),
             idle,
             peers,
             counts: Arc::default(),
             refused: AtomicU64::new(0),
             last_warned_s: AtomicU64::new(0),
+        }
+    }
+
+    /// An ordinary slot, else a reserved one (`true`), else the first to free.
+    async fn slot(&self) -> (OwnedSemaphorePermit, bool) {
+        if let Ok(slot) = self.slots.clone().try_acquire_owned() {
+            return (slot, false);
+        }
+        if let Ok(slot) = self.reserved.clone().try_acquire_owned() {
+            return (slot, true);
+        }
+        // (the semaphores are never closed)
+        tokio::select! {
+            Ok(slot) = self.slots.clone().acquire_owned() => (slot, false),
+            Ok(slot) = self.reserved.clone().acquire_owned() => (slot, true),
+            else => std::future::pending().await,
         }
     }
 
@@ -228,14 +272,14 @@ impl axum::serve::Listener for Bounded {
 
     async fn accept(&mut self) -> (IdleIo, SocketAddr) {
         loop {
-            // (the semaphore is never closed)
-            let slot = match self.slots.clone().acquire_owned().await {
-                Ok(slot) => slot,
-                Err(_) => std::future::pending().await,
-            };
+            let (slot, reserved) = self.slot().await;
             let (tcp, addr) = axum::serve::Listener::accept(&mut self.inner).await;
             match self.admit(addr) {
-                Some(peer) => return (IdleIo::new(tcp, slot, self.idle, peer), addr),
+                Some(peer) => {
+                    let mut io = IdleIo::new(tcp, slot, self.idle, peer);
+                    io.reserved = reserved;
+                    return (io, addr);
+                }
                 None => {
                     // Closed at once, unread: the slot is free again.
                     drop(tcp);
@@ -261,6 +305,8 @@ pub struct IdleIo {
     timer: Pin<Box<Sleep>>,
     _slot: OwnedSemaphorePermit,
     _peer: Option<PeerHold>,
+    /// On a reserved slot (see [`Bounded`]).
+    reserved: bool,
 }
 
 impl IdleIo {
@@ -278,7 +324,13 @@ impl IdleIo {
             timer: Box::pin(tokio::time::sleep_until(now + idle)),
             _slot: slot,
             _peer: peer,
+            reserved: false,
         }
+    }
+
+    /// Whether the connection holds a reserved slot.
+    pub fn reserved(&self) -> bool {
+        self.reserved
     }
 
     pub fn set_nodelay(&self, on: bool) -> io::Result<()> {
@@ -666,6 +718,8 @@ pub async fn serve(
     http.timer(TokioTimer::new())
         .header_read_timeout(header_read)
         .max_header_size(HEAD_BYTES_MAX);
+    let mut reserved_http = http.clone();
+    reserved_http.header_read_timeout(header_read.min(RESERVED_HEADER_READ_TIMEOUT));
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
@@ -674,12 +728,16 @@ pub async fn serve(
             () = shutdown.as_mut() => break,
         };
         let _ = io.set_nodelay(true);
+        let reserved = io.reserved();
         let busy = Busy::default();
         let io = ShapedIo::new(io, busy.clone());
         let app = app.clone();
         let service =
             tower::service_fn(move |mut req: axum::http::Request<hyper::body::Incoming>| {
                 req.extensions_mut().insert(ConnectInfo(peer));
+                if reserved {
+                    req.extensions_mut().insert(Reserved);
+                }
                 // In flight from here until its answer's body is sent or dropped.
                 let guard = busy.enter();
                 let answer = tower::ServiceExt::oneshot(app.clone(), req);
@@ -690,7 +748,8 @@ pub async fn serve(
                     }))
                 }
             });
-        let conn = http.serve_connection(TokioIo::new(io), TowerToHyperService::new(service));
+        let builder = if reserved { &reserved_http } else { &http };
+        let conn = builder.serve_connection(TokioIo::new(io), TowerToHyperService::new(service));
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
@@ -759,7 +818,7 @@ mod tests {
             );
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(serve(
-            Bounded::new(tcp, 16, Duration::from_secs(60), peers),
+            Bounded::new(tcp, 16, 0, Duration::from_secs(60), peers),
             app,
             async move {
                 let _ = stopped.await;
@@ -908,7 +967,7 @@ mod tests {
     async fn idle_connections_close_and_the_cap_holds() {
         let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = tcp.local_addr().expect("addr");
-        let mut listener = Bounded::new(tcp, 1, Duration::from_millis(300), PeerBound::none());
+        let mut listener = Bounded::new(tcp, 1, 0, Duration::from_millis(300), PeerBound::none());
         let server = tokio::spawn(async move {
             loop {
                 let (mut io, _) = listener.accept().await;
@@ -1163,5 +1222,65 @@ mod tests {
             let got: serde_json::Value = serde_json::from_slice(&refusal_body(code)).expect("json");
             assert_eq!(got, want, "{code}");
         }
+    }
+
+    /// Once the ordinary slots are taken, a connection gets a reserved one (its requests are
+    /// marked [`Reserved`]); past both, it waits for the first to free.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn reserved_slots_are_taken_last_and_marked() {
+        use axum::routing::get;
+        let tcp = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let addr = tcp.local_addr().expect("addr");
+        let app = axum::Router::new().route(
+            "/slot",
+            get(|req: axum::extract::Request| async move {
+                if req.extensions().get::<Reserved>().is_some() {
+                    "reserved"
+                } else {
+                    "ordinary"
+                }
+            }),
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(serve(
+            Bounded::new(tcp, 2, 1, Duration::from_secs(60), PeerBound::none()),
+            app,
+            async move {
+                let _ = stopped.await;
+            },
+            HEADER_READ_TIMEOUT,
+            Duration::from_secs(1),
+        ));
+        let ask = |mut tcp: TcpStream| async move {
+            tcp.write_all(b"GET /slot HTTP/1.1\r\nHost: x\r\n\r\n")
+                .await
+                .expect("write");
+            let mut buf = [0u8; 512];
+            let n = tcp.read(&mut buf).await.expect("read");
+            let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+            (tcp, text)
+        };
+        let (first, text) = ask(TcpStream::connect(addr).await.expect("connect")).await;
+        assert!(text.ends_with("ordinary"), "{text}");
+        let (second, text) = ask(TcpStream::connect(addr).await.expect("connect")).await;
+        assert!(text.ends_with("reserved"), "{text}");
+        // Both taken: a third waits, and gets the slot the first frees.
+        let mut third = TcpStream::connect(addr).await.expect("connect");
+        third
+            .write_all(b"GET /slot HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .expect("write");
+        let mut buf = [0u8; 512];
+        let early = tokio::time::timeout(Duration::from_millis(200), third.read(&mut buf)).await;
+        assert!(early.is_err(), "served past both bounds: {early:?}");
+        drop(first);
+        let n = tokio::time::timeout(Duration::from_secs(2), third.read(&mut buf))
+            .await
+            .expect("served once a slot freed")
+            .expect("read");
+        assert!(String::from_utf8_lossy(&buf[..n]).ends_with("ordinary"));
+        let _ = stop.send(());
+        drop((second, third));
+        server.await.expect("join").expect("serve");
     }
 }

@@ -483,6 +483,85 @@ async fn one_class_at_its_bound_takes_nothing_from_another() {
     drop(service_held);
 }
 
+/// Connections are accounted by class where they can be: once guests hold every ordinary
+/// connection slot, the reserved ones still take the operator's backend, the admin API and
+/// the health checks, and refuse a guest's request at once (429, connection closed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserved_connections_keep_room_for_the_operator() {
+    let (dir, store) = sqlite_dir();
+    let server_keys =
+        "connections_max = 24\nconnections_reserved = 4\naddress_connections_max = 10";
+    let server = Server::start_config(
+        dir,
+        |port| config_text_full(port, server_keys, &store, DEFAULT_SESSIONS, OPEN),
+        Vec::new(),
+    );
+    let port = server.port;
+    let session = server.session().await;
+    // Two guests hold the 20 ordinary slots with silent connections.
+    let mut silent = Vec::new();
+    for from in ["127.0.0.2", "127.0.0.4"] {
+        for _ in 0..10 {
+            silent.push(connect_from(from, port).await.expect("connect"));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let guest = exchange(
+        "127.0.0.3",
+        port,
+        &post_json("/v1/sessions", "", &json!({})),
+    )
+    .await
+    .expect("answered");
+    guest.assert_error(429, "rate_limited", "a guest on a reserved slot");
+    assert_eq!(guest.body["error"]["scope"], "global", "{guest:?}");
+    assert!(guest.has("connection: close"), "{guest:?}");
+    for _ in 0..3 {
+        let run = exchange(
+            "127.0.0.1",
+            port,
+            &post_json(
+                "/v1/runs",
+                &service(),
+                &json!({"session": session, "client_ip": "198.51.100.5", "conversation": "r", "input_text": "hi"}),
+            ),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(run.status, 201, "the operator on a reserved slot: {run:?}");
+        let id = run.body["run_id"].as_str().expect("run id");
+        let finish = exchange(
+            "127.0.0.1",
+            port,
+            &post_json(&format!("/v1/runs/{id}/finish"), &service(), &json!({})),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(finish.status, 200, "{finish:?}");
+    }
+    let health = exchange("127.0.0.6", port, &get("/healthz", ""))
+        .await
+        .expect("answered");
+    assert_eq!(health.status, 200, "{health:?}");
+    // The guests let go: a guest is served again (once the server has seen them close).
+    drop(silent);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let guest = exchange(
+            "127.0.0.3",
+            port,
+            &post_json("/v1/sessions", "", &json!({})),
+        )
+        .await
+        .expect("answered");
+        if guest.status == 201 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{guest:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// Finding 5: what the HTTP stack refuses itself is answered in the error shape too: 2,000
 /// small header lines, one header line over the head bound, a request line that is not
 /// HTTP; and a head under the stack's bound but over `HEADER_BYTES_MAX` by the router. On

@@ -77,7 +77,8 @@ pub const HEALTH_REQUESTS_MAX_DEFAULT: u64 = 256;
 pub const ADDRESS_REQUESTS_MAX_DEFAULT: u64 = 64;
 pub const ADDRESS_CONNECTIONS_MAX_DEFAULT: u64 = 256;
 /// Connections kept for callers that are not public (a valid service or admin token, or a
-/// health route) once the others are all taken.
+/// health route) once the others are all taken (a sixteenth of `connections_max` at most
+/// when not given).
 pub const CONNECTIONS_RESERVED_DEFAULT: u64 = 1_024;
 pub const BODY_MIN_BYTES_PER_S_DEFAULT: u64 = 4_096;
 pub const BODY_GRACE_MS_DEFAULT: u64 = 2_000;
@@ -599,9 +600,11 @@ struct RawServer {
     admin_requests_max: u64,
     health_requests_max: u64,
     address_requests_max: u64,
-    address_connections_max: u64,
+    /// Absent: [`ADDRESS_CONNECTIONS_MAX_DEFAULT`], at most `connections_max`.
+    address_connections_max: Option<u64>,
     connections_max: u64,
-    connections_reserved: u64,
+    /// Absent: [`CONNECTIONS_RESERVED_DEFAULT`], at most a sixteenth of `connections_max`.
+    connections_reserved: Option<u64>,
     body_min_bytes_per_s: u64,
     body_grace_ms: u64,
 }
@@ -620,9 +623,9 @@ impl Default for RawServer {
             admin_requests_max: ADMIN_REQUESTS_MAX_DEFAULT,
             health_requests_max: HEALTH_REQUESTS_MAX_DEFAULT,
             address_requests_max: ADDRESS_REQUESTS_MAX_DEFAULT,
-            address_connections_max: ADDRESS_CONNECTIONS_MAX_DEFAULT,
+            address_connections_max: None,
             connections_max: crate::listener::CONNECTIONS_MAX as u64,
-            connections_reserved: CONNECTIONS_RESERVED_DEFAULT,
+            connections_reserved: None,
             body_min_bytes_per_s: BODY_MIN_BYTES_PER_S_DEFAULT,
             body_grace_ms: BODY_GRACE_MS_DEFAULT,
         }
@@ -1566,12 +1569,10 @@ impl Validator<'_, '_> {
             crate::listener::CONNECTIONS_MAX as u64,
         )?;
         // (at most half: the other half at least serves everyone)
-        let connections_reserved = self.range(
-            &p.key("connections_reserved"),
-            raw.connections_reserved,
-            0,
-            connections_max / 2,
-        )?;
+        let connections_reserved = match raw.connections_reserved {
+            None => CONNECTIONS_RESERVED_DEFAULT.min(connections_max / 16),
+            Some(n) => self.range(&p.key("connections_reserved"), n, 0, connections_max / 2)?,
+        };
         Ok(CapacityConfig {
             connections_max: connections_max as usize,
             connections_reserved: connections_reserved as usize,
@@ -1580,12 +1581,12 @@ impl Validator<'_, '_> {
             admin_requests_max: class(self, "admin_requests_max", raw.admin_requests_max)?,
             health_requests_max: class(self, "health_requests_max", raw.health_requests_max)?,
             address_requests_max: class(self, "address_requests_max", raw.address_requests_max)?,
-            address_connections_max: self.range(
-                &p.key("address_connections_max"),
-                raw.address_connections_max,
-                1,
-                connections_max,
-            )? as usize,
+            address_connections_max: match raw.address_connections_max {
+                None => ADDRESS_CONNECTIONS_MAX_DEFAULT.min(connections_max) as usize,
+                Some(n) => {
+                    self.range(&p.key("address_connections_max"), n, 1, connections_max)? as usize
+                }
+            },
             body_min_bytes_per_s: self.range(
                 &p.key("body_min_bytes_per_s"),
                 raw.body_min_bytes_per_s,
@@ -3237,6 +3238,67 @@ budgets = [{ amount = \"1\", window = \"lifetime\" }]
         assert_eq!(c.sessions, defaults.sessions);
         assert_eq!(c.identity, defaults.identity);
         assert_eq!(c.alerts, defaults.alerts);
+    }
+
+    /// The capacity keys: defaults, values given, and ranges that name the key.
+    #[test]
+    fn capacity_keys_have_defaults_and_ranges() {
+        let d = load("", &no_env).expect("defaults").server.capacity;
+        assert_eq!(d, CapacityConfig::default());
+        assert_eq!(d.connections_max, crate::listener::CONNECTIONS_MAX);
+        let c = load(
+            "[server]\npublic_requests_max = 10\nservice_requests_max = 20\n\
+             admin_requests_max = 3\nhealth_requests_max = 4\naddress_requests_max = 5\n\
+             address_connections_max = 6\nconnections_max = 100\nconnections_reserved = 50\n\
+             body_min_bytes_per_s = 1000\nbody_grace_ms = 500\n",
+            &no_env,
+        )
+        .expect("config")
+        .server
+        .capacity;
+        assert_eq!(
+            c,
+            CapacityConfig {
+                public_requests_max: 10,
+                service_requests_max: 20,
+                admin_requests_max: 3,
+                health_requests_max: 4,
+                address_requests_max: 5,
+                address_connections_max: 6,
+                connections_max: 100,
+                connections_reserved: 50,
+                body_min_bytes_per_s: 1000,
+                body_grace: Duration::from_millis(500),
+            }
+        );
+        // Not given, the reserve follows a smaller connection bound.
+        let c = load("[server]\nconnections_max = 100\n", &no_env).expect("config");
+        assert_eq!(c.server.capacity.connections_reserved, 6);
+        assert_eq!(c.server.capacity.address_connections_max, 100);
+        for (text, key) in [
+            ("public_requests_max = 0", "server.public_requests_max"),
+            (
+                "service_requests_max = 100000",
+                "server.service_requests_max",
+            ),
+            ("address_requests_max = 0", "server.address_requests_max"),
+            ("connections_max = 100000", "server.connections_max"),
+            (
+                "connections_max = 100\nconnections_reserved = 51",
+                "server.connections_reserved",
+            ),
+            (
+                "connections_max = 100\naddress_connections_max = 101",
+                "server.address_connections_max",
+            ),
+            // A slower body rate would let a body hold its slot for hours.
+            ("body_min_bytes_per_s = 10", "server.body_min_bytes_per_s"),
+            // A longer grace would outlast the decision API's request timeout.
+            ("body_grace_ms = 15000", "server.body_grace_ms"),
+        ] {
+            let e = load_err(&format!("[server]\n{text}\n"));
+            assert_eq!(e.key(), key, "{text}: {e}");
+        }
     }
 
     #[test]

@@ -38,6 +38,8 @@ pub struct AppState {
     /// Upstreams by name, resolved at start (the demo adds its built-in mock).
     pub upstreams: std::collections::BTreeMap<String, crate::proxy::Upstream>,
     pub alerts: crate::alerts::Alerts,
+    /// The in-flight bounds per class of caller and per address (`crate::capacity`).
+    pub capacity: crate::capacity::Capacity,
 }
 
 impl AppState {
@@ -61,9 +63,6 @@ pub fn now_unix() -> u64 {
         .unwrap_or(0)
 }
 
-/// Time a request body may take to arrive whole.
-pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
-
 /// A JSON body parsed strictly; its rejections are `ApiError`s. Keeps the raw bytes, whose
 /// digest fingerprints the request when it carries an `Idempotency-Key`.
 pub struct Body<T> {
@@ -74,27 +73,22 @@ pub struct Body<T> {
 impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
     type Rejection = ApiError;
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
-        // A body sent slowly holds a request slot: it gets BODY_READ_TIMEOUT in all.
-        let read = tokio::time::timeout(BODY_READ_TIMEOUT, Bytes::from_request(req, state));
-        let bytes = read
-            .await
-            .map_err(|_| {
+        // A body sent slowly holds a request slot: it must keep the minimum rate that the
+        // capacity layer puts on every request body (`capacity::RateBody`), else 408.
+        let bytes = Bytes::from_request(req, state).await.map_err(|e| {
+            if crate::capacity::is_too_slow(&e) {
                 ApiError::new(
                     StatusCode::REQUEST_TIMEOUT,
                     "request_timeout",
-                    format!(
-                        "the request body did not arrive within {} s",
-                        BODY_READ_TIMEOUT.as_secs()
-                    ),
+                    "the request body arrived too slowly: after a short grace a body must \
+                     keep arriving at the gateway's minimum rate",
                 )
-            })?
-            .map_err(|e| {
-                if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                    ApiError::payload_too_large("request body is too large")
-                } else {
-                    ApiError::invalid(format!("could not read the request body: {e}"))
-                }
-            })?;
+            } else if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::payload_too_large("request body is too large")
+            } else {
+                ApiError::invalid(format!("could not read the request body: {e}"))
+            }
+        })?;
         let value = if bytes.is_empty() {
             serde_json::from_slice(b"{}")
         } else {
@@ -105,7 +99,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
     }
 }
 
-fn bearer(headers: &HeaderMap) -> Option<&str> {
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
     let v = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     v.strip_prefix("Bearer ")
         .or_else(|| v.strip_prefix("bearer "))

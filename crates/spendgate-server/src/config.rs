@@ -20,6 +20,14 @@
 //! the server can warn about it.
 //!
 //! Extensions to SPEC §9 (all optional):
+//! - `server.public_requests_max`, `service_requests_max`, `admin_requests_max`,
+//!   `health_requests_max`: requests in flight per class of caller; `address_requests_max`:
+//!   requests in flight per client address prefix without a valid token;
+//!   `address_connections_max`: connections per socket peer (trusted proxies exempt);
+//!   `connections_max`, `connections_reserved`: connections at once, and those kept for
+//!   callers that are not public;
+//!   `body_min_bytes_per_s`, `body_grace_ms`: the minimum rate of a request body after its
+//!   grace (see `crate::capacity`).
 //! - `sessions.verifier_url`, `sessions.verifier_secret`: an external siteverify-style checker
 //!   used instead of the built-in proof-of-work challenge.
 //! - `identity.ipv6_wider_prefixes` (default `[56, 48]`): wider IPv6 prefixes, limited too, the
@@ -59,6 +67,31 @@ use toml::Spanned;
 
 // ---------------------------------------------------------------------------------------------
 // Named bounds.
+
+/// `[server]` capacity defaults (see `crate::capacity`): requests in flight per class of
+/// caller, per client address prefix, connections per peer, and the minimum body rate.
+pub const PUBLIC_REQUESTS_MAX_DEFAULT: u64 = 4_096;
+pub const SERVICE_REQUESTS_MAX_DEFAULT: u64 = 4_096;
+pub const ADMIN_REQUESTS_MAX_DEFAULT: u64 = 64;
+pub const HEALTH_REQUESTS_MAX_DEFAULT: u64 = 256;
+pub const ADDRESS_REQUESTS_MAX_DEFAULT: u64 = 64;
+pub const ADDRESS_CONNECTIONS_MAX_DEFAULT: u64 = 256;
+/// Connections kept for callers that are not public (a valid service or admin token, or a
+/// health route) once the others are all taken (a sixteenth of `connections_max` at most
+/// when not given).
+pub const CONNECTIONS_RESERVED_DEFAULT: u64 = 1_024;
+pub const BODY_MIN_BYTES_PER_S_DEFAULT: u64 = 4_096;
+pub const BODY_GRACE_MS_DEFAULT: u64 = 2_000;
+/// Largest bound of one class's (or one address's) requests in flight.
+pub const CLASS_REQUESTS_MAX: u64 = 65_536;
+/// `server.body_min_bytes_per_s` range: below the floor a body could hold its request for
+/// hours (4 MiB at 256 bytes a second is about 4.5 hours, already long).
+pub const BODY_MIN_BYTES_PER_S_FLOOR: u64 = 256;
+pub const BODY_MIN_BYTES_PER_S_MAX: u64 = 16 * 1024 * 1024;
+/// `server.body_grace_ms` range (below the decision API's request timeout, 15 s, so that a
+/// stalled body is answered 408 by its rate, not 504).
+pub const BODY_GRACE_MS_MIN: u64 = 100;
+pub const BODY_GRACE_MS_MAX: u64 = 10_000;
 
 /// Service and admin tokens shorter than this draw a warning at start and in check-config.
 pub const TOKEN_BYTES_ADVISED: usize = 16;
@@ -178,6 +211,51 @@ pub struct ServerConfig {
     pub admin_tokens: Vec<Secret>,
     pub browser_direct: bool,
     pub dry_run: bool,
+    pub capacity: CapacityConfig,
+}
+
+/// How much of the process each class of caller and each client address may hold, and how
+/// fast a body must arrive (`[server]` keys of the same names; see `crate::capacity`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CapacityConfig {
+    /// Requests in flight from guests and anyone without a valid service or admin token.
+    pub public_requests_max: usize,
+    /// Requests in flight with a valid service token (the operator's backend).
+    pub service_requests_max: usize,
+    /// Requests in flight with a valid admin token.
+    pub admin_requests_max: usize,
+    /// Requests in flight to `/healthz`, `/readyz` and `/metrics`.
+    pub health_requests_max: usize,
+    /// Requests in flight without a valid token, per client address prefix (at
+    /// `identity.ipv4_prefix` / `ipv6_prefix`; each wider IPv6 prefix at this times its factor).
+    pub address_requests_max: usize,
+    /// Connections per socket peer (its prefix as above); a trusted proxy is exempt.
+    pub address_connections_max: usize,
+    /// Connections served at once (at most `listener::CONNECTIONS_MAX`, what the open files
+    /// limit is raised for), of which `connections_reserved` are taken only once the others
+    /// are all taken and serve no public request.
+    pub connections_max: usize,
+    pub connections_reserved: usize,
+    /// After `body_grace`, a request body must have arrived at this average rate at least.
+    pub body_min_bytes_per_s: u64,
+    pub body_grace: Duration,
+}
+
+impl Default for CapacityConfig {
+    fn default() -> Self {
+        CapacityConfig {
+            public_requests_max: PUBLIC_REQUESTS_MAX_DEFAULT as usize,
+            service_requests_max: SERVICE_REQUESTS_MAX_DEFAULT as usize,
+            admin_requests_max: ADMIN_REQUESTS_MAX_DEFAULT as usize,
+            health_requests_max: HEALTH_REQUESTS_MAX_DEFAULT as usize,
+            address_requests_max: ADDRESS_REQUESTS_MAX_DEFAULT as usize,
+            address_connections_max: ADDRESS_CONNECTIONS_MAX_DEFAULT as usize,
+            connections_max: crate::listener::CONNECTIONS_MAX,
+            connections_reserved: CONNECTIONS_RESERVED_DEFAULT as usize,
+            body_min_bytes_per_s: BODY_MIN_BYTES_PER_S_DEFAULT,
+            body_grace: Duration::from_millis(BODY_GRACE_MS_DEFAULT),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -517,6 +595,18 @@ struct RawServer {
     admin_tokens: Vec<String>,
     browser_direct: bool,
     dry_run: bool,
+    public_requests_max: u64,
+    service_requests_max: u64,
+    admin_requests_max: u64,
+    health_requests_max: u64,
+    address_requests_max: u64,
+    /// Absent: [`ADDRESS_CONNECTIONS_MAX_DEFAULT`], at most `connections_max`.
+    address_connections_max: Option<u64>,
+    connections_max: u64,
+    /// Absent: [`CONNECTIONS_RESERVED_DEFAULT`], at most a sixteenth of `connections_max`.
+    connections_reserved: Option<u64>,
+    body_min_bytes_per_s: u64,
+    body_grace_ms: u64,
 }
 
 impl Default for RawServer {
@@ -528,6 +618,16 @@ impl Default for RawServer {
             admin_tokens: vec!["env:SPENDGATE_ADMIN_TOKEN".to_string()],
             browser_direct: false,
             dry_run: false,
+            public_requests_max: PUBLIC_REQUESTS_MAX_DEFAULT,
+            service_requests_max: SERVICE_REQUESTS_MAX_DEFAULT,
+            admin_requests_max: ADMIN_REQUESTS_MAX_DEFAULT,
+            health_requests_max: HEALTH_REQUESTS_MAX_DEFAULT,
+            address_requests_max: ADDRESS_REQUESTS_MAX_DEFAULT,
+            address_connections_max: None,
+            connections_max: crate::listener::CONNECTIONS_MAX as u64,
+            connections_reserved: None,
+            body_min_bytes_per_s: BODY_MIN_BYTES_PER_S_DEFAULT,
+            body_grace_ms: BODY_GRACE_MS_DEFAULT,
         }
     }
 }
@@ -1445,6 +1545,7 @@ impl Validator<'_, '_> {
                 ));
             }
         }
+        let capacity = self.capacity(&p, raw)?;
         Ok(ServerConfig {
             listen,
             trusted_proxies,
@@ -1452,6 +1553,52 @@ impl Validator<'_, '_> {
             admin_tokens,
             browser_direct: raw.browser_direct,
             dry_run: raw.dry_run,
+            capacity,
+        })
+    }
+
+    fn capacity(&mut self, p: &KeyPath, raw: &RawServer) -> R<CapacityConfig> {
+        let class = |this: &Self, key: &str, v: u64| -> R<usize> {
+            this.range(&p.key(key), v, 1, CLASS_REQUESTS_MAX)
+                .map(|v| v as usize)
+        };
+        let connections_max = self.range(
+            &p.key("connections_max"),
+            raw.connections_max,
+            2,
+            crate::listener::CONNECTIONS_MAX as u64,
+        )?;
+        // (at most half: the other half at least serves everyone)
+        let connections_reserved = match raw.connections_reserved {
+            None => CONNECTIONS_RESERVED_DEFAULT.min(connections_max / 16),
+            Some(n) => self.range(&p.key("connections_reserved"), n, 0, connections_max / 2)?,
+        };
+        Ok(CapacityConfig {
+            connections_max: connections_max as usize,
+            connections_reserved: connections_reserved as usize,
+            public_requests_max: class(self, "public_requests_max", raw.public_requests_max)?,
+            service_requests_max: class(self, "service_requests_max", raw.service_requests_max)?,
+            admin_requests_max: class(self, "admin_requests_max", raw.admin_requests_max)?,
+            health_requests_max: class(self, "health_requests_max", raw.health_requests_max)?,
+            address_requests_max: class(self, "address_requests_max", raw.address_requests_max)?,
+            address_connections_max: match raw.address_connections_max {
+                None => ADDRESS_CONNECTIONS_MAX_DEFAULT.min(connections_max) as usize,
+                Some(n) => {
+                    self.range(&p.key("address_connections_max"), n, 1, connections_max)? as usize
+                }
+            },
+            body_min_bytes_per_s: self.range(
+                &p.key("body_min_bytes_per_s"),
+                raw.body_min_bytes_per_s,
+                BODY_MIN_BYTES_PER_S_FLOOR,
+                BODY_MIN_BYTES_PER_S_MAX,
+            )?,
+            body_grace: Duration::from_millis(self.range(
+                &p.key("body_grace_ms"),
+                raw.body_grace_ms,
+                BODY_GRACE_MS_MIN,
+                BODY_GRACE_MS_MAX,
+            )?),
         })
     }
 
@@ -2210,6 +2357,17 @@ impl Config {
         );
         o.kv("browser_direct", s.browser_direct);
         o.kv("dry_run", s.dry_run);
+        let c = &s.capacity;
+        o.kv("public_requests_max", c.public_requests_max);
+        o.kv("service_requests_max", c.service_requests_max);
+        o.kv("admin_requests_max", c.admin_requests_max);
+        o.kv("health_requests_max", c.health_requests_max);
+        o.kv("address_requests_max", c.address_requests_max);
+        o.kv("address_connections_max", c.address_connections_max);
+        o.kv("connections_max", c.connections_max);
+        o.kv("connections_reserved", c.connections_reserved);
+        o.kv("body_min_bytes_per_s", c.body_min_bytes_per_s);
+        o.kv("body_grace_ms", c.body_grace.as_millis());
 
         let st = &self.store;
         o.line("");
@@ -3080,6 +3238,67 @@ budgets = [{ amount = \"1\", window = \"lifetime\" }]
         assert_eq!(c.sessions, defaults.sessions);
         assert_eq!(c.identity, defaults.identity);
         assert_eq!(c.alerts, defaults.alerts);
+    }
+
+    /// The capacity keys: defaults, values given, and ranges that name the key.
+    #[test]
+    fn capacity_keys_have_defaults_and_ranges() {
+        let d = load("", &no_env).expect("defaults").server.capacity;
+        assert_eq!(d, CapacityConfig::default());
+        assert_eq!(d.connections_max, crate::listener::CONNECTIONS_MAX);
+        let c = load(
+            "[server]\npublic_requests_max = 10\nservice_requests_max = 20\n\
+             admin_requests_max = 3\nhealth_requests_max = 4\naddress_requests_max = 5\n\
+             address_connections_max = 6\nconnections_max = 100\nconnections_reserved = 50\n\
+             body_min_bytes_per_s = 1000\nbody_grace_ms = 500\n",
+            &no_env,
+        )
+        .expect("config")
+        .server
+        .capacity;
+        assert_eq!(
+            c,
+            CapacityConfig {
+                public_requests_max: 10,
+                service_requests_max: 20,
+                admin_requests_max: 3,
+                health_requests_max: 4,
+                address_requests_max: 5,
+                address_connections_max: 6,
+                connections_max: 100,
+                connections_reserved: 50,
+                body_min_bytes_per_s: 1000,
+                body_grace: Duration::from_millis(500),
+            }
+        );
+        // Not given, the reserve follows a smaller connection bound.
+        let c = load("[server]\nconnections_max = 100\n", &no_env).expect("config");
+        assert_eq!(c.server.capacity.connections_reserved, 6);
+        assert_eq!(c.server.capacity.address_connections_max, 100);
+        for (text, key) in [
+            ("public_requests_max = 0", "server.public_requests_max"),
+            (
+                "service_requests_max = 100000",
+                "server.service_requests_max",
+            ),
+            ("address_requests_max = 0", "server.address_requests_max"),
+            ("connections_max = 100000", "server.connections_max"),
+            (
+                "connections_max = 100\nconnections_reserved = 51",
+                "server.connections_reserved",
+            ),
+            (
+                "connections_max = 100\naddress_connections_max = 101",
+                "server.address_connections_max",
+            ),
+            // A slower body rate would let a body hold its slot for hours.
+            ("body_min_bytes_per_s = 10", "server.body_min_bytes_per_s"),
+            // A longer grace would outlast the decision API's request timeout.
+            ("body_grace_ms = 15000", "server.body_grace_ms"),
+        ] {
+            let e = load_err(&format!("[server]\n{text}\n"));
+            assert_eq!(e.key(), key, "{text}: {e}");
+        }
     }
 
     #[test]

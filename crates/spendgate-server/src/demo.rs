@@ -128,8 +128,7 @@ pub async fn run(
 
     spendgate_server::tokens::warm_up();
     let store = spendgate_server::open_store(&cfg).await?;
-    let listener = tokio::net::TcpListener::bind(cfg.server.listen)
-        .await
+    let listener = listener::bind(cfg.server.listen)
         .with_context(|| format!("binding {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;
     let mut state = spendgate_server::build_state(cfg, store)?;
@@ -146,7 +145,8 @@ pub async fn run(
             },
         );
 
-    let app = spendgate_server::router(state.clone())
+    // The demo's pages are public routes like the others, behind the same bounds.
+    let pages = axum::Router::new()
         .route("/", get(|| async { Redirect::temporary("/demo/") }))
         .route("/demo", get(|| async { Redirect::temporary("/demo/") }))
         .route("/demo/", get(page))
@@ -157,6 +157,7 @@ pub async fn run(
                 async move { Json(json!({ "models": models })) }
             }),
         );
+    let app = spendgate_server::router_with(state.clone(), pages);
     let sweeper =
         spendgate_store::spawn_sweeper(state.store.clone(), spendgate_server::SWEEP_EVERY);
 
@@ -168,7 +169,14 @@ pub async fn run(
     tracing::info!(%addr, %mock_addr, "spendgate demo listening");
 
     let idle = listener::idle_time(MOCK_TIMEOUT);
-    let listener = listener::Bounded::new(listener, listener::CONNECTIONS_MAX, idle);
+    let cap = state.config.server.capacity;
+    let listener = listener::Bounded::new(
+        listener,
+        cap.connections_max,
+        cap.connections_reserved,
+        idle,
+        listener::PeerBound::of(&state.config),
+    );
     let result =
         listener::serve(listener, app, shutdown, listener::HEADER_READ_TIMEOUT, idle).await;
     sweeper.abort();

@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod alerts;
 pub mod api;
+pub mod capacity;
 pub mod challenge;
 pub mod config;
 pub mod error;
@@ -28,9 +29,6 @@ use spendgate_store::{
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Requests handled at once by one process; past it, new requests are shed with 429
-/// `rate_limited` (scope `global`, `Retry-After: OVERLOAD_RETRY_AFTER_S`).
-pub const CONCURRENT_REQUESTS_MAX: usize = 8192;
 /// Open files a gateway wants: every client connection ([`listener::CONNECTIONS_MAX`]), as many
 /// to upstreams, and room for the store, the alert webhook and logs.
 pub const OPEN_FILES_WANTED: u64 = 2 * listener::CONNECTIONS_MAX as u64 + 1024;
@@ -63,12 +61,11 @@ pub fn raise_open_files_limit() -> Option<u64> {
         }
     }
 }
-/// `Retry-After` of a request shed because the process is at `CONCURRENT_REQUESTS_MAX`.
-pub const OVERLOAD_RETRY_AFTER_S: u64 = 1;
 /// Total bytes of request headers accepted (names and values).
 pub const HEADER_BYTES_MAX: usize = 16 * 1024;
-/// Time a decision-API request may take end to end: longer than `api::BODY_READ_TIMEOUT`, so
-/// that a body sent slowly is answered 408 by the body read, not 504 by this timeout.
+/// Time a decision-API request may take end to end: longer than the longest body grace
+/// (`config::BODY_GRACE_MS_MAX`), so that a stalled body is answered 408 by its rate, not 504
+/// by this timeout.
 pub const API_REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 /// How often expired leases are swept.
 pub const SWEEP_EVERY: Duration = Duration::from_millis(500);
@@ -196,6 +193,7 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
         .as_ref()
         .map(|u| u.expose().to_string());
     let alerts = alerts::Alerts::start(http.clone(), webhook);
+    let capacity = capacity::Capacity::new(&config.server.capacity);
     Ok(Arc::new(AppState {
         alerts,
         upstreams,
@@ -206,6 +204,7 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
         admin_tokens,
         metrics: metrics::Metrics::default(),
         http,
+        capacity,
     }))
 }
 
@@ -315,55 +314,128 @@ async fn shed(err: tower::BoxError) -> Response {
         )
         .into_response()
     } else {
-        overloaded()
+        // (the timeout's inner service cannot fail)
+        tracing::error!(error = %err, "request failed in the middleware");
+        error::ApiError::new(
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            "the request failed",
+        )
+        .into_response()
     }
 }
 
-/// The answer to a request shed at `CONCURRENT_REQUESTS_MAX`: a global rate refusal (SPEC §6:
-/// 429 with `Retry-After`; 503 is only for `store_unavailable` and `cutoff_engaged`). Nothing
-/// was admitted; `x-should-retry: false` keeps OpenAI client libraries from adding their
-/// automatic retries to a flood (the caller may still come back after `Retry-After`).
-fn overloaded() -> Response {
-    let mut res = error::ApiError {
-        retry_after_s: Some(OVERLOAD_RETRY_AFTER_S),
-        ..error::ApiError::new(
-            axum::http::StatusCode::TOO_MANY_REQUESTS,
-            "rate_limited",
-            "the gateway is at its bound of requests in flight; retry later",
+/// When a JSON route requires `Content-Type: application/json` (SPEC §6: 415 otherwise).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum JsonRule {
+    /// Always, with a body or without: the routes a guest's cookie authenticates. A browser
+    /// sends a cross-site `POST` without a preflight only with a "simple" content type
+    /// (`text/plain`, a form) or none; it preflights `application/json`, which another site
+    /// cannot pass (spendgate answers no CORS). Requiring it means another site cannot have a
+    /// visitor's browser create sessions or call the model on the visitor's address, cookie
+    /// and quota.
+    Always,
+    /// When the request announces a body (`Content-Length` above 0, or `Transfer-Encoding`):
+    /// the routes of the service and admin tokens, which a browser never sends cross-site. A
+    /// `POST` without a body (heartbeat, finish, release) needs no type.
+    WithBody,
+}
+
+/// Whether `Content-Type` is `application/json` (any parameters, any case).
+fn is_json(headers: &axum::http::HeaderMap) -> bool {
+    headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// Whether a request says it carries a body.
+fn announces_body(headers: &axum::http::HeaderMap) -> bool {
+    use axum::http::header::{CONTENT_LENGTH, TRANSFER_ENCODING};
+    headers.contains_key(TRANSFER_ENCODING)
+        || headers
+            .get(CONTENT_LENGTH)
+            .is_some_and(|v| v.as_bytes().iter().any(|b| *b != b'0'))
+}
+
+/// 415 for a JSON route called without `Content-Type: application/json` (see [`JsonRule`]),
+/// before its body is read.
+async fn require_json(
+    axum::extract::State(rule): axum::extract::State<JsonRule>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let needed = rule == JsonRule::Always || announces_body(req.headers());
+    if needed && !is_json(req.headers()) {
+        return error::ApiError::new(
+            axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request",
+            "this route takes JSON: send Content-Type: application/json",
         )
+        .into_response();
     }
-    .with_scope(spendgate_core::ScopeKind::Global)
-    .into_response();
-    res.headers_mut().insert(
-        "x-should-retry",
-        axum::http::HeaderValue::from_static("false"),
-    );
-    res
+    next.run(req).await
 }
 
 pub fn router(state: Shared) -> Router {
+    router_with(state, Router::new())
+}
+
+/// The gateway's routes and `extra` ones (the demo's pages), all behind the same layers:
+/// capacity per class of caller and address, header bounds, error counting.
+pub fn router_with(state: Shared, extra: Router<Shared>) -> Router {
     use tower::ServiceBuilder;
     let api_limit =
         api::API_BODY_BYTES_MAX.max(state.config.policy.run.max_input_bytes as usize * 2 + 4096);
+    let json = |rule: JsonRule| middleware::from_fn_with_state(rule, require_json);
+    let with_body = || json(JsonRule::WithBody);
     let credentialed = Router::new()
-        .route("/v1/runs", post(api::create_run))
-        .route("/v1/runs/{run_id}/steps", post(api::create_step))
-        .route("/v1/runs/{run_id}/heartbeat", post(api::heartbeat))
-        .route("/v1/runs/{run_id}/finish", post(api::finish))
-        .route("/v1/steps/{step_id}/commit", post(api::commit_step))
-        .route("/v1/steps/{step_id}/release", post(api::release_step))
-        .route("/v1/steps/{step_id}/unknown", post(api::unknown_step))
+        .route("/v1/runs", post(api::create_run).route_layer(with_body()))
+        .route(
+            "/v1/runs/{run_id}/steps",
+            post(api::create_step).route_layer(with_body()),
+        )
+        .route(
+            "/v1/runs/{run_id}/heartbeat",
+            post(api::heartbeat).route_layer(with_body()),
+        )
+        .route(
+            "/v1/runs/{run_id}/finish",
+            post(api::finish).route_layer(with_body()),
+        )
+        .route(
+            "/v1/steps/{step_id}/commit",
+            post(api::commit_step).route_layer(with_body()),
+        )
+        .route(
+            "/v1/steps/{step_id}/release",
+            post(api::release_step).route_layer(with_body()),
+        )
+        .route(
+            "/v1/steps/{step_id}/unknown",
+            post(api::unknown_step).route_layer(with_body()),
+        )
         .route("/admin/v1/summary", get(admin::summary))
         .route("/admin/v1/scopes", get(admin::scopes))
         .route("/admin/v1/reservations", get(admin::reservations))
-        .route("/admin/v1/cutoff", put(admin::cutoff))
-        .route("/admin/v1/adjustments", post(admin::adjust))
+        .route(
+            "/admin/v1/cutoff",
+            put(admin::cutoff).route_layer(with_body()),
+        )
+        .route(
+            "/admin/v1/adjustments",
+            post(admin::adjust).route_layer(with_body()),
+        )
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             credentials_first,
         ));
     let decision = Router::new()
-        .route("/v1/sessions", post(api::create_session))
+        .route(
+            "/v1/sessions",
+            post(api::create_session).route_layer(json(JsonRule::Always)),
+        )
         .route("/v1/usage", get(api::usage))
         .merge(credentialed)
         .layer(middleware::from_fn(json_errors))
@@ -374,11 +446,15 @@ pub fn router(state: Shared) -> Router {
                 .timeout(API_REQUEST_TIMEOUT),
         );
     let proxy_routes = Router::new()
-        .route("/v1/chat/completions", post(proxy::chat_completions))
+        .route(
+            "/v1/chat/completions",
+            post(proxy::chat_completions).route_layer(json(JsonRule::Always)),
+        )
         .layer(DefaultBodyLimit::max(proxy::PROXY_BODY_BYTES_MAX));
     Router::new()
         .merge(decision)
         .merge(proxy_routes)
+        .merge(extra)
         .route("/admin/", get(admin::dashboard))
         .route("/healthz", get(api::healthz))
         .route("/readyz", get(api::readyz))
@@ -387,16 +463,13 @@ pub fn router(state: Shared) -> Router {
         .method_not_allowed_fallback(api::method_not_allowed)
         .fallback(api::fallback)
         .layer(middleware::from_fn(limit_headers))
-        // (one semaphore for the whole process: `Router::layer` builds the layer's service
-        // once per route, and a plain concurrency limit would then bound each route apart)
-        .layer(
-            ServiceBuilder::new()
-                .layer(axum::error_handling::HandleErrorLayer::new(shed))
-                .load_shed()
-                .layer(tower::limit::GlobalConcurrencyLimitLayer::new(
-                    CONCURRENT_REQUESTS_MAX,
-                )),
-        )
+        // Classifies every request and holds its class's and its address's slots until the
+        // answer is sent (one set of bounds for the whole process: the bounds live in the
+        // shared state, not in a layer that `Router::layer` would build once per route).
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            capacity::admit,
+        ))
         .layer(middleware::from_fn_with_state(state.clone(), count_errors))
         .with_state(state)
 }
@@ -420,9 +493,17 @@ pub async fn serve(
         .map(|u| u.timeout)
         .max()
         .unwrap_or_default();
+    let peers = listener::PeerBound::of(&state.config);
+    let cap = state.config.server.capacity;
     let app = router(state);
     let idle = listener::idle_time(longest_upstream);
-    let listener = listener::Bounded::new(listener, listener::CONNECTIONS_MAX, idle);
+    let listener = listener::Bounded::new(
+        listener,
+        cap.connections_max,
+        cap.connections_reserved,
+        idle,
+        peers,
+    );
     let result =
         listener::serve(listener, app, shutdown, listener::HEADER_READ_TIMEOUT, idle).await;
     sweeper.abort();
@@ -432,5 +513,6 @@ pub async fn serve(
 
 // A store call fails closed (503 `store_unavailable`) before the request it serves times out.
 const _: () = assert!((config::STORE_TIMEOUT_MS_MAX as u128) < API_REQUEST_TIMEOUT.as_millis());
-// A slow body is answered 408 by the body read before the whole request times out (504).
-const _: () = assert!(api::BODY_READ_TIMEOUT.as_millis() < API_REQUEST_TIMEOUT.as_millis());
+// A stalled body is answered 408 by its rate, after its grace, before the whole request times
+// out (504).
+const _: () = assert!((config::BODY_GRACE_MS_MAX as u128) < API_REQUEST_TIMEOUT.as_millis());

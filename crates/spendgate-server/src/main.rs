@@ -160,8 +160,7 @@ async fn main() -> anyhow::Result<()> {
                 _ => {}
             }
             let store = spendgate_server::open_store(&cfg).await?;
-            let listener = tokio::net::TcpListener::bind(cfg.server.listen)
-                .await
+            let listener = spendgate_server::listener::bind(cfg.server.listen)
                 .with_context(|| format!("binding {}", cfg.server.listen))?;
             let addr = listener.local_addr()?;
             let state = spendgate_server::build_state(cfg, store)?;

@@ -133,6 +133,7 @@ async fn setup(args: &Args) -> anyhow::Result<Ctx> {
         let base = &bases[i % bases.len()];
         let s: Value = http
             .post(format!("{base}/v1/sessions"))
+            .json(&json!({}))
             .send()
             .await?
             .json()

@@ -376,6 +376,7 @@ async fn main() -> anyhow::Result<()> {
         .build()?;
     let s: Value = http
         .post(format!("{}/v1/sessions", args.proxy))
+        .json(&json!({}))
         .send()
         .await?
         .json()

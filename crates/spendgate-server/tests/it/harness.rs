@@ -333,6 +333,7 @@ impl Server {
         let r = self
             .http
             .post(self.url("/v1/sessions"))
+            .json(&json!({}))
             .send()
             .await
             .expect("send");

@@ -4,6 +4,7 @@
 mod harness;
 
 mod alerts;
+mod capacity;
 mod cli;
 mod decision_api;
 mod proxy;

@@ -1577,6 +1577,7 @@ async fn demo_starts_and_a_cookie_call_works() {
 
     let s = http
         .post(format!("{base}/v1/sessions"))
+        .json(&json!({}))
         .send()
         .await
         .expect("session");

@@ -8,7 +8,9 @@ async fn create(server: &Server, xff: &str, body: Option<Value>) -> (u16, Option
     let mut req = server
         .http
         .post(server.url("/v1/sessions"))
-        .header("x-forwarded-for", xff);
+        .header("x-forwarded-for", xff)
+        // (a guest's session route always takes JSON, with a body or without)
+        .header("content-type", "application/json");
     if let Some(b) = body {
         req = req.json(&b);
     }
@@ -330,6 +332,7 @@ async fn a_client_written_forwarded_for_line_does_not_choose_the_address() {
             .post(server.url("/v1/sessions"))
             .header("x-forwarded-for", format!("192.0.2.{attempt}"))
             .header("x-forwarded-for", "198.51.100.7")
+            .json(&json!({}))
             .send()
             .await
             .expect("send");

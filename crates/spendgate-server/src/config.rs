@@ -24,6 +24,11 @@
 //!   used instead of the built-in proof-of-work challenge.
 //! - `identity.ipv6_wider_prefixes` (default `[56, 48]`): wider IPv6 prefixes, limited too, the
 //!   k-th one at the `ip` limits multiplied by 4^k.
+//! - `store.ledger_id` (default unset): the Redis ledger's id as `spendgate store init` printed
+//!   it; `spendgate serve` refuses a redis store without it (SPEC §7: the ledger's identity is
+//!   known from outside Redis). `store.witness_path` (default `"spendgate.witness"`, relative
+//!   to the working directory; `"off"`): the file of the ledger's high-water mark on this
+//!   replica's disk (see RELIABILITY.md).
 //! - `models.NAME.upstream_model`: the model name sent upstream (default: NAME).
 //! - `models.NAME.output_bound_field` (default `"max_tokens"`, or `"max_completion_tokens"`):
 //!   the one output-bound field forwarded, whichever the client sent (the field the model's

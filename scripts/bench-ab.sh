@@ -42,8 +42,14 @@ prefix = \"ab$n\"
 timeout_ms = 1000"
   fi
   bench_config "$port" "$store" > "$dir/bench$n.toml"
-  # (builds before `store init` initialised a new prefix themselves)
-  [ "$STORE" = redis ] && { "$bin" store init --config "$dir/bench$n.toml" > /dev/null 2>&1 || true; }
+  # (builds before `store init` initialised a new prefix themselves; builds with ledger ids
+  # print the `ledger_id = ...` line to pin, and take a witness path)
+  if [ "$STORE" = redis ]; then
+    pin=$("$bin" store init --config "$dir/bench$n.toml" 2>/dev/null | grep '^ledger_id = ' || true)
+    [ -n "$pin" ] && bench_config "$port" "$store
+$pin
+witness_path = \"$dir/bench$n.witness\"" > "$dir/bench$n.toml"
+  fi
   "$bin" serve --config "$dir/bench$n.toml" > "$dir/server$n.log" 2>&1 & pid=$!
   wait_url "http://127.0.0.1:$port/readyz"
   out=$(./target/release/spendgate-load --base "http://127.0.0.1:$port" --service-token "$BENCH_TOKEN" \

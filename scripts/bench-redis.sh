@@ -20,13 +20,18 @@ pids+=($!)
 for _ in $(seq 50); do redis-cli -p "$rport" ping >/dev/null 2>&1 && break; sleep 0.1; done
 token=$BENCH_TOKEN
 bases=()
-for i in 1 2 3; do
-  port=$(free_port)
-  bench_config "$port" "kind = \"redis\"
+store="kind = \"redis\"
 url = \"redis://127.0.0.1:$rport/0\"
 prefix = \"bench\"
-timeout_ms = 1000" > "$dir/r$i.toml"
-  [ "$i" = 1 ] && RUST_LOG=warn ./target/release/spendgate store init --config "$dir/r1.toml" > /dev/null
+timeout_ms = 1000"
+bench_config 0 "$store" > "$dir/init.toml"
+# (the ledger id that `store init` prints, pinned in every replica's config)
+pin=$(RUST_LOG=warn ./target/release/spendgate store init --config "$dir/init.toml" | grep '^ledger_id = ')
+for i in 1 2 3; do
+  port=$(free_port)
+  bench_config "$port" "$store
+$pin
+witness_path = \"$dir/r$i.witness\"" > "$dir/r$i.toml"
   ./target/release/spendgate serve --config "$dir/r$i.toml" > "$dir/r$i.log" 2>&1 &
   pids+=($!)
   bases+=("http://127.0.0.1:$port")

@@ -138,8 +138,16 @@ async fn main() -> Result<(), String> {
         prefix: "opbench".into(),
         timeout: Duration::from_secs(5),
         clock: ClockSource::Server,
+        ledger_id: None,
+        witness: None,
     };
-    RedisStore::init(&opts).await.map_err(|e| e.to_string())?;
+    let ledger = RedisStore::init(&opts, spendgate_redis::InitMode::Routine)
+        .await
+        .map_err(|e| e.to_string())?;
+    let opts = RedisOptions {
+        ledger_id: Some(ledger.ledger().to_string()),
+        ..opts
+    };
     let store = Arc::new(
         RedisStore::open(opts, common::policy(&kind))
             .await

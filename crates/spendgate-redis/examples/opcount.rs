@@ -148,8 +148,16 @@ async fn main() -> Result<(), String> {
         prefix: tag.clone(),
         timeout: Duration::from_secs(60),
         clock: ClockSource::Server,
+        ledger_id: None,
+        witness: None,
     };
-    RedisStore::init(&opts).await.map_err(|e| e.to_string())?;
+    let ledger = RedisStore::init(&opts, spendgate_redis::InitMode::Routine)
+        .await
+        .map_err(|e| e.to_string())?;
+    let opts = RedisOptions {
+        ledger_id: Some(ledger.ledger().to_string()),
+        ..opts
+    };
     let store = RedisStore::open(opts, policy(&kind))
         .await
         .map_err(|e| e.to_string())?;

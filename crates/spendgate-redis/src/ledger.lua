@@ -1855,22 +1855,48 @@ local function main(KEYS, ARGV)
     now = N(ARGV[2])
   end
 
+  -- The ledger's identity: 'ledger' (its id, written once by `spendgate store init` and
+  -- pinned in every replica's config) and the epoch ('epoch', 'epoch_kind', 'epoch_at'),
+  -- which changes at every accepted reset. Replicas read them (epoch_init) and never write
+  -- them; only the operator's commands do (ledger_create, epoch_reset), each after checking,
+  -- in the same call, that what it replaces is what the operator was shown.
   if op == 'epoch_init' then
-    -- A store's first contact reads the epoch; only `spendgate store init` (A[2] = 'create')
-    -- writes the first one, and only where no ledger is: a Redis that came back empty looks
-    -- exactly like a new deployment, so no replica may take one for the other.
-    local f = rcall('HMGET', K_META, 'epoch', 'epoch_kind', 'm', 'epoch_at')
+    -- Read: the epoch, its kind, the seq, its time and the ledger id; or, where no epoch is,
+    -- whether any ledger key is there (a Redis that came back empty looks exactly like a new
+    -- deployment, so no replica may take one for the other).
+    local f = rcall('HMGET', K_META, 'epoch', 'epoch_kind', 'm', 'epoch_at', 'ledger')
     local seq = '0'
     if f[3] then seq = S(sunpack('<d', f[3])) end
-    if f[1] then return { 'OK', f[1], f[2] or 'init', seq, f[4] or '0' } end
-    if A[2] ~= 'create' then return { 'X', 'epoch_missing' } end
-    if rcall('EXISTS', K_META, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ, K_GLOBALS) > 0 then
-      return { 'X', 'epoch_missing' }
+    if f[1] then return { 'OK', f[1], f[2] or 'init', seq, f[4] or '0', f[5] or '' } end
+    local any = rcall('EXISTS', K_META, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ, K_GLOBALS)
+    return { 'X', 'epoch_missing', any > 0 and '1' or '0' }
+  end
+  if op == 'ledger_create' then
+    -- A[1] = new epoch id, A[2] = new ledger id, A[3] = the epoch the operator's command
+    -- found ('' = none: the prefix must still be empty), A[4] = 'adopt' (give the ledger
+    -- there, made before ledger ids, this id; its epoch stays) or 'new' (a new ledger: a new
+    -- epoch and id, over what the prefix holds).
+    local f = rcall('HMGET', K_META, 'epoch', 'ledger')
+    if (f[1] or '') ~= A[3] then return { 'X', 'changed' } end
+    if A[3] == '' then
+      if rcall('EXISTS', K_META, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ, K_GLOBALS) > 0 then
+        return { 'X', 'changed' }
+      end
     end
-    rcall('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'init', 'epoch_at', S(now))
-    return { 'OK', A[1], 'init', seq, S(now) }
+    if A[4] == 'adopt' then
+      if A[3] == '' or f[2] then return { 'X', 'changed' } end
+      rcall('HSET', K_META, 'ledger', A[2])
+    else
+      rcall('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'init', 'epoch_at', S(now), 'ledger', A[2])
+    end
+    return { 'OK' }
   end
   if op == 'epoch_reset' then
+    -- A[1] = new epoch id, A[2] = the pinned ledger id: a reset acknowledges a rollback of
+    -- that ledger, never an emptied prefix or another ledger.
+    local f = rcall('HMGET', K_META, 'epoch', 'ledger')
+    if not f[1] then return { 'X', 'epoch_missing' } end
+    if f[2] ~= A[2] then return { 'X', 'ledger_mismatch', f[2] or '' } end
     rcall('HSET', K_META, 'epoch', A[1], 'epoch_kind', 'reset', 'epoch_at', S(now))
     local m = rcall('HGET', K_META, 'm')
     local seq = '0'
@@ -1882,7 +1908,7 @@ local function main(KEYS, ARGV)
   local meta = rcall('HMGET', K_META, 'epoch', 'm', 'epoch_kind', 'epoch_at')
   if not meta[1] then return { 'X', 'epoch_missing' } end
   if meta[1] ~= ARGV[3] then
-    return { 'X', 'epoch_changed', meta[1], meta[3] or 'init', meta[4] or '0' }
+    return { 'X', 'epoch_changed', meta[1], meta[3] or 'init', meta[4] or '0', rcall('HGET', K_META, 'ledger') or '' }
   end
   meta_unpack(meta[2])
   if meta[3] == 'rolled_back' then return { 'X', 'rolled_back', S(SEQ) } end

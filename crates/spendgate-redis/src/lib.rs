@@ -55,14 +55,21 @@
 //! * **Redis as a ledger.** `ready()` fails unless the node is a primary and
 //!   `maxmemory-policy` is `noeviction`
 //!   (admissions are refused too); it logs a warning when AOF is off or `appendfsync` is not
-//!   `always`. An epoch (fields of the meta hash `{prefix}:meta`) is written when a deployment is
-//!   initialised ([`RedisStore::init`], `spendgate store init`; never by a replica).
-//!   Each store remembers the epoch id and the highest `ledger_seq` it has seen; a script that
-//!   finds the epoch missing (Redis came back empty), different (re-initialised) or the seq
-//!   lower (restored from an old snapshot) refuses, and the store answers
-//!   [`StoreError::Unavailable`] until [`RedisStore::accept_reset`] writes a new epoch, which
-//!   every store adopts when it is newer than the one it knows. A detected rollback is
-//!   marked in the meta hash, so every store refuses, not only the one that saw it.
+//!   `always`. A ledger id and an epoch (fields of the meta hash `{prefix}:meta`) are written
+//!   when a ledger is created ([`RedisStore::init`], `spendgate store init`; never by a
+//!   replica), and the ledger id is pinned in every replica's config
+//!   ([`RedisOptions::ledger_id`]): a store refuses a Redis whose ledger id is missing (it came
+//!   back empty, or was re-made by a build without ids) or another. Each store remembers the
+//!   epoch id and the highest `ledger_seq` it has seen, and keeps them in a witness file on its
+//!   own disk ([`witness`], written at most every [`WITNESS_EVERY`], off the request path,
+//!   and loaded at start); a script that finds the epoch missing (Redis came back empty),
+//!   different (re-initialised) or the seq lower (restored from an old snapshot) refuses, and
+//!   the store answers [`StoreError::Unavailable`]. A rollback of the pinned ledger reopens
+//!   only by [`RedisStore::accept_reset`] (with the operator's consent), which writes a new
+//!   epoch that every store adopts when it is newer than the one it knows; an emptied prefix
+//!   never reopens: only a new ledger ([`InitMode::NewLedger`]), with a new id to pin, starts
+//!   there. A detected rollback is marked in the meta hash, so every store refuses, not only
+//!   the one that saw it.
 //!
 //! Limitations, documented rather than hidden: operator adjustments are summed in a double
 //! (`Counter::adjusted` is exact while it stays below 2^53 in magnitude); a sweep processes at
@@ -70,6 +77,7 @@
 //! listings return at most 100 000 entries.
 
 mod protocol;
+pub mod witness;
 
 use protocol::{Call, Item};
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
@@ -80,11 +88,13 @@ use spendgate_core::{
 };
 use spendgate_store::{Clock, Store, StoreError};
 use std::fmt;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use protocol::LISTING_MAX;
+pub use witness::{Mark, WitnessError, WitnessFile, WITNESS_EVERY};
 
 /// The ledger script, with the shebang of the writing copy.
 const SCRIPT_BODY: &str = include_str!("ledger.lua");
@@ -134,6 +144,13 @@ pub struct RedisOptions {
     /// `store.timeout_ms`: past it a call answers unavailable.
     pub timeout: Duration,
     pub clock: ClockSource,
+    /// `store.ledger_id`: the ledger this store belongs to, as `spendgate store init` printed
+    /// it. Required by [`RedisStore::open`] (a Redis whose ledger id is missing or another is
+    /// refused); for [`RedisStore::init`] the pin the operator's config holds, if any.
+    pub ledger_id: Option<String>,
+    /// `store.witness_path`: the file that keeps this store's high-water mark across restarts
+    /// ([`witness`]); `None`: none (a rollback seen by no running store then goes unseen).
+    pub witness: Option<PathBuf>,
 }
 
 #[derive(Debug, Default)]
@@ -147,6 +164,9 @@ struct EpochState {
     /// When that epoch was written (Redis clock, ms): a reset is adopted only when it is
     /// newer, so a Redis restored from a backup holding an older accepted reset is refused.
     at: u64,
+    /// The Redis's ledger id was read and is the pinned one (first contact). Until then a
+    /// witness may have set `id`, `min_seq` and `at`.
+    checked: bool,
 }
 
 #[derive(Debug, Default)]
@@ -157,18 +177,130 @@ struct Health {
     warned: Option<String>,
 }
 
+/// A store's witness ([`witness`]): records the store's high-water mark (the ledger, the
+/// epoch and the highest `ledger_seq` it saw) in its file, from a task of the store's own
+/// every [`WITNESS_EVERY`] when it moved, and on [`Witness::flush`] (a clean shutdown). The
+/// request path only updates the mark in memory.
+#[derive(Clone)]
+pub struct Witness {
+    file: Arc<WitnessFile>,
+    state: Arc<Mutex<EpochState>>,
+    ledger: String,
+    /// The last mark written (or found covered) by this store.
+    written: Arc<Mutex<Option<Mark>>>,
+    writes: Arc<AtomicU64>,
+}
+
+impl fmt::Debug for Witness {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Witness")
+            .field("path", &self.file.path())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Witness {
+    /// The mark to record: once the Redis's ledger was checked, and an epoch known.
+    fn mark(&self) -> Option<Mark> {
+        let st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if !st.checked {
+            return None;
+        }
+        Some(Mark {
+            ledger: self.ledger.clone(),
+            epoch: st.id.clone()?,
+            epoch_at: st.at,
+            seq: st.min_seq,
+        })
+    }
+
+    /// Writes the mark now if it moved since the last write (on a blocking thread).
+    pub async fn flush(&self) -> Result<(), WitnessError> {
+        let Some(mark) = self.mark() else {
+            return Ok(());
+        };
+        if self
+            .written
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            == Some(&mark)
+        {
+            return Ok(());
+        }
+        let (file, m) = (self.file.clone(), mark.clone());
+        let wrote = tokio::task::spawn_blocking(move || file.record(&m))
+            .await
+            .map_err(|e| WitnessError::Io {
+                path: self.file.path().to_path_buf(),
+                what: "its writer stopped",
+                source: std::io::Error::other(e.to_string()),
+            })??;
+        if wrote {
+            self.writes.fetch_add(1, Ordering::Relaxed);
+        }
+        *self.written.lock().unwrap_or_else(|p| p.into_inner()) = Some(mark);
+        Ok(())
+    }
+
+    /// How many times this store wrote the file.
+    pub fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Flushes every [`WITNESS_EVERY`]; a failed write is logged (once per distinct error)
+    /// and tried again at the next tick: the ledger is Redis, and admissions go on, but a
+    /// witness that stops advancing guards less.
+    async fn run(self) {
+        let mut tick = tokio::time::interval(WITNESS_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut failing: Option<String> = None;
+        loop {
+            tick.tick().await;
+            match self.flush().await {
+                Ok(()) => {
+                    if failing.take().is_some() {
+                        tracing::info!(witness = %self.file.path().display(), "witness written again");
+                    }
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    if failing.as_ref() != Some(&msg) {
+                        tracing::error!(error = %msg, "cannot write the witness: a rollback of Redis would not be seen after a restart");
+                        failing = Some(msg);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Aborts its task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// The Redis ledger backend. Cheap to share behind an `Arc`; one multiplexed connection
 /// (reconnected automatically by [`ConnectionManager`]) to the node that serves the
 /// deployment ([`SlotConn`]).
 pub struct RedisStore {
     opts: RedisOptions,
     base: String,
+    /// The pinned ledger id ([`RedisOptions::ledger_id`]).
+    ledger: String,
     policy_arg: String,
     conn: Arc<SlotConn>,
     lib: Arc<Library>,
-    epoch: Mutex<EpochState>,
+    epoch: Arc<Mutex<EpochState>>,
     health: tokio::sync::Mutex<Health>,
     refreshing: AtomicBool,
+    witness: Option<Witness>,
+    /// Writes the witness every [`WITNESS_EVERY`]; stopped when the store is dropped.
+    _witness_task: Option<AbortOnDrop>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -618,7 +750,165 @@ fn now_arg(clock: &ClockSource) -> String {
     }
 }
 
-/// The operator's epoch commands (`store init`, `store accept-reset`): a connection of their
+/// A ledger id: [`LEDGER_ID_PREFIX`] and 32 lowercase hex digits (128 bits).
+pub const LEDGER_ID_PREFIX: &str = "lg-";
+const LEDGER_ID_HEX: usize = 32;
+
+/// Whether `id` is a ledger id as `spendgate store init` makes them.
+pub fn is_ledger_id(id: &str) -> bool {
+    id.strip_prefix(LEDGER_ID_PREFIX).is_some_and(|h| {
+        h.len() == LEDGER_ID_HEX && h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    })
+}
+
+/// A fresh ledger id: the time, the process, a counter and the OS's randomness (through the
+/// std hasher's random keys), hashed. Unique, not secret.
+fn new_ledger_id(prefix: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = Sha256::new();
+    h.update(b"ledger");
+    h.update(new_epoch_id(prefix).as_bytes());
+    for _ in 0..2 {
+        let mut r = std::collections::hash_map::RandomState::new().build_hasher();
+        r.write_u64(0);
+        h.update(r.finish().to_le_bytes());
+    }
+    let id = format!(
+        "{LEDGER_ID_PREFIX}{}",
+        hex::encode(&h.finalize()[..LEDGER_ID_HEX / 2])
+    );
+    debug_assert!(is_ledger_id(&id));
+    id
+}
+
+/// What `spendgate store init` is asked to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InitMode {
+    /// The routine command (a deploy pipeline may run it every time): creates a ledger only on
+    /// an empty prefix when no ledger is pinned; with a pin, succeeds only where the pinned
+    /// ledger is, and changes nothing.
+    Routine,
+    /// `--new-ledger`: the operator said that a new ledger, with new budgets, is intended. A
+    /// new id (never the pinned one) on an emptied prefix, or over another ledger (whose data
+    /// is kept: spend already recorded there still counts).
+    NewLedger,
+}
+
+/// What `spendgate store init` did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Initialised {
+    /// A new ledger. `kept_data`: it was made over data the prefix held (another ledger).
+    Created { ledger: String, kept_data: bool },
+    /// The prefix holds the pinned ledger: nothing changed.
+    Pinned { ledger: String },
+    /// No ledger is pinned and the prefix holds this one: nothing changed.
+    Found { ledger: String },
+    /// No ledger is pinned and the prefix held a ledger made by a build before ledger ids:
+    /// it now has this id (its data and epoch unchanged).
+    Adopted { ledger: String },
+}
+
+impl Initialised {
+    /// The ledger id to pin.
+    pub fn ledger(&self) -> &str {
+        match self {
+            Initialised::Created { ledger, .. }
+            | Initialised::Pinned { ledger }
+            | Initialised::Found { ledger }
+            | Initialised::Adopted { ledger } => ledger,
+        }
+    }
+}
+
+/// Whether the operator consented to reopening a rolled-back ledger
+/// (`store accept-reset --accept-rollback`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RollbackConsent {
+    NotGiven,
+    Given,
+}
+
+/// Why an operator's ledger command (`store init`, `store accept-reset`) changed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(
+        "store.ledger_id {0:?} is not a ledger id (`lg-` and 32 hex digits, as `spendgate \
+         store init` prints it)"
+    )]
+    BadPin(String),
+    #[error(
+        "store.ledger_id is not set: replicas of a redis store are pinned to their ledger. \
+         Run `spendgate store init` once and pin the id it prints ([store] ledger_id)"
+    )]
+    NotPinned,
+    #[error(
+        "store.prefix {prefix:?} holds no ledger, but the config pins ledger {pinned}: Redis lost \
+         that ledger's data (restarted empty, flushed, or pointed at another Redis). Nothing \
+         was changed, and replicas stay closed. Restore Redis's data (AOF or RDB files) if you \
+         have them. Only if a new ledger with new budgets (spend starting again from zero) is \
+         intended, run `spendgate store init --new-ledger` and pin the new id it prints"
+    )]
+    Lost { prefix: String, pinned: String },
+    #[error(
+        "store.prefix {prefix:?} holds {}, not ledger {pinned} that the config pins: nothing was \
+         changed. If that is the ledger you mean, pin its id; if store.url or store.prefix is \
+         wrong, fix it; to start a new ledger here, run `spendgate store init --new-ledger` \
+         and pin the new id it prints",
+        match found { Some(l) => format!("ledger {l}"), None => "a ledger without an id (made by an older build, or re-made after a loss by one)".to_string() }
+    )]
+    OtherLedger {
+        prefix: String,
+        pinned: String,
+        found: Option<String>,
+    },
+    #[error(
+        "store.prefix {prefix:?} holds ledger keys but no ledger record (its meta key was \
+         deleted or lost): not a ledger that can be trusted or reopened. Use a new \
+         store.prefix (or delete this prefix's keys), then `spendgate store init --new-ledger`"
+    )]
+    Partial { prefix: String },
+    #[error(
+        "store.prefix {prefix:?} holds the pinned ledger {pinned}, intact: --new-ledger starts a \
+         new ledger only where the pinned one is lost or another is found; nothing was changed \
+         (to start from zero budgets, use a new store.prefix)"
+    )]
+    Intact { prefix: String, pinned: String },
+    #[error(
+        "store.prefix {prefix:?} holds the pinned ledger {pinned} at ledger_seq {seq}{}. Replicas \
+         reopen on what Redis holds now only with `spendgate store accept-reset \
+         --accept-rollback`: run it once you have checked that this is the ledger to keep (a \
+         rollback forgets the spend recorded after the snapshot Redis reloaded); nothing was \
+         changed",
+        if *marked { ", marked rolled back by a replica that had seen a higher one" } else { " (not marked rolled back)" }
+    )]
+    RollbackNotAccepted {
+        prefix: String,
+        pinned: String,
+        seq: u64,
+        marked: bool,
+    },
+    #[error("store.prefix {prefix:?} changed while this command ran (another operator command?): nothing was changed; run it again")]
+    Changed { prefix: String },
+}
+
+/// What a prefix holds, as the operator's commands read it.
+enum Held {
+    /// No key at all.
+    Empty,
+    /// Ledger keys without an epoch.
+    Partial,
+    Ledger {
+        epoch: String,
+        kind: String,
+        seq: u64,
+        /// `None`: made by a build before ledger ids.
+        ledger: Option<String>,
+    },
+}
+
+/// The operator's ledger commands (`store init`, `store accept-reset`): a connection of their
 /// own, a fresh epoch id, and one clock reading for all their calls.
 struct EpochWriter {
     base: String,
@@ -641,10 +931,10 @@ impl EpochWriter {
         })
     }
 
-    /// `op` with this writer's epoch id (and `flag`, if any).
-    async fn call(&self, op: &str, flag: Option<&str>) -> Result<Item, StoreError> {
-        let mut argv = vec![op, self.now.as_str(), "", "0", "", self.id.as_str()];
-        argv.extend(flag);
+    /// `op` with its arguments.
+    async fn call(&self, op: &str, args: &[&str]) -> Result<Item, StoreError> {
+        let mut argv = vec![op, self.now.as_str(), "", "0", ""];
+        argv.extend(args);
         fcall(
             &self.conn,
             &self.lib,
@@ -656,14 +946,70 @@ impl EpochWriter {
         .await
     }
 
+    /// What the prefix holds; a ledger of another data layout is refused.
+    async fn held(&self, prefix: &str) -> Result<Held, StoreError> {
+        let item = self.call("epoch_init", &[]).await?;
+        let mut f = protocol::Fields::new(item.list()?);
+        if f.s()? != "OK" {
+            let _missing = f.s()?;
+            return Ok(if f.s()? == "1" {
+                Held::Partial
+            } else {
+                Held::Empty
+            });
+        }
+        let epoch = f.s()?;
+        check_format(&epoch, prefix)?;
+        let kind = f.s()?;
+        let seq = f.u()?;
+        let _at = f.u()?;
+        let ledger = Some(f.s()?).filter(|l| !l.is_empty());
+        Ok(Held::Ledger {
+            epoch,
+            kind,
+            seq,
+            ledger,
+        })
+    }
+
+    /// Writes a ledger id (`adopt`: onto the ledger there; `new`: with a new epoch) where
+    /// the prefix still holds `expected` epoch (`""`: still empty).
+    async fn create(
+        &self,
+        ledger: &str,
+        expected: &str,
+        adopt: bool,
+        prefix: &str,
+    ) -> Result<(), IdentityError> {
+        let mode = if adopt { "adopt" } else { "new" };
+        let item = self
+            .call("ledger_create", &[&self.id, ledger, expected, mode])
+            .await?;
+        match item.list()?.first().map(Item::str) {
+            Some(Ok("OK")) => Ok(()),
+            _ => Err(IdentityError::Changed {
+                prefix: prefix.to_string(),
+            }),
+        }
+    }
+
     /// Bounds the whole command: at least 5 s (an operator's one-off, not an admission).
     async fn bounded<T>(
         &self,
-        fut: impl std::future::Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
+        fut: impl std::future::Future<Output = Result<T, IdentityError>>,
+    ) -> Result<T, IdentityError> {
         tokio::time::timeout(self.timeout.max(Duration::from_secs(5)), fut)
             .await
             .map_err(|_| StoreError::Timeout(self.timeout))?
+    }
+}
+
+/// The pin of `opts`, checked; `None` when there is none.
+fn pin_of(opts: &RedisOptions) -> Result<Option<&str>, IdentityError> {
+    match opts.ledger_id.as_deref() {
+        None => Ok(None),
+        Some(p) if is_ledger_id(p) => Ok(Some(p)),
+        Some(p) => Err(IdentityError::BadPin(p.to_string())),
     }
 }
 
@@ -742,19 +1088,73 @@ fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
 impl RedisStore {
     /// Opens the store. Does not fail because Redis is down: calls answer unavailable until
     /// it is reachable, and `ready()` says whether it is. Fails on an unusable url, prefix or
-    /// policy.
+    /// policy, a missing or malformed [`RedisOptions::ledger_id`], and a witness file that
+    /// cannot be used or guards another ledger. Loads the witness (the store then refuses a
+    /// Redis older than it) and starts writing it.
     pub async fn open(opts: RedisOptions, policy: Policy) -> Result<RedisStore, StoreError> {
         let base = check_prefix(&opts.prefix)?;
+        let ledger = match pin_of(&opts) {
+            Ok(Some(l)) => l.to_string(),
+            Ok(None) => return Err(unavailable(IdentityError::NotPinned.to_string())),
+            Err(e) => return Err(unavailable(e.to_string())),
+        };
         let policy_arg = policy_arg(&policy)?;
         let conn = Arc::new(SlotConn::open(&opts)?);
+        let mut state = EpochState::default();
+        let file = match &opts.witness {
+            None => None,
+            Some(path) => {
+                let file = WitnessFile::open(path).map_err(|e| unavailable(e.to_string()))?;
+                match file.read().map_err(|e| unavailable(e.to_string()))? {
+                    Some(mark) if mark.ledger != ledger => {
+                        return Err(unavailable(
+                            WitnessError::OtherLedger {
+                                path: path.clone(),
+                                found: mark.ledger,
+                                pinned: ledger,
+                            }
+                            .to_string(),
+                        ))
+                    }
+                    Some(mark) => {
+                        tracing::info!(
+                            witness = %path.display(), epoch = %mark.epoch, ledger_seq = mark.seq,
+                            "witness loaded: a Redis below this mark is refused"
+                        );
+                        state.id = Some(mark.epoch.clone());
+                        state.min_seq = mark.seq;
+                        state.at = mark.epoch_at;
+                    }
+                    None => tracing::info!(
+                        witness = %path.display(),
+                        "no witness yet: starting one from what Redis holds"
+                    ),
+                }
+                Some(Arc::new(file))
+            }
+        };
+        let epoch = Arc::new(Mutex::new(state));
+        let witness = file.map(|file| Witness {
+            file,
+            state: epoch.clone(),
+            ledger: ledger.clone(),
+            written: Arc::new(Mutex::new(None)),
+            writes: Arc::new(AtomicU64::new(0)),
+        });
+        let task = witness
+            .as_ref()
+            .map(|w| AbortOnDrop(tokio::spawn(w.clone().run())));
         let store = RedisStore {
             base,
+            ledger,
             policy_arg,
             conn,
             lib: Arc::new(library()),
-            epoch: Mutex::new(EpochState::default()),
+            epoch,
             health: tokio::sync::Mutex::new(Health::default()),
             refreshing: AtomicBool::new(false),
+            witness,
+            _witness_task: task,
             opts,
         };
         if let Err(e) = store.ready().await {
@@ -763,60 +1163,153 @@ impl RedisStore {
         Ok(store)
     }
 
-    /// `spendgate store accept-reset`: acknowledges that Redis lost or rolled back ledger
-    /// data. Writes a new epoch; every store adopts it and resumes with what Redis now holds.
-    /// Returns the `ledger_seq` the deployment's ledger holds now (0: it is empty, which
-    /// after a reset of a deployment that had run is what the operator acknowledged, and on a
-    /// mistyped prefix is the sign of one).
-    pub async fn accept_reset(opts: &RedisOptions) -> Result<u64, StoreError> {
+    /// This store's witness, to flush at a clean shutdown; `None` without one.
+    pub fn witness(&self) -> Option<Witness> {
+        self.witness.clone()
+    }
+
+    /// `spendgate store accept-reset`: acknowledges that the pinned ledger rolled back (Redis
+    /// reloaded an older snapshot, or a replica that lagged took over), and reopens it on what
+    /// Redis holds now: writes a new epoch, which every store adopts (and writes to its
+    /// witness) when it is newer than the one it knows. Never reopens an emptied prefix, a
+    /// ledger without an id or another ledger. Without `consent` it changes nothing and
+    /// says what it found ([`IdentityError::RollbackNotAccepted`]). Returns the `ledger_seq`
+    /// the ledger holds now.
+    pub async fn accept_reset(
+        opts: &RedisOptions,
+        consent: RollbackConsent,
+    ) -> Result<u64, IdentityError> {
+        let pinned = pin_of(opts)?.ok_or(IdentityError::NotPinned)?.to_string();
+        let prefix = opts.prefix.clone();
         let w = EpochWriter::open(opts)?;
         let seq = w
             .bounded(async {
-                // A reset acknowledges lost or rolled-back data, not data of another layout:
-                // adopting that would misread it.
-                let item = w.call("epoch_init", None).await?;
-                let mut f = protocol::Fields::new(item.list()?);
-                if f.s()? == "OK" {
-                    check_format(&f.s()?, &opts.prefix)?;
+                match w.held(&prefix).await? {
+                    Held::Empty => Err(IdentityError::Lost {
+                        prefix: prefix.clone(),
+                        pinned: pinned.clone(),
+                    }),
+                    Held::Partial => Err(IdentityError::Partial {
+                        prefix: prefix.clone(),
+                    }),
+                    Held::Ledger { ledger, .. } if ledger.as_deref() != Some(pinned.as_str()) => {
+                        Err(IdentityError::OtherLedger {
+                            prefix: prefix.clone(),
+                            pinned: pinned.clone(),
+                            found: ledger,
+                        })
+                    }
+                    Held::Ledger { kind, seq, .. } if consent == RollbackConsent::NotGiven => {
+                        Err(IdentityError::RollbackNotAccepted {
+                            prefix: prefix.clone(),
+                            pinned: pinned.clone(),
+                            seq,
+                            marked: kind == "rolled_back",
+                        })
+                    }
+                    Held::Ledger { .. } => {
+                        let item = w.call("epoch_reset", &[&w.id, &pinned]).await?;
+                        let mut f = protocol::Fields::new(item.list()?);
+                        match f.s()?.as_str() {
+                            "OK" => {
+                                let (_id, _kind) = (f.s()?, f.s()?);
+                                Ok(f.u()?)
+                            }
+                            _ => Err(IdentityError::Changed {
+                                prefix: prefix.clone(),
+                            }),
+                        }
+                    }
                 }
-                let item = w.call("epoch_reset", None).await?;
-                let mut f = protocol::Fields::new(item.list()?);
-                let (_ok, _id, _kind) = (f.s()?, f.s()?, f.s()?);
-                f.u()
             })
             .await?;
-        tracing::warn!(prefix = %opts.prefix, epoch = %w.id, ledger_seq = seq, "ledger reset accepted: replicas resume with what Redis holds now");
+        tracing::warn!(prefix = %opts.prefix, ledger = %pinned, epoch = %w.id, ledger_seq = seq, "rollback accepted: replicas resume with what Redis holds now");
         Ok(seq)
     }
 
-    /// `spendgate store init`: writes the first epoch of a new deployment (an empty prefix).
-    /// Replicas never do this themselves: a Redis that came back empty looks exactly like a
-    /// new deployment, and a replica that started on it would reopen a spent budget. Returns
-    /// `Ok(true)` when it initialised, `Ok(false)` when the prefix already holds a ledger
-    /// (nothing is changed; its layout is checked).
-    pub async fn init(opts: &RedisOptions) -> Result<bool, StoreError> {
+    /// `spendgate store init`: creates a ledger (an id and a first epoch), or checks that the
+    /// prefix holds the pinned one. Replicas never do this themselves: a Redis that came back
+    /// empty looks exactly like a new deployment, and a replica that started on it would
+    /// reopen every spent budget. See [`InitMode`] for what each mode may do; every refusal
+    /// changes nothing.
+    pub async fn init(opts: &RedisOptions, mode: InitMode) -> Result<Initialised, IdentityError> {
+        let pinned = pin_of(opts)?.map(str::to_string);
+        let prefix = opts.prefix.clone();
         let w = EpochWriter::open(opts)?;
-        let created = w
+        let fresh = || loop {
+            let id = new_ledger_id(&prefix);
+            if Some(&id) != pinned.as_ref() {
+                return id;
+            }
+        };
+        let done = w
             .bounded(async {
-                let item = w.call("epoch_init", Some("create")).await?;
-                let mut f = protocol::Fields::new(item.list()?);
-                match f.s()?.as_str() {
-                    "OK" => {
-                        let found = f.s()?;
-                        check_format(&found, &opts.prefix)?;
-                        Ok(found == w.id)
+                let held = w.held(&prefix).await?;
+                let new_ledger = mode == InitMode::NewLedger;
+                let (expected, found) = match held {
+                    Held::Partial => {
+                        return Err(IdentityError::Partial {
+                            prefix: prefix.clone(),
+                        })
                     }
-                    _ => Err(unavailable(
-                        "redis holds ledger data under this prefix but no epoch key: not a new \
-                         deployment; if Redis lost data, run `spendgate store accept-reset`",
-                    )),
+                    Held::Empty => match &pinned {
+                        Some(p) if !new_ledger => {
+                            return Err(IdentityError::Lost {
+                                prefix: prefix.clone(),
+                                pinned: p.clone(),
+                            })
+                        }
+                        _ => {
+                            let ledger = fresh();
+                            w.create(&ledger, "", false, &prefix).await?;
+                            return Ok(Initialised::Created {
+                                ledger,
+                                kept_data: false,
+                            });
+                        }
+                    },
+                    Held::Ledger { epoch, ledger, .. } => (epoch, ledger),
+                };
+                match (&pinned, found, new_ledger) {
+                    (None, Some(ledger), false) => Ok(Initialised::Found { ledger }),
+                    (None, None, false) => {
+                        let ledger = fresh();
+                        w.create(&ledger, &expected, true, &prefix).await?;
+                        Ok(Initialised::Adopted { ledger })
+                    }
+                    (Some(p), Some(ledger), false) if *p == ledger => {
+                        Ok(Initialised::Pinned { ledger })
+                    }
+                    (Some(p), Some(ledger), true) if *p == ledger => Err(IdentityError::Intact {
+                        prefix: prefix.clone(),
+                        pinned: ledger,
+                    }),
+                    (Some(p), found, false) => Err(IdentityError::OtherLedger {
+                        prefix: prefix.clone(),
+                        pinned: p.clone(),
+                        found,
+                    }),
+                    (_, _, true) => {
+                        let ledger = fresh();
+                        w.create(&ledger, &expected, false, &prefix).await?;
+                        Ok(Initialised::Created {
+                            ledger,
+                            kept_data: true,
+                        })
+                    }
                 }
             })
             .await?;
-        if created {
-            tracing::info!(prefix = %opts.prefix, epoch = %w.id, "ledger initialised");
+        match &done {
+            Initialised::Created { ledger, kept_data } => {
+                tracing::warn!(prefix = %opts.prefix, %ledger, kept_data, "ledger created")
+            }
+            Initialised::Adopted { ledger } => {
+                tracing::warn!(prefix = %opts.prefix, %ledger, "ledger given an id")
+            }
+            Initialised::Pinned { .. } | Initialised::Found { .. } => {}
         }
-        Ok(created)
+        Ok(done)
     }
 
     fn now_arg(&self) -> String {
@@ -835,49 +1328,79 @@ impl RedisStore {
         .await
     }
 
-    /// The epoch id and lowest acceptable seq for a call; reads the deployment's epoch on
-    /// first contact (an empty prefix is refused: see [`RedisStore::init`]).
+    /// The epoch id and lowest acceptable seq for a call. On first contact reads the ledger
+    /// id and the epoch: a Redis without the pinned ledger is refused; the epoch and seq are
+    /// adopted unless a witness set them (then the calls themselves compare them).
     async fn epoch_args(&self) -> Result<(String, String), StoreError> {
+        let args = |st: &EpochState| {
+            let min = if st.latched {
+                LATCHED_MIN_SEQ.to_string()
+            } else {
+                st.min_seq.to_string()
+            };
+            st.id.clone().map(|id| (id, min))
+        };
         {
             let st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(id) = &st.id {
-                let min = if st.latched {
-                    LATCHED_MIN_SEQ.to_string()
-                } else {
-                    st.min_seq.to_string()
-                };
-                return Ok((id.clone(), min));
-            }
-        }
-        let id = new_epoch_id(&self.opts.prefix);
-        let now = self.now_arg();
-        let item = self
-            .eval(false, &["epoch_init", &now, "", "0", "", &id])
-            .await?;
-        let mut f = protocol::Fields::new(item.list()?);
-        match f.s()?.as_str() {
-            "OK" => {
-                let id = f.s()?;
-                check_format(&id, &self.opts.prefix)?;
-                let _kind = f.s()?;
-                let seq = f.u()?;
-                let at = f.u()?;
-                let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
-                if st.id.is_none() {
-                    st.id = Some(id);
-                    st.min_seq = seq;
-                    st.latched = false;
-                    st.at = at;
+            if st.checked {
+                if let Some(a) = args(&st) {
+                    return Ok(a);
                 }
-                let min = st.min_seq.to_string();
-                Ok((st.id.clone().unwrap_or_default(), min))
             }
-            _ => Err(unavailable(
-                "no ledger epoch under this prefix: a new deployment needs `spendgate store \
-                 init`; if Redis lost its data (restarted empty?), refusing until `spendgate \
-                 store accept-reset`",
-            )),
         }
+        let now = self.now_arg();
+        let item = self.eval(true, &["epoch_init", &now, "", "0", ""]).await?;
+        let mut f = protocol::Fields::new(item.list()?);
+        if f.s()? != "OK" {
+            return Err(self.lost());
+        }
+        let id = f.s()?;
+        check_format(&id, &self.opts.prefix)?;
+        let _kind = f.s()?;
+        let seq = f.u()?;
+        let at = f.u()?;
+        self.check_ledger(&f.s()?)?;
+        let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+        if !st.checked {
+            if st.id.is_none() {
+                st.id = Some(id);
+                st.min_seq = seq;
+                st.latched = false;
+                st.at = at;
+            }
+            st.checked = true;
+        }
+        args(&st).ok_or_else(|| unavailable("redis store: no epoch after first contact"))
+    }
+
+    /// The refusal of a prefix that holds no ledger.
+    fn lost(&self) -> StoreError {
+        unavailable(format!(
+            "no ledger under store.prefix {:?} (the pinned ledger is {}): Redis lost its data \
+             (restarted empty, flushed?) or store.url/prefix point elsewhere; refusing. Restore \
+             Redis's data if you have it; only `spendgate store init --new-ledger` (a new \
+             ledger with new budgets, and a new pin) starts over",
+            self.opts.prefix, self.ledger
+        ))
+    }
+
+    /// Refuses a Redis whose ledger id (`found`, `""`: none) is not the pinned one.
+    fn check_ledger(&self, found: &str) -> Result<(), StoreError> {
+        if found == self.ledger {
+            return Ok(());
+        }
+        let what = if found.is_empty() {
+            "a ledger without an id (made by an older build, or re-made after a loss by one)"
+                .to_string()
+        } else {
+            format!("ledger {found}")
+        };
+        Err(unavailable(format!(
+            "store.prefix {:?} holds {what}, not ledger {} that store.ledger_id pins: refusing \
+             (if the ledger there is the one to use, pin its id; `spendgate store init` says \
+             which it is)",
+            self.opts.prefix, self.ledger
+        )))
     }
 
     /// Runs one script call; handles store-level refusals (epoch, rollback).
@@ -932,53 +1455,50 @@ impl RedisStore {
                     }
                     return Ok(items);
                 }
-                "X" => {
-                    match f.s()?.as_str() {
-                        "epoch_missing" => return Err(unavailable(
-                            "ledger epoch key is missing: Redis lost its data (restarted empty?); \
-                             refusing until `spendgate store accept-reset` (a new deployment \
-                             starts with `spendgate store init`)",
-                        )),
-                        "epoch_changed" => {
-                            let id = f.s()?;
-                            let kind = f.s()?;
-                            let at = f.u()?;
-                            let known_at = self.epoch.lock().unwrap_or_else(|p| p.into_inner()).at;
-                            if kind == "reset" && at <= known_at {
-                                return Err(unavailable(format!(
-                                    "ledger epoch went back to {id}, a reset older than the \
-                                     epoch this replica knows: Redis restored from an old \
-                                     backup? refusing until `spendgate store accept-reset`"
-                                )));
-                            }
-                            if kind != "reset" {
-                                return Err(unavailable(
-                                "ledger epoch changed: Redis was re-initialised without an accepted \
-                                 reset; refusing until `spendgate store accept-reset`",
-                            ));
-                            }
-                            check_format(&id, &self.opts.prefix)?;
-                            tracing::warn!(epoch = %id, "adopting a ledger reset accepted by an operator");
-                            let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
-                            st.id = Some(id);
-                            st.min_seq = 0;
-                            st.latched = false;
-                            st.at = at;
-                        }
-                        "rolled_back" => {
-                            let seq = f.u()?;
-                            let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
-                            let seen = st.min_seq;
-                            st.latched = true;
+                "X" => match f.s()?.as_str() {
+                    "epoch_missing" => return Err(self.lost()),
+                    "epoch_changed" => {
+                        let id = f.s()?;
+                        let kind = f.s()?;
+                        let at = f.u()?;
+                        let ledger = f.s()?;
+                        let known_at = self.epoch.lock().unwrap_or_else(|p| p.into_inner()).at;
+                        self.check_ledger(&ledger)?;
+                        if at <= known_at {
                             return Err(unavailable(format!(
+                                "ledger epoch went back to {id} ({kind}), older than the \
+                                     epoch this replica knows: Redis restored from an old \
+                                     snapshot or backup? refusing until `spendgate store \
+                                     accept-reset --accept-rollback`"
+                            )));
+                        }
+                        if kind != "reset" {
+                            return Err(unavailable(
+                                "ledger epoch changed: the ledger was re-initialised \
+                                     without an accepted reset; refusing",
+                            ));
+                        }
+                        check_format(&id, &self.opts.prefix)?;
+                        tracing::warn!(epoch = %id, "adopting a ledger reset accepted by an operator");
+                        let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+                        st.id = Some(id);
+                        st.min_seq = 0;
+                        st.latched = false;
+                        st.at = at;
+                    }
+                    "rolled_back" => {
+                        let seq = f.u()?;
+                        let mut st = self.epoch.lock().unwrap_or_else(|p| p.into_inner());
+                        let seen = st.min_seq;
+                        st.latched = true;
+                        return Err(unavailable(format!(
                             "ledger rolled back (ledger_seq {seq} is below {seen}, seen before): \
                              Redis restarted from an old snapshot? refusing until \
-                             `spendgate store accept-reset`"
+                             `spendgate store accept-reset --accept-rollback`"
                         )));
-                        }
-                        other => return Err(unavailable(format!("redis store refused: {other}"))),
                     }
-                }
+                    other => return Err(unavailable(format!("redis store refused: {other}"))),
+                },
                 other => return Err(unavailable(format!("redis store: answer tag {other:?}"))),
             }
         }
@@ -1232,6 +1752,108 @@ mod tests {
         let rest = s.strip_prefix(&core).expect("core constants first");
         assert!(rest.starts_with("2 day 50000000 month 1000000000 1 100 1000 20 1 64 "));
         assert!(s.contains(" per_step 30000 1 10 3600000 10 1 600 60000 600"));
+    }
+
+    #[test]
+    fn ledger_ids_are_fresh_and_well_formed() {
+        let a = new_ledger_id("p");
+        let b = new_ledger_id("p");
+        assert!(is_ledger_id(&a) && is_ledger_id(&b), "{a} {b}");
+        assert_ne!(a, b);
+        for bad in [
+            "",
+            "lg-",
+            "lg-0123",
+            &a.to_uppercase(),
+            &format!("{a}0"),
+            &a[1..],
+        ] {
+            assert!(!is_ledger_id(bad), "{bad:?}");
+        }
+    }
+
+    fn witness_at(path: &std::path::Path, state: &Arc<Mutex<EpochState>>) -> Witness {
+        Witness {
+            file: Arc::new(WitnessFile::open(path).expect("witness file")),
+            state: state.clone(),
+            ledger: "lg-0123456789abcdef0123456789abcdef".into(),
+            written: Arc::new(Mutex::new(None)),
+            writes: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    /// The request path advances the mark as fast as it likes; the file is written at most
+    /// every `WITNESS_EVERY`, and a stalled disk (the file's lock held elsewhere) never holds
+    /// up the request path, which only touches memory.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_witness_is_written_at_a_bounded_pace_off_the_request_path() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("w");
+        let state = Arc::new(Mutex::new(EpochState {
+            id: Some(format!("{LEDGER_FORMAT}-aa")),
+            checked: true,
+            ..EpochState::default()
+        }));
+        let w = witness_at(&path, &state);
+        let task = AbortOnDrop(tokio::spawn(w.clone().run()));
+        let advance = |seq: u64| -> Duration {
+            let t = Instant::now();
+            state.lock().expect("state").min_seq = seq;
+            t.elapsed()
+        };
+        let run_for = Duration::from_millis(1_000);
+        let start = Instant::now();
+        let mut seq = 0;
+        while start.elapsed() < run_for {
+            seq += 1;
+            advance(seq);
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let writes = w.writes();
+        let most = (run_for.as_millis() / WITNESS_EVERY.as_millis()) as u64 + 2;
+        assert!(
+            (2..=most).contains(&writes),
+            "{writes} writes in {run_for:?} (at most {most})"
+        );
+        let on_disk = w.file.read().expect("read").expect("a mark").seq;
+        assert!(on_disk <= seq && on_disk > 0, "{on_disk} of {seq}");
+
+        // A disk that stalls: the writer waits on the lock; the request path does not.
+        let other = WitnessFile::open(&path).expect("open");
+        let stalled = other.hold(true).expect("lock");
+        let mut slowest = Duration::ZERO;
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(600) {
+            seq += 1;
+            slowest = slowest.max(advance(seq));
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(slowest < Duration::from_millis(20), "{slowest:?}");
+        drop(stalled);
+        drop(task);
+        w.flush().await.expect("flush at shutdown");
+        assert_eq!(w.file.read().expect("read").expect("a mark").seq, seq);
+        assert!(!path.with_extension("tmp").exists());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_mark_is_written_before_the_ledger_is_checked() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("w");
+        let state = Arc::new(Mutex::new(EpochState {
+            id: Some(format!("{LEDGER_FORMAT}-aa")),
+            min_seq: 7,
+            ..EpochState::default()
+        }));
+        let w = witness_at(&path, &state);
+        w.flush().await.expect("flush");
+        assert_eq!(w.file.read().expect("read"), None);
+        state.lock().expect("state").checked = true;
+        w.flush().await.expect("flush");
+        assert_eq!(w.file.read().expect("read").expect("a mark").seq, 7);
+        assert_eq!(w.writes(), 1);
+        w.flush().await.expect("flush");
+        assert_eq!(w.writes(), 1, "an unchanged mark is not written again");
     }
 
     #[test]

@@ -32,6 +32,11 @@
 //!   used instead of the built-in proof-of-work challenge.
 //! - `identity.ipv6_wider_prefixes` (default `[56, 48]`): wider IPv6 prefixes, limited too, the
 //!   k-th one at the `ip` limits multiplied by 4^k.
+//! - `store.ledger_id` (default unset): the Redis ledger's id as `spendgate store init` printed
+//!   it; `spendgate serve` refuses a redis store without it (SPEC §7: the ledger's identity is
+//!   known from outside Redis). `store.witness_path` (default `"spendgate.witness"`, relative
+//!   to the working directory; `"off"`): the file of the ledger's high-water mark on this
+//!   replica's disk (see RELIABILITY.md).
 //! - `models.NAME.upstream_model`: the model name sent upstream (default: NAME).
 //! - `models.NAME.output_bound_field` (default `"max_tokens"`, or `"max_completion_tokens"`):
 //!   the one output-bound field forwarded, whichever the client sent (the field the model's
@@ -284,6 +289,13 @@ pub struct StoreConfig {
     pub url: Secret,
     /// Redis key prefix (one deployment per prefix).
     pub prefix: String,
+    /// The Redis ledger's id, pinned from what `spendgate store init` printed: a replica
+    /// refuses a Redis whose ledger id is missing or another. `None`: not pinned, which
+    /// `spendgate serve` refuses on a redis store (only `store init` runs without it).
+    pub ledger_id: Option<String>,
+    /// The witness file of the Redis ledger's high-water mark (relative to the working
+    /// directory); `None` (`"off"`): no witness.
+    pub witness_path: Option<PathBuf>,
     pub timeout: Duration,
     pub lease_ttl: Duration,
 }
@@ -639,6 +651,8 @@ struct RawStore {
     path: String,
     url: String,
     prefix: String,
+    ledger_id: String,
+    witness_path: String,
     timeout_ms: u64,
     lease_ttl_s: u64,
 }
@@ -650,6 +664,8 @@ impl Default for RawStore {
             path: "spendgate.db".to_string(),
             url: "redis://127.0.0.1:6379/0".to_string(),
             prefix: "spendgate".to_string(),
+            ledger_id: String::new(),
+            witness_path: "spendgate.witness".to_string(),
             timeout_ms: 100,
             lease_ttl_s: 30,
         }
@@ -1665,6 +1681,30 @@ impl Validator<'_, '_> {
                 ),
             ));
         }
+        let ledger_id = match raw.ledger_id.trim() {
+            "" => None,
+            id if spendgate_redis::is_ledger_id(id) => Some(id.to_string()),
+            _ => {
+                return Err(self.err(
+                    &p.key("ledger_id"),
+                    format!(
+                        "{} is not a ledger id (`lg-` and 32 hex digits): pin the id that \
+                         `spendgate store init` printed",
+                        toml_str(&raw.ledger_id)
+                    ),
+                ))
+            }
+        };
+        let witness_path = match raw.witness_path.as_str() {
+            "off" => None,
+            w if w.trim().is_empty() => {
+                return Err(self.err(
+                    &p.key("witness_path"),
+                    "is empty: name a file on durable storage, or \"off\"",
+                ))
+            }
+            w => Some(PathBuf::from(w)),
+        };
         let timeout_ms = self.range(
             &p.key("timeout_ms"),
             raw.timeout_ms,
@@ -1678,6 +1718,8 @@ impl Validator<'_, '_> {
                 path: PathBuf::from(&raw.path),
                 url,
                 prefix: raw.prefix.clone(),
+                ledger_id,
+                witness_path,
                 timeout: Duration::from_millis(timeout_ms),
                 lease_ttl: Duration::from_secs(lease_ttl_s),
             },
@@ -2377,6 +2419,25 @@ impl Config {
         let (url, note) = url_shown(&st.url);
         o.kv_note("url", url, note);
         o.kv("prefix", toml_str(&st.prefix));
+        let pin_note = match (&st.ledger_id, st.kind) {
+            (None, StoreKind::Redis) => {
+                "not pinned: serve refuses; run `spendgate store init` and pin the id it prints"
+            }
+            _ => "",
+        };
+        o.kv_note(
+            "ledger_id",
+            toml_str(st.ledger_id.as_deref().unwrap_or("")),
+            pin_note,
+        );
+        match &st.witness_path {
+            Some(w) => o.kv("witness_path", toml_str(&w.to_string_lossy())),
+            None => o.kv_note(
+                "witness_path",
+                toml_str("off"),
+                "a rollback of Redis while every replica restarts goes unseen",
+            ),
+        }
         o.kv("timeout_ms", st.timeout.as_millis());
         o.kv("lease_ttl_s", self.policy.lease_ttl_ms / 1000);
 
@@ -2659,6 +2720,22 @@ impl Config {
                 "server.admin_tokens: no admin token is set: the admin API is closed".to_string(),
             );
         }
+        if self.store.kind == StoreKind::Redis {
+            if self.store.ledger_id.is_none() {
+                w.push(
+                    "store.ledger_id: not set: `spendgate serve` refuses a redis store without \
+                     its ledger pinned; run `spendgate store init` once and pin the id it prints"
+                        .to_string(),
+                );
+            }
+            if self.store.witness_path.is_none() {
+                w.push(
+                    "store.witness_path: \"off\": a Redis rollback (an older snapshot reloaded) \
+                     while every replica restarts is admitted; see RELIABILITY.md"
+                        .to_string(),
+                );
+            }
+        }
         w.extend(self.unsatisfiable());
         for (i, net) in self.server.trusted_proxies.iter().enumerate() {
             if net.prefix_len() < 8 {
@@ -2763,6 +2840,8 @@ kind = "sqlite"                      # memory | sqlite | redis
 path = "spendgate.db"                # sqlite
 url = "redis://127.0.0.1:6379/0"     # redis
 prefix = "spendgate"                 # redis key prefix (one deployment per prefix)
+ledger_id = ""                       # redis: the id `spendgate store init` printed (required to serve)
+witness_path = "spendgate.witness"   # redis: the ledger's high-water mark on this replica's disk, or "off"
 timeout_ms = 100                     # past this the store counts as unavailable
 lease_ttl_s = 30                     # concurrency slots and reservations, renewed by heartbeat
 
@@ -3004,6 +3083,51 @@ thresholds = [0.5, 0.8, 1.0]
                 .any(|w| w.starts_with("run.max_cost") || w.starts_with("models.")),
             "{quiet:?}"
         );
+    }
+
+    #[test]
+    fn a_redis_ledger_is_pinned_by_id_and_witnessed_by_default() {
+        let redis = "[store]\nkind = \"redis\"\n[sessions]\nkeys = [\"0123456789abcdef0123\"]\n";
+        let c = load(redis, &no_env).expect("valid: store init runs without a pin");
+        assert_eq!(c.store.ledger_id, None);
+        assert_eq!(
+            c.store.witness_path.as_deref(),
+            Some(Path::new("spendgate.witness"))
+        );
+        assert!(c
+            .warnings()
+            .iter()
+            .any(|w| w.starts_with("store.ledger_id")));
+        let c = load(
+            &redis.replace(
+                "kind = \"redis\"\n",
+                "kind = \"redis\"\nledger_id = \"lg-0123456789abcdef0123456789abcdef\"\nwitness_path = \"off\"\n",
+            ),
+            &no_env,
+        )
+        .expect("valid");
+        assert_eq!(
+            c.store.ledger_id.as_deref(),
+            Some("lg-0123456789abcdef0123456789abcdef")
+        );
+        assert_eq!(c.store.witness_path, None);
+        assert!(c
+            .warnings()
+            .iter()
+            .any(|w| w.starts_with("store.witness_path")));
+        assert!(!c
+            .warnings()
+            .iter()
+            .any(|w| w.starts_with("store.ledger_id")));
+        for bad in ["LG-0123", "lg-0123456789ABCDEF0123456789abcdef", "f8-0123"] {
+            let e = load_err(&format!("[store]\nledger_id = \"{bad}\"\n"));
+            assert_eq!(e.key(), "store.ledger_id");
+        }
+        let e = load_err("[store]\nwitness_path = \" \"\n");
+        assert_eq!(e.key(), "store.witness_path");
+        // sqlite: no pin needed, no warning.
+        let c = load("", &no_env).expect("valid");
+        assert!(!c.warnings().iter().any(|w| w.starts_with("store.")));
     }
 
     #[test]

@@ -82,25 +82,52 @@ pub enum ServerError {
 
 /// Opens the configured store (wrapped in the `store.timeout_ms` bound).
 pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServerError> {
-    let policy = config.policy.clone();
-    let inner: Arc<dyn Store> = match config.store.kind {
-        StoreKind::Memory => Arc::new(MemoryStore::new(policy, Arc::new(SystemClock))),
-        StoreKind::Sqlite => {
-            let opts = SqliteOptions::new(config.store.path.clone());
-            Arc::new(SqliteStore::open(opts, policy, Arc::new(SystemClock))?)
-        }
-        StoreKind::Redis => open_redis(config, policy).await?,
-    };
-    Ok(Arc::new(Timed::new(inner, config.store.timeout)))
+    Ok(open_store_with_witness(config).await?.store)
 }
 
-/// The Redis options of a config.
+/// An opened store and, for a Redis store with `store.witness_path`, its witness, to flush at
+/// a clean shutdown ([`spendgate_redis::Witness::flush`]).
+pub struct OpenedStore {
+    pub store: Arc<dyn Store>,
+    pub witness: Option<spendgate_redis::Witness>,
+}
+
+/// [`open_store`], keeping the Redis store's witness.
+pub async fn open_store_with_witness(config: &Config) -> Result<OpenedStore, ServerError> {
+    let policy = config.policy.clone();
+    let (inner, witness): (Arc<dyn Store>, _) = match config.store.kind {
+        StoreKind::Memory => (
+            Arc::new(MemoryStore::new(policy, Arc::new(SystemClock))),
+            None,
+        ),
+        StoreKind::Sqlite => {
+            let opts = SqliteOptions::new(config.store.path.clone());
+            (
+                Arc::new(SqliteStore::open(opts, policy, Arc::new(SystemClock))?),
+                None,
+            )
+        }
+        StoreKind::Redis => {
+            let store = open_redis(config, policy).await?;
+            let witness = store.witness();
+            (store, witness)
+        }
+    };
+    Ok(OpenedStore {
+        store: Arc::new(Timed::new(inner, config.store.timeout)),
+        witness,
+    })
+}
+
+/// The Redis options of a replica's config.
 pub fn redis_options(config: &Config) -> spendgate_redis::RedisOptions {
     spendgate_redis::RedisOptions {
         url: config.store.url.expose().to_string(),
         prefix: config.store.prefix.clone(),
         timeout: config.store.timeout,
         clock: spendgate_redis::ClockSource::Server,
+        ledger_id: config.store.ledger_id.clone(),
+        witness: config.store.witness_path.clone(),
     }
 }
 
@@ -109,17 +136,27 @@ pub fn redis_options(config: &Config) -> spendgate_redis::RedisOptions {
 /// handshake, a script load) may take longer and must not fail for it.
 pub const STORE_COMMAND_TIMEOUT_MIN: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// [`redis_options`] for an operator's `spendgate store` command.
+/// [`redis_options`] for an operator's `spendgate store` command (which writes no witness:
+/// replicas keep theirs, and adopt what the command wrote in Redis).
 pub fn redis_command_options(config: &Config) -> spendgate_redis::RedisOptions {
     let mut o = redis_options(config);
     o.timeout = o.timeout.max(STORE_COMMAND_TIMEOUT_MIN);
+    o.witness = None;
     o
 }
 
 async fn open_redis(
     config: &Config,
     policy: spendgate_core::Policy,
-) -> Result<Arc<dyn Store>, ServerError> {
+) -> Result<Arc<spendgate_redis::RedisStore>, ServerError> {
+    if config.store.ledger_id.is_none() {
+        return Err(ServerError::Config(
+            "store.ledger_id is not set: a redis store serves only the ledger it is pinned to. \
+             Run `spendgate store init --config FILE` once (it creates the ledger, or names \
+             the one the prefix holds) and pin the id it prints: [store] ledger_id = \"lg-...\""
+                .into(),
+        ));
+    }
     // `rediss://` urls: TLS with the system's roots (or `SSL_CERT_FILE`), through rustls.
     install_crypto();
     Ok(Arc::new(

@@ -83,17 +83,75 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum StoreCmd {
-    /// Initialise the Redis ledger of a new deployment (once, on an empty store.prefix).
-    /// Replicas never initialise one themselves: a Redis that came back empty would look new.
+    /// Create the Redis ledger of a new deployment and print its id to pin in the config
+    /// (`[store] ledger_id`); with that pin, check that the prefix holds it (a no-op, safe to
+    /// run on every deploy). Refuses where the pinned ledger is lost or another is found.
+    /// Replicas never create one themselves: a Redis that came back empty would look new.
     Init {
         #[arg(long, short, env = "SPENDGATE_CONFIG")]
         config: Option<PathBuf>,
+        /// Start a new ledger, with new budgets, where the pinned one is lost (or over another
+        /// ledger, whose data is kept). Prints a new id: replicas pinned to the old one keep
+        /// refusing until their config pins it.
+        #[arg(long)]
+        new_ledger: bool,
     },
-    /// Accept that the Redis ledger came back empty or rolled back, and reopen for admissions.
+    /// Reopen the pinned Redis ledger after a rollback (Redis reloaded an older snapshot, or a
+    /// lagging replica took over), on what Redis holds now. Never reopens an emptied prefix.
     AcceptReset {
         #[arg(long, short, env = "SPENDGATE_CONFIG")]
         config: Option<PathBuf>,
+        /// Consent to forget the spend recorded after the state Redis holds now; without it
+        /// the command only says what it found.
+        #[arg(long)]
+        accept_rollback: bool,
     },
+}
+
+/// What `store init` says: what it found or did, and, last, the line to pin.
+fn init_report(cfg: &Config, done: &spendgate_redis::Initialised) -> String {
+    use spendgate_redis::Initialised;
+    let prefix = &cfg.store.prefix;
+    let pinned = cfg.store.ledger_id.as_deref();
+    let what = match (done, pinned) {
+        (Initialised::Created { ledger, kept_data }, Some(old)) => format!(
+            "created a NEW ledger {ledger} under store.prefix {prefix:?}, replacing ledger {old} \
+             that the config pins ({}). Replicas pinned to {old} keep refusing until their \
+             config pins the new id; a replica's witness file of the old ledger stops it at \
+             start until it is moved away.",
+            if *kept_data {
+                "the data the prefix held is kept: spend recorded there still counts"
+            } else {
+                "budgets start from zero"
+            }
+        ),
+        (Initialised::Created { ledger, kept_data }, None) => format!(
+            "created ledger {ledger} under store.prefix {prefix:?}{}.",
+            if *kept_data {
+                " (the data the prefix held is kept: spend recorded there still counts)"
+            } else {
+                ""
+            }
+        ),
+        (Initialised::Pinned { ledger }, _) => {
+            format!("store.prefix {prefix:?} holds the pinned ledger {ledger}: nothing changed.")
+        }
+        (Initialised::Found { ledger }, _) => {
+            format!("store.prefix {prefix:?} already holds ledger {ledger}: nothing changed.")
+        }
+        (Initialised::Adopted { ledger }, _) => format!(
+            "store.prefix {prefix:?} held a ledger made before ledger ids; it is now ledger \
+             {ledger} (its data and epoch unchanged)."
+        ),
+    };
+    let pin = match done {
+        Initialised::Pinned { .. } => String::new(),
+        _ => "\nPin it in the config of every replica (`spendgate serve` refuses a redis store \
+              without it; a routine `store init` with it pinned then changes nothing and \
+              refuses if the ledger is ever lost):\n\n[store]\n"
+            .to_string(),
+    };
+    format!("{what}\n{pin}ledger_id = \"{}\"\n", done.ledger())
 }
 
 fn env_lookup(name: &str) -> Option<String> {
@@ -159,14 +217,23 @@ async fn main() -> anyhow::Result<()> {
                 ),
                 _ => {}
             }
-            let store = spendgate_server::open_store(&cfg).await?;
+            let opened = spendgate_server::open_store_with_witness(&cfg).await?;
+            let (store, witness) = (opened.store, opened.witness);
             let listener = spendgate_server::listener::bind(cfg.server.listen)
                 .with_context(|| format!("binding {}", cfg.server.listen))?;
             let addr = listener.local_addr()?;
             let state = spendgate_server::build_state(cfg, store)?;
             tracing::info!(%addr, store = state.store.kind(), "spendgate listening");
             println!("spendgate listening on http://{addr}");
-            spendgate_server::serve(state, listener, shutdown_signal()).await?;
+            let served = spendgate_server::serve(state, listener, shutdown_signal()).await;
+            // (the high-water mark of a clean shutdown; a crash loses at most the last
+            // WITNESS_EVERY of it)
+            if let Some(w) = witness {
+                if let Err(e) = w.flush().await {
+                    tracing::error!(error = %e, "cannot write the witness at shutdown");
+                }
+            }
+            served?;
         }
         Cmd::Demo { listen, db } => {
             demo::run(listen, db, shutdown_signal()).await?;
@@ -243,44 +310,52 @@ async fn main() -> anyhow::Result<()> {
             print!("{}", ops::render_tune(&sample.listing()));
         }
         Cmd::Store {
-            action: StoreCmd::Init { config },
+            action: StoreCmd::Init { config, new_ledger },
         } => {
             let cfg = load_config(config.as_ref())?;
             if cfg.store.kind != config::StoreKind::Redis {
                 bail!("store init applies to store.kind = \"redis\" only (sqlite initialises its file itself)");
             }
-            let created =
-                spendgate_redis::RedisStore::init(&spendgate_server::redis_command_options(&cfg))
-                    .await?;
-            if created {
-                println!("ledger initialised for store.prefix {:?}", cfg.store.prefix);
+            let mode = if new_ledger {
+                spendgate_redis::InitMode::NewLedger
             } else {
-                println!(
-                    "store.prefix {:?} already holds a ledger: nothing changed",
-                    cfg.store.prefix
-                );
-            }
+                spendgate_redis::InitMode::Routine
+            };
+            spendgate_server::install_crypto();
+            let done = spendgate_redis::RedisStore::init(
+                &spendgate_server::redis_command_options(&cfg),
+                mode,
+            )
+            .await?;
+            print!("{}", init_report(&cfg, &done));
         }
         Cmd::Store {
-            action: StoreCmd::AcceptReset { config },
+            action:
+                StoreCmd::AcceptReset {
+                    config,
+                    accept_rollback,
+                },
         } => {
             let cfg = load_config(config.as_ref())?;
             if cfg.store.kind != config::StoreKind::Redis {
                 bail!("store accept-reset applies to store.kind = \"redis\" only");
             }
+            let consent = if accept_rollback {
+                spendgate_redis::RollbackConsent::Given
+            } else {
+                spendgate_redis::RollbackConsent::NotGiven
+            };
+            spendgate_server::install_crypto();
             let seq = spendgate_redis::RedisStore::accept_reset(
                 &spendgate_server::redis_command_options(&cfg),
+                consent,
             )
             .await?;
             println!(
-                "reset accepted for store.prefix {:?}: replicas admit again with the ledger \
-                 Redis holds now (ledger_seq {seq}{})",
+                "rollback accepted for store.prefix {:?} (ledger {}): replicas reopen on what \
+                 Redis holds now (ledger_seq {seq}), and their witnesses follow",
                 cfg.store.prefix,
-                if seq == 0 {
-                    ": empty; if this deployment had run, check store.url and store.prefix"
-                } else {
-                    ""
-                }
+                cfg.store.ledger_id.as_deref().unwrap_or("")
             );
         }
     }

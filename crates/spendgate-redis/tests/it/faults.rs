@@ -4,7 +4,9 @@
 
 use crate::support::*;
 use spendgate_core::*;
-use spendgate_redis::{RedisOptions, RedisStore};
+use spendgate_redis::{
+    IdentityError, InitMode, Initialised, RedisOptions, RedisStore, RollbackConsent,
+};
 use spendgate_store::{Store, StoreError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -273,8 +275,12 @@ async fn killed_redis_answers_unavailable_and_aof_restart_keeps_usage_and_holds(
     assert_eq!(global_usage(s).await, (2 * TOOL, 0), "charged once");
 }
 
+/// Redis came back empty: every store refuses, a new one too, and no routine operator command
+/// reopens it (`store init` and `store accept-reset` refuse where the pinned ledger is lost);
+/// only a new ledger, said in so many words, starts there, under a new id that the stores
+/// pinned to the old one keep refusing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_back_empty_stays_closed_until_the_reset_is_accepted() {
+async fn redis_back_empty_stays_closed_and_only_a_new_ledger_starts_there() {
     let mut server = server(false);
     let opts = server_opts(&server, Duration::from_secs(2));
     let store = open(opts.clone(), policy()).await;
@@ -291,11 +297,11 @@ async fn redis_back_empty_stays_closed_until_the_reset_is_accepted() {
     loop {
         let r = s.admit_run(run_req("r2"), None).await;
         match r {
-            Err(StoreError::Unavailable(msg)) if msg.contains("epoch") => break,
+            Err(StoreError::Unavailable(msg)) if msg.contains("no ledger") => break,
             Err(e) if e.is_unavailable() && wait.elapsed() < Duration::from_secs(3) => {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            other => panic!("expected the epoch refusal, got {other:?}"),
+            other => panic!("expected the lost-ledger refusal, got {other:?}"),
         }
     }
     assert!(matches!(s.summary().await, Err(StoreError::Unavailable(_))));
@@ -305,19 +311,60 @@ async fn redis_back_empty_stays_closed_until_the_reset_is_accepted() {
     let other = open_only(opts.clone(), policy()).await;
     let r = store_of(&other).admit_run(run_req("r3"), None).await;
     assert!(
-        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("epoch")),
+        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("no ledger")),
         "a replica started on an emptied Redis refuses: {r:?}"
     );
     assert!(other.ready().await.is_err());
-    assert!(matches!(
-        s.admit_run(run_req("r4"), None).await,
-        Err(StoreError::Unavailable(_))
-    ));
 
-    RedisStore::accept_reset(&opts).await.expect("accept reset");
-    store.ready().await.expect("ready after the reset");
-    admit(s, "r5").await;
-    admit(store_of(&other), "r6").await;
+    // The routine commands, run with the pinned config, refuse and change nothing.
+    let pinned = with_pin(opts.clone());
+    let old = pinned.ledger_id.clone().expect("a pin");
+    for _ in 0..2 {
+        let r = RedisStore::init(&pinned, InitMode::Routine).await;
+        assert!(matches!(r, Err(IdentityError::Lost { .. })), "{r:?}");
+        for consent in [RollbackConsent::NotGiven, RollbackConsent::Given] {
+            let r = RedisStore::accept_reset(&pinned, consent).await;
+            assert!(matches!(r, Err(IdentityError::Lost { .. })), "{r:?}");
+        }
+    }
+    assert_eq!(server.command(&["DBSIZE"]).expect("DBSIZE"), "0");
+    assert!(s.admit_run(run_req("r4"), None).await.is_err());
+    assert!(store_of(&other)
+        .admit_run(run_req("r4b"), None)
+        .await
+        .is_err());
+
+    // Said in so many words: a new ledger, under a new id.
+    let done = RedisStore::init(&pinned, InitMode::NewLedger)
+        .await
+        .expect("a new ledger");
+    let new = match &done {
+        Initialised::Created {
+            ledger,
+            kept_data: false,
+        } => ledger.clone(),
+        other => panic!("{other:?}"),
+    };
+    assert_ne!(new, old, "never the pinned id");
+    // Stores pinned to the old ledger keep refusing, running or new.
+    for st in [s, store_of(&other)] {
+        let r = st.admit_run(run_req("r5"), None).await;
+        assert!(
+            matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains(&new)),
+            "{r:?}"
+        );
+    }
+    let late = open_only(opts.clone(), policy()).await;
+    assert!(late.ready().await.is_err());
+    // One pinned to the new ledger admits, from zero.
+    let renewed = RedisOptions {
+        ledger_id: Some(new.clone()),
+        ..opts.clone()
+    };
+    let fresh = open_only(renewed, policy()).await;
+    fresh.ready().await.expect("ready on the new ledger");
+    admit(store_of(&fresh), "r6").await;
+    assert_eq!(global_usage(store_of(&fresh)).await, (0, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -360,7 +407,17 @@ async fn a_rolled_back_ledger_is_refused_until_accepted() {
         .command(&["COPY", &newer, &meta, "REPLACE"])
         .expect("COPY");
     assert!(s.summary().await.is_err());
-    let seq = RedisStore::accept_reset(&opts).await.expect("accept reset");
+    // Without the operator's consent, a reset only says what it found.
+    let pinned = with_pin(opts.clone());
+    let r = RedisStore::accept_reset(&pinned, RollbackConsent::NotGiven).await;
+    assert!(
+        matches!(r, Err(IdentityError::RollbackNotAccepted { .. })),
+        "{r:?}"
+    );
+    assert!(s.summary().await.is_err());
+    let seq = RedisStore::accept_reset(&pinned, RollbackConsent::Given)
+        .await
+        .expect("accept reset");
     assert!(seq > 0, "the rolled-back ledger is kept, with its sequence");
     admit(s, "r3").await;
     admit(store_of(&other), "r3b").await;
@@ -373,18 +430,20 @@ async fn an_older_accepted_reset_is_not_adopted() {
     let server = server(false);
     let opts = server_opts(&server, Duration::from_secs(2));
     let store = open(opts.clone(), policy()).await;
+    let pinned = with_pin(opts.clone());
+    let reset = || RedisStore::accept_reset(&pinned, RollbackConsent::Given);
     let s = store_of(&store);
     let meta = format!("{{{}}}:meta", opts.prefix);
     let backup = format!("{{{}}}:meta-backup", opts.prefix);
     admit(s, "r1").await;
-    RedisStore::accept_reset(&opts).await.expect("first reset");
+    reset().await.expect("first reset");
     admit(s, "r2").await;
     server
         .command(&["COPY", &meta, &backup, "REPLACE"])
         .expect("COPY");
     // (epoch times are milliseconds of the Redis clock)
     tokio::time::sleep(Duration::from_millis(5)).await;
-    RedisStore::accept_reset(&opts).await.expect("second reset");
+    reset().await.expect("second reset");
     admit(s, "r3").await;
     server
         .command(&["COPY", &backup, &meta, "REPLACE"])
@@ -394,38 +453,8 @@ async fn an_older_accepted_reset_is_not_adopted() {
         matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("older")),
         "{r:?}"
     );
-    RedisStore::accept_reset(&opts).await.expect("third reset");
+    reset().await.expect("third reset");
     admit(s, "r5").await;
-}
-
-/// `store init` creates a ledger only on an empty prefix, once; a prefix that holds ledger
-/// keys but lost its epoch is not new.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn init_creates_a_ledger_once_and_never_over_one() {
-    let server = server(false);
-    let opts = server_opts(&server, Duration::from_secs(2));
-    let store = open_only(opts.clone(), policy()).await;
-    let s = store_of(&store);
-    let r = s.admit_run(run_req("r0"), None).await;
-    assert!(
-        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("store init")),
-        "no ledger before init: {r:?}"
-    );
-    assert!(RedisStore::init(&opts).await.expect("init"), "initialised");
-    assert!(
-        !RedisStore::init(&opts).await.expect("init again"),
-        "left alone"
-    );
-    admit(s, "r1").await;
-    reserve(s, "r1", "x1").await.expect("reserved");
-    server
-        .command(&["DEL", &format!("{{{}}}:meta", opts.prefix)])
-        .expect("DEL");
-    let r = RedisStore::init(&opts).await;
-    assert!(
-        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("accept-reset")),
-        "{r:?}"
-    );
 }
 
 /// Data written by a build with another stored layout is refused, not misread; a reset does
@@ -448,12 +477,18 @@ async fn a_ledger_of_another_data_layout_is_refused() {
             "7",
         ])
         .expect("HSET");
-    let r = RedisStore::init(&opts).await;
-    assert!(
-        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("data layout")),
-        "{r:?}"
-    );
-    let store = open_only(opts.clone(), policy()).await;
+    fn layout<T>(r: &Result<T, IdentityError>) -> bool {
+        matches!(r, Err(IdentityError::Store(StoreError::Unavailable(ref m))) if m.contains("data layout"))
+    }
+    let r = RedisStore::init(&opts, InitMode::Routine).await;
+    assert!(layout(&r), "{r:?}");
+    let r = RedisStore::init(&opts, InitMode::NewLedger).await;
+    assert!(layout(&r), "{r:?}");
+    let pinned = RedisOptions {
+        ledger_id: Some(PIN.into()),
+        ..opts.clone()
+    };
+    let store = open_only(pinned.clone(), policy()).await;
     let s = store_of(&store);
     let r = s.admit_run(run_req("r1"), None).await;
     assert!(
@@ -461,11 +496,8 @@ async fn a_ledger_of_another_data_layout_is_refused() {
         "{r:?}"
     );
     assert!(store.ready().await.is_err());
-    let r = RedisStore::accept_reset(&opts).await;
-    assert!(
-        matches!(r, Err(StoreError::Unavailable(ref m)) if m.contains("data layout")),
-        "{r:?}"
-    );
+    let r = RedisStore::accept_reset(&pinned, RollbackConsent::Given).await;
+    assert!(layout(&r), "{r:?}");
     assert!(s.admit_run(run_req("r2"), None).await.is_err());
     // A deployment under a new prefix starts clean.
     let mut fresh = opts.clone();
@@ -624,10 +656,14 @@ async fn sixteen_tasks_on_four_replicas_grant_exactly_the_budget() {
 async fn open_does_not_need_redis_and_service_starts_when_it_arrives() {
     let mut server = server(true);
     let opts = server_opts(&server, Duration::from_millis(300));
-    RedisStore::init(&opts)
+    let done = RedisStore::init(&opts, InitMode::Routine)
         .await
         .expect("init (kept by the AOF)");
     server.stop().expect("stop");
+    let opts = RedisOptions {
+        ledger_id: Some(done.ledger().to_string()),
+        ..opts
+    };
     let store = open_only(opts, policy()).await;
     assert!(store.ready().await.is_err(), "not ready without Redis");
     let start = Instant::now();
@@ -779,7 +815,10 @@ async fn a_replica_node_is_never_ready() {
     replica
         .command(&["REPLICAOF", "127.0.0.1", &port])
         .expect("REPLICAOF");
-    let opts = server_opts(&replica, Duration::from_secs(2));
+    let opts = RedisOptions {
+        ledger_id: Some(PIN.into()),
+        ..server_opts(&replica, Duration::from_secs(2))
+    };
     let store = open_only(opts, policy()).await;
     let r = store.ready().await;
     assert!(

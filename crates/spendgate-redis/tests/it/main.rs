@@ -5,6 +5,7 @@ mod cluster;
 mod conformance;
 mod differential;
 mod faults;
+mod identity;
 mod keys;
 mod support;
 mod worst_case;

@@ -1,12 +1,16 @@
 //! Shared helpers: a private Redis server and stores on it.
 
 use spendgate_core::{Micros, Policy, StepRequest, ToolPrice};
-use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
+use spendgate_redis::{ClockSource, InitMode, RedisOptions, RedisStore};
 use spendgate_store::Clock;
 use spendgate_testkit::RedisServer;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// A well-formed ledger id that no `store init` made.
+pub const PIN: &str = "lg-00000000000000000000000000000000";
 
 /// Generous timeout for tests that are not about timeouts (2 shared cores, many tests).
 pub const TEST_TIMEOUT: Duration = Duration::from_secs(5);
@@ -164,21 +168,51 @@ pub fn options(server: &RedisServer, prefix: &str, clock: Option<Arc<dyn Clock>>
             Some(c) => ClockSource::Manual(c),
             None => ClockSource::Server,
         },
+        ledger_id: None,
+        witness: None,
     }
 }
 
-/// Opens a store on `opts.prefix`, first initialising the deployment there when it is new,
-/// as an operator does once with `spendgate store init`.
+/// The ledger id pinned for each (url, prefix) by [`open`], as an operator's config holds it
+/// once `spendgate store init` printed it.
+fn pins() -> &'static Mutex<BTreeMap<(String, String), String>> {
+    static PINS: std::sync::OnceLock<Mutex<BTreeMap<(String, String), String>>> =
+        std::sync::OnceLock::new();
+    PINS.get_or_init(Default::default)
+}
+
+/// The ledger id [`open`] pinned for `opts`' url and prefix.
+pub fn pinned(opts: &RedisOptions) -> Option<String> {
+    let key = (opts.url.clone(), opts.prefix.clone());
+    pins().lock().expect("pins").get(&key).cloned()
+}
+
+/// `opts` with the ledger id pinned for its prefix, unless it has one.
+pub fn with_pin(opts: RedisOptions) -> RedisOptions {
+    let ledger_id = opts.ledger_id.clone().or_else(|| pinned(&opts));
+    RedisOptions { ledger_id, ..opts }
+}
+
+/// Opens a store on `opts.prefix`, first running `store init` there (with the pin it got
+/// before, if any: it creates a ledger only on a new prefix), as an operator does once, and
+/// pinning the ledger id it printed.
 pub async fn open(opts: RedisOptions, policy: Policy) -> RedisStore {
-    RedisStore::init(&opts)
+    let opts = with_pin(opts);
+    let done = RedisStore::init(&opts, InitMode::Routine)
         .await
         .unwrap_or_else(|e| panic!("init redis store: {e}"));
+    let key = (opts.url.clone(), opts.prefix.clone());
+    pins()
+        .lock()
+        .expect("pins")
+        .insert(key, done.ledger().to_string());
     open_only(opts, policy).await
 }
 
-/// Opens a store without initialising anything (a replica starting on what Redis holds).
+/// Opens a store without initialising anything (a replica starting on what Redis holds),
+/// pinned to the ledger [`open`] created on that prefix (unless `opts` pins one).
 pub async fn open_only(opts: RedisOptions, policy: Policy) -> RedisStore {
-    RedisStore::open(opts, policy)
+    RedisStore::open(with_pin(opts), policy)
         .await
         .unwrap_or_else(|e| panic!("open redis store: {e}"))
 }

@@ -63,6 +63,87 @@ fn bad_configs_are_refused_naming_the_key() {
     }
 }
 
+/// A redis store needs its ledger pinned: `serve` refuses to start without `store.ledger_id`
+/// (naming the key and `spendgate store init`); `check-config` shows the new keys and warns.
+#[test]
+fn a_redis_replica_without_a_pinned_ledger_does_not_start() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("redis.toml");
+    let base = "[sessions]\nkeys = [\"session-key-0123456789abcdef\"]\n[store]\nkind = \"redis\"\nurl = \"redis://127.0.0.1:1/0\"\n";
+    std::fs::write(&path, base).expect("write");
+    let (ok, out) = crate::harness::run_to_end(
+        {
+            let mut c = spendgate();
+            c.args(["serve", "--config"]).arg(&path);
+            c
+        },
+        std::time::Duration::from_secs(20),
+    );
+    assert!(!ok, "serve started without a pinned ledger: {out}");
+    assert!(
+        out.contains("store.ledger_id") && out.contains("spendgate store init"),
+        "{out}"
+    );
+    let out = spendgate()
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .expect("run");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stdout.contains("ledger_id = \"\"  # not pinned"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("witness_path = \"spendgate.witness\""),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("warning: store.ledger_id: not set"),
+        "{stderr}"
+    );
+
+    let pinned = format!(
+        "{base}ledger_id = \"lg-0123456789abcdef0123456789abcdef\"\nwitness_path = \"off\"\n"
+    );
+    std::fs::write(&path, pinned).expect("write");
+    let out = spendgate()
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .expect("run");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        stdout.contains("ledger_id = \"lg-0123456789abcdef0123456789abcdef\"\n"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("witness_path = \"off\"  #"), "{stdout}");
+    assert!(stderr.contains("warning: store.witness_path"), "{stderr}");
+    for (bad, key) in [
+        ("ledger_id = \"lg-123\"\n", "store.ledger_id"),
+        ("witness_path = \"\"\n", "store.witness_path"),
+    ] {
+        std::fs::write(&path, format!("{base}{bad}")).expect("write");
+        for cmd in ["check-config", "serve"] {
+            let out = spendgate()
+                .args([cmd, "--config"])
+                .arg(&path)
+                .output()
+                .expect("run");
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{cmd} accepted {bad:?}");
+            assert!(stderr.contains(key), "{cmd}: {stderr}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn report_and_tune_read_a_running_gateway() {
     use crate::harness::*;

@@ -182,18 +182,43 @@ impl Server {
         init: bool,
     ) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
-        let store = format!("kind = \"redis\"\nurl = \"{url}\"\nprefix = \"{prefix}\"");
         let env: Vec<(String, String)> = env
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
+        let ledger = if init {
+            // As an operator: `store init` with the pin the config already holds, if any.
+            let path = dir.path().join("init.toml");
+            let store = redis_store_keys(url, prefix, pinned_ledger(url, prefix).as_deref(), None);
+            std::fs::write(
+                &path,
+                config_text_with_sessions(0, &store, DEFAULT_SESSIONS, extra),
+            )
+            .expect("write init config");
+            let ledger = store_init(&path, &env);
+            pin_ledger(url, prefix, &ledger);
+            ledger
+        } else {
+            pinned_ledger(url, prefix)
+                .unwrap_or_else(|| panic!("no ledger pinned for {url} {prefix}: start_redis first"))
+        };
+        Server::start_redis_pinned(dir, url, prefix, &ledger, extra, env)
+    }
+
+    /// A replica pinned to `ledger`, with its witness file in `dir` (kept across
+    /// [`Server::spawn`]s, as a replica's durable disk).
+    pub fn start_redis_pinned(
+        dir: tempfile::TempDir,
+        url: &str,
+        prefix: &str,
+        ledger: &str,
+        extra: &str,
+        env: Vec<(String, String)>,
+    ) -> Server {
+        let witness = dir.path().join("spendgate.witness");
+        let store = redis_store_keys(url, prefix, Some(ledger), Some(&witness));
         let config = |port| config_text_with_sessions(port, &store, DEFAULT_SESSIONS, extra);
-        let init_env = env.clone();
-        Server::start_with(dir, config, env, move |path| {
-            if init {
-                store_init(path, &init_env)
-            }
-        })
+        Server::start_config(dir, config, env)
     }
 
     /// A server on sqlite with its own `[sessions]` settings.
@@ -238,20 +263,9 @@ impl Server {
         config_text: impl FnOnce(u16) -> String,
         env: Vec<(String, String)>,
     ) -> Server {
-        Server::start_with(dir, config_text, env, |_| {})
-    }
-
-    /// As [`Server::start_config`], running `before` on the written config file first.
-    fn start_with(
-        dir: tempfile::TempDir,
-        config_text: impl FnOnce(u16) -> String,
-        env: Vec<(String, String)>,
-        before: impl FnOnce(&std::path::Path),
-    ) -> Server {
         let port = free_port();
         let config = dir.path().join("spendgate.toml");
         std::fs::write(&config, config_text(port)).expect("write config");
-        before(&config);
         spendgate_server::install_crypto();
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(20))
@@ -470,17 +484,79 @@ pub fn start_demo(dir: &std::path::Path) -> (ChildGuard, u16) {
 }
 
 /// `spendgate store init --config PATH`, as an operator runs it once for a new Redis
-/// deployment (it leaves a prefix that already holds a ledger alone).
-pub fn store_init(config: &std::path::Path, env: &[(String, String)]) {
+/// deployment (it leaves a prefix that already holds a ledger alone): the ledger id it
+/// prints to pin.
+pub fn store_init(config: &std::path::Path, env: &[(String, String)]) -> String {
+    let (ok, out) = spendgate_store_cmd(&["init"], config, env);
+    assert!(ok, "store init: {out}");
+    printed_ledger_id(&out).unwrap_or_else(|| panic!("store init printed no ledger id: {out}"))
+}
+
+/// `spendgate store ARGS --config PATH`: whether it succeeded, and what it printed (stdout
+/// then stderr).
+pub fn spendgate_store_cmd(
+    args: &[&str],
+    config: &std::path::Path,
+    env: &[(String, String)],
+) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_spendgate"))
-        .args(["store", "init", "--config"])
+        .arg("store")
+        .args(args)
+        .arg("--config")
         .arg(config)
+        .env("RUST_LOG", "warn")
         .envs(env.iter().map(|(k, v)| (k, v)))
         .output()
-        .expect("run spendgate store init");
-    assert!(
-        out.status.success(),
-        "store init: {}",
+        .expect("run spendgate store");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+    (out.status.success(), text)
+}
+
+/// The id in the `ledger_id = "..."` line `store init` prints last.
+pub fn printed_ledger_id(out: &str) -> Option<String> {
+    out.lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("ledger_id = \""))
+        .and_then(|l| l.strip_suffix('"'))
+        .map(str::to_string)
+}
+
+/// The `[store]` keys of a replica on a Redis ledger.
+pub fn redis_store_keys(
+    url: &str,
+    prefix: &str,
+    ledger: Option<&str>,
+    witness: Option<&std::path::Path>,
+) -> String {
+    let mut s = format!("kind = \"redis\"\nurl = \"{url}\"\nprefix = \"{prefix}\"");
+    if let Some(l) = ledger {
+        s.push_str(&format!("\nledger_id = \"{l}\""));
+    }
+    if let Some(w) = witness {
+        s.push_str(&format!("\nwitness_path = \"{}\"", w.display()));
+    }
+    s
+}
+
+/// The ledger id pinned for each (url, prefix) by the replicas started on it, as the
+/// operator's config holds it.
+fn pins() -> &'static std::sync::Mutex<std::collections::BTreeMap<(String, String), String>> {
+    static PINS: std::sync::OnceLock<
+        std::sync::Mutex<std::collections::BTreeMap<(String, String), String>>,
+    > = std::sync::OnceLock::new();
+    PINS.get_or_init(Default::default)
+}
+
+pub fn pinned_ledger(url: &str, prefix: &str) -> Option<String> {
+    let pins = pins().lock().unwrap_or_else(|p| p.into_inner());
+    pins.get(&(url.to_string(), prefix.to_string())).cloned()
+}
+
+fn pin_ledger(url: &str, prefix: &str, ledger: &str) {
+    let mut pins = pins().lock().unwrap_or_else(|p| p.into_inner());
+    pins.insert((url.to_string(), prefix.to_string()), ledger.to_string());
 }

@@ -362,57 +362,195 @@ async fn killed_replica_reservations_expire() {
     servers[1].run(&session, "10.3.0.1", "kill").await;
 }
 
-/// Acceptance: Redis restarted empty (no persistence) → every replica refuses with
-/// `store_unavailable` until `spendgate store accept-reset`; a Redis with
-/// `maxmemory-policy allkeys-lru` never becomes ready.
+/// Issue 18, finding 1: Redis restarted empty (no persistence). Every replica refuses with
+/// `store_unavailable`, and no routine command of a deploy pipeline (`store init`, `store
+/// accept-reset`, with or without `--accept-rollback`), run with the pinned config, turns the
+/// empty Redis into an open ledger: each exits non-zero and writes nothing, and a replica
+/// started afterwards never admits. Only `store init --new-ledger` starts a new ledger, under
+/// a new id: replicas pinned to the old one keep refusing, one pinned to the new one admits.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn empty_redis_needs_accept_reset_and_evicting_redis_is_never_ready() {
+async fn an_emptied_redis_reopens_only_as_a_new_ledger_said_in_so_many_words() {
     let mut redis = RedisServer::start(RedisOptions::default()).expect("redis");
-    let servers = replicas(&redis, "reset", 2);
+    let mut servers = replicas(&redis, "lost", 2);
     for s in &servers {
         wait_ready(s).await;
     }
     let session = servers[0].session().await;
-    servers[0].run(&session, "10.4.0.1", "before").await;
+    let run = servers[0].run(&session, "10.4.0.1", "before").await;
+    let step = servers[0].tool_step(&run, "web_search").await;
+    servers[0].commit_units(&step, 1).await;
+    let old = pinned_ledger(&redis.url(), "lost").expect("a pinned ledger");
     redis.stop().expect("stop");
     redis.restart().expect("restart empty");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    // A replica restarted now (deploy, crash, autoscaling) must not take the empty Redis
-    // for a new deployment.
-    let mut servers = servers;
+
+    // What a deploy pipeline runs on every rollout, and what an operator might try next.
+    let config = servers[0].config_path().to_path_buf();
+    for args in [
+        &["init"][..],
+        &["accept-reset"],
+        &["accept-reset", "--accept-rollback"],
+        &["init"],
+    ] {
+        let (ok, out) = spendgate_store_cmd(args, &config, &[]);
+        assert!(
+            !ok,
+            "`store {args:?}` must refuse on an emptied Redis: {out}"
+        );
+        assert!(
+            out.contains("lost") && out.contains("--new-ledger"),
+            "`store {args:?}` explains: {out}"
+        );
+    }
+    assert_eq!(redis.command(&["DBSIZE"]).expect("dbsize"), "0");
+    // Replicas running, restarted (deploy, crash) and new (autoscaling) never admit.
     servers[1].kill();
     servers[1].spawn();
-    for s in &servers {
-        s.assert_closed(&session, "Redis came back empty").await;
-    }
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_spendgate"))
-        .args(["store", "accept-reset", "--config"])
-        .arg(servers[0].config_path())
-        .output()
-        .expect("accept-reset");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+    let new_replica = Server::start_redis_pinned(
+        tempfile::tempdir().expect("tempdir"),
+        &redis.url(),
+        "lost",
+        &old,
+        TOOL_BUDGET,
+        Vec::new(),
     );
-    // Redis came back empty: the reset says so (the same words on a mistyped prefix).
-    let said = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        said.contains("ledger_seq 0: empty; if this deployment had run"),
-        "{said}"
-    );
-    for s in &servers {
-        wait_ready(s).await;
-        s.run(&session, "10.4.0.3", &format!("after-{}", s.port))
-            .await;
+    for _ in 0..3 {
+        for s in servers.iter().chain([&new_replica]) {
+            s.assert_closed(&session, "Redis came back empty").await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
+    // Said in so many words: a new ledger, a new id.
+    let (ok, out) = spendgate_store_cmd(&["init", "--new-ledger"], &config, &[]);
+    assert!(ok, "{out}");
+    let new = printed_ledger_id(&out).expect("the new id to pin");
+    assert_ne!(new, old, "never the pinned id: {out}");
+    assert!(out.contains("NEW ledger") && out.contains(&old), "{out}");
+    // The old pin keeps refusing, restarted or not.
+    servers[1].kill();
+    servers[1].spawn();
+    for s in servers.iter().chain([&new_replica]) {
+        s.assert_closed(&session, "pinned to the lost ledger").await;
+    }
+    // Pinned to the new ledger: it admits, from zero.
+    let renewed = Server::start_redis_pinned(
+        tempfile::tempdir().expect("tempdir"),
+        &redis.url(),
+        "lost",
+        &new,
+        TOOL_BUDGET,
+        Vec::new(),
+    );
+    wait_ready(&renewed).await;
+    renewed.run(&session, "10.4.0.3", "after").await;
+    assert_eq!(renewed.global_usage().await["used_micros"], 0);
+    let (ok, out) = spendgate_store_cmd(&["init"], renewed.config_path(), &[]);
+    assert!(ok && out.contains("nothing changed"), "{out}");
+
+    // A replica whose config now pins the new ledger, on a disk that kept the old ledger's
+    // witness, stops at start and says why, until that file is moved away.
+    let s = &mut servers[0];
+    s.kill();
+    let text = std::fs::read_to_string(s.config_path()).expect("config");
+    std::fs::write(s.config_path(), text.replace(&old, &new)).expect("re-pin");
+    let mut serve = std::process::Command::new(env!("CARGO_BIN_EXE_spendgate"));
+    serve
+        .args(["serve", "--config"])
+        .arg(s.config_path())
+        .env("RUST_LOG", "warn");
+    let (ok, out) = run_to_end(serve, Duration::from_secs(20));
+    assert!(!ok && out.contains("move that file away"), "{out}");
+    std::fs::remove_file(s.dir.path().join("spendgate.witness")).expect("move it away");
+    s.spawn();
+    wait_ready(s).await;
+    s.run(&session, "10.4.0.4", "re-pinned").await;
+}
+
+/// One run with one tool step of 0.01, committed.
+async fn spend(s: &Server, session: &str, conversation: &str) {
+    let run = s.run(session, "10.5.0.1", conversation).await;
+    let step = s.tool_step(&run, "web_search").await;
+    s.commit_units(&step, 1).await;
+}
+
+/// Issue 18, finding 2: Redis reloads an older RDB snapshot while every replica restarts too
+/// (one crashed, one stopped cleanly), so none remembers the higher `ledger_seq` in memory.
+/// Their witness files do: the restarted replicas refuse with `store_unavailable` until
+/// `spendgate store accept-reset --accept-rollback`, which a bare `accept-reset` is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_rollback_with_every_replica_restarted_is_caught_by_their_witnesses() {
+    let mut redis = RedisServer::start(RedisOptions::default()).expect("redis");
+    let mut servers = replicas(&redis, "rollback", 2);
+    for s in &servers {
+        wait_ready(s).await;
+    }
+    let session = servers[0].session().await;
+    spend(&servers[0], &session, "a").await;
+    // The snapshot Redis will come back from.
+    redis.command(&["SAVE"]).expect("SAVE");
+    let rdb = redis.dir().join("dump.rdb");
+    let older = redis.dir().join("older.rdb");
+    std::fs::copy(&rdb, &older).expect("keep the snapshot");
+    spend(&servers[1], &session, "b").await;
+    spend(&servers[0], &session, "c").await;
+    assert_eq!(servers[1].global_usage().await["used_micros"], 30_000);
+    // (a crash loses at most WITNESS_EVERY of the witness; a clean stop none)
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    servers[0].kill();
+    servers[1].terminate();
+    redis.stop().expect("stop");
+    std::fs::copy(&older, &rdb).expect("restore the older snapshot");
+    redis.restart().expect("restart on the older snapshot");
+
+    for s in servers.iter_mut() {
+        s.spawn();
+    }
+    for _ in 0..3 {
+        for s in &servers {
+            s.assert_closed(&session, "Redis rolled back").await;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let config = servers[0].config_path().to_path_buf();
+    let (ok, out) = spendgate_store_cmd(&["accept-reset"], &config, &[]);
+    assert!(!ok && out.contains("--accept-rollback"), "{out}");
+    for s in &servers {
+        s.assert_closed(&session, "no consent given").await;
+    }
+    let (ok, out) = spendgate_store_cmd(&["accept-reset", "--accept-rollback"], &config, &[]);
+    assert!(ok, "{out}");
+    for s in &servers {
+        wait_ready(s).await;
+    }
+    // What Redis holds now: the spend after the snapshot is forgotten, as accepted.
+    assert_eq!(servers[0].global_usage().await["used_micros"], 10_000);
+    spend(&servers[1], &session, "d").await;
+    // Their witnesses followed the accepted epoch: restarted again, they admit.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    for s in servers.iter_mut() {
+        s.terminate();
+        s.spawn();
+    }
+    for s in &servers {
+        wait_ready(s).await;
+    }
+    spend(&servers[0], &session, "e").await;
+}
+
+/// A Redis with `maxmemory-policy allkeys-lru` never becomes ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_evicting_redis_is_never_ready() {
     let lru = RedisServer::start(RedisOptions {
         maxmemory_policy: Some("allkeys-lru".into()),
         ..Default::default()
     })
     .expect("redis");
     let s = Server::start_redis(&lru.url(), "lru", TOOL_BUDGET);
+    // (a session signed with the shared key, minted where a store admits it)
+    let session = Server::start(tool_budget_config!("1.00", ""))
+        .session()
+        .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     for _ in 0..5 {
         s.assert_closed(&session, "an evicting Redis is never a ledger")

@@ -12,7 +12,7 @@ pub mod rate;
 pub mod scope;
 pub mod window;
 
-pub use admission::{decide, BudgetRefusal, BudgetView};
+pub use admission::{decide, BudgetRefusal, BudgetView, Shortfall};
 pub use command::{Command, Reply};
 pub use ledger::*;
 pub use money::{parse_amount, AmountError, Micros, ModelPrice, TokenUsage, ToolPrice, MICROS_MAX};

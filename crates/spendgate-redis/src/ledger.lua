@@ -765,7 +765,13 @@ local function run_budget_counters(session, ips, conv, now)
   return v
 end
 
-local function budget_refusal(k, c, now)
+-- (`held`: used spend alone would admit, the holds of calls in flight refuse: `budget_held`,
+-- whose Retry-After the reader derives, as a spent budget's, from the window and `now`)
+local function budget_refusal(k, c, now, held)
+  if held then
+    return { 'refused', 'budget_held', k.kind, '', 'held', k.window, S(k.index), S(c.used), S(c.reserved),
+      S(k.limit), S(now) }
+  end
   return { 'refused', 'budget_exhausted', k.kind, '', 'budget', k.window, S(k.index), S(c.used), S(c.reserved),
     S(k.limit), S(now) }
 end
@@ -776,27 +782,33 @@ local function is_dry(kind)
   return kp ~= nil and kp.dry
 end
 
--- The enforced counter `amount` does not fit that frees last (a refusal: the latest window
--- reset, a lifetime budget a day away (LIFETIME_RETRY_AFTER_S), the first of equals; as
--- admission::decide), else nil and the first counter in dry-run it does not fit (nil when
+-- The refusal of the counters `amount` does not fit (admission::decide): a spent one before
+-- any held one (spent: used spend alone leaves no room, or overrun); among spent ones the one
+-- that frees last (the latest window reset, a lifetime budget a day away
+-- (LIFETIME_RETRY_AFTER_S), the first of equals); else the first held one. Enforced counters
+-- refuse (the first answer), else nil and the refusal counters in dry-run would give (nil when
 -- none).
 local function check_budgets(counters, amount, now)
-  local dry, worst, worst_at = nil, nil, 0
+  -- [1] enforced, [2] dry-run: { spent refusal, its reset, held refusal }
+  local pick = { { nil, 0, nil }, { nil, 0, nil } }
   for _, k in ipairs(counters) do
     -- (a check writes nothing, not even into the cached counter: a refused command must
     -- leave the limit a later command of the same batch sees as it was)
     local c = cload(k.enc)
     if not (c.overrun == 0 and c.used + c.reserved + amount <= k.limit) then
-      if not is_dry(k.kind) then
+      local p = pick[1]
+      if is_dry(k.kind) then p = pick[2] end
+      if c.overrun == 0 and c.used + amount <= k.limit then
+        if not p[3] then p[3] = budget_refusal(k, c, now, true) end
+      else
         local at = resets_at(k.window, k.index) or (now + 86400000)
-        if not worst or at > worst_at then worst, worst_at = budget_refusal(k, c, now), at end
-      elseif not dry then
-        dry = budget_refusal(k, c, now)
+        if not p[1] or at > p[2] then p[1], p[2] = budget_refusal(k, c, now, false), at end
       end
     end
   end
-  if worst then return worst end
-  return nil, dry
+  local refusal = pick[1][1] or pick[1][3]
+  if refusal then return refusal end
+  return nil, pick[2][1] or pick[2][3]
 end
 
 -- (past its limit only in dry-run: the counter is then overrun)
@@ -1395,7 +1407,8 @@ function OPS.reserve_step(now, swept, A)
         end
       end
       if not plan and not outcome then
-        if refusal[3] == 'run' then
+        -- (a run bound its own steps in flight hold is a wait: budget_held)
+        if refusal[3] == 'run' and refusal[2] == 'budget_exhausted' then
           outcome = { 'refused', 'run_bound_exceeded', 'run', '', 'runcost', S(imm[R_B_COST]) }
         else
           outcome = refusal

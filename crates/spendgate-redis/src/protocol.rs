@@ -305,6 +305,7 @@ fn code_of(s: &str) -> Result<RefusalCode, StoreError> {
         "payload_too_large" => RefusalCode::PayloadTooLarge,
         "context_too_large" => RefusalCode::ContextTooLarge,
         "cutoff_engaged" => RefusalCode::CutoffEngaged,
+        "budget_held" => RefusalCode::BudgetHeld,
         _ => return Err(bad(format!("refusal code {s:?}"))),
     })
 }
@@ -352,27 +353,35 @@ fn refusal(f: &mut Fields<'_>) -> Result<Refusal, StoreError> {
     let kind = f.s()?;
     let (message, retry) = match kind.as_str() {
         "text" => (f.s()?, retry),
-        "budget" => {
+        // A spent budget ("budget") waits for its window's reset; one its holds refuse
+        // ("held") for HELD_RETRY_AFTER_S at most (as `admission::decide`).
+        held @ ("budget" | "held") => {
             let window = WindowId {
                 window: window_of(&f.s()?)?,
                 index: f.u()?,
             };
-            let (used, reserved, limit, now) = (f.u()?, f.u()?, f.u()?, UnixMs(f.u()?));
-            let scope_name = scope.map(|k| k.name()).unwrap_or("global");
-            let retry = window
+            let c = Counter {
+                used: Micros(f.u()?),
+                reserved: Micros(f.u()?),
+                limit: Micros(f.u()?),
+                ..Counter::default()
+            };
+            let now = UnixMs(f.u()?);
+            let to_reset = window
                 .resets_at()
                 .map(|r| now.secs_until(r))
                 .unwrap_or(LIFETIME_RETRY_AFTER_S)
                 .max(1);
-            (
-                format!(
-                    "{scope_name} budget for {window} is spent ({} used, {} reserved of {})",
-                    Micros(used),
-                    Micros(reserved),
-                    Micros(limit)
-                ),
-                Some(retry),
-            )
+            let (state, retry) = if held == "held" {
+                (
+                    "is held by calls in flight",
+                    to_reset.min(HELD_RETRY_AFTER_S),
+                )
+            } else {
+                ("is spent", to_reset)
+            };
+            let kind = scope.unwrap_or(ScopeKind::Global);
+            (budget_message(kind, &window, state, &c), Some(retry))
         }
         "runcost" => (
             format!("run cost bound of {} reached", Micros(f.u()?)),

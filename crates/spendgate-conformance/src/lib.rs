@@ -28,6 +28,7 @@ mod leases;
 mod limits;
 mod model;
 mod overspend;
+mod presence;
 pub mod support;
 
 pub use async_trait::async_trait;
@@ -40,6 +41,7 @@ pub use leases::*;
 pub use limits::*;
 pub use model::*;
 pub use overspend::*;
+pub use presence::*;
 
 use spendgate_core::{Policy, UnixMs};
 use spendgate_store::Store;
@@ -126,6 +128,7 @@ macro_rules! __with_conformance_cases {
             whole_run_overrun_reaches_the_scopes_at_commit,
             whole_run_admission_held_by_other_runs_is_a_wait,
             cutoff_refuses_admission,
+            replicas_publish_policy_fingerprints,
             dry_run_reports_instead_of_refusing,
             hammer_one_budget,
             hammer_last_cent,

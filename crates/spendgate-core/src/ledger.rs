@@ -678,6 +678,9 @@ pub struct Ledger {
     ending: BTreeSet<(UnixMs, CounterKey)>,
     /// Derived totals (not persisted; recomputed on restore).
     stats: Stats,
+    /// Replicas and their policy fingerprints (presence, not ledger: not persisted, no
+    /// `ledger_seq`; see [`crate::replicas`]).
+    replicas: crate::replicas::ReplicaTable,
 }
 
 /// When a counter becomes stale (droppable by a sweep once it holds nothing): its window's
@@ -2150,6 +2153,23 @@ impl Ledger {
             v.pop();
         }
         v
+    }
+
+    /// Records a replica's policy fingerprint as seen at `now` (never before the ledger's
+    /// clock) and answers every live replica. Changes no record and no sequence number.
+    pub fn announce(
+        &mut self,
+        now: UnixMs,
+        replica: &str,
+        fingerprint: &str,
+    ) -> Result<Vec<crate::replicas::ReplicaSeen>, LedgerError> {
+        self.replicas
+            .announce(now.max(self.clock), replica, fingerprint)
+    }
+
+    /// Every replica live at `now` (never before the ledger's clock).
+    pub fn replicas_live(&self, now: UnixMs) -> Vec<crate::replicas::ReplicaSeen> {
+        self.replicas.live(now.max(self.clock))
     }
 
     pub fn set_cutoff(&mut self, now: UnixMs, engaged: bool, reason: &str) -> Applied<bool> {

@@ -1720,6 +1720,71 @@ do -- (a block of its own: the main chunk is at Lua's 200-locals limit)
   end
 end
 
+---------------------------------------------------------------- replicas
+
+-- Replicas and their policy fingerprints (spendgate_core::replicas): a hash under the base,
+-- replica id -> 'fingerprint|seen'. Presence, not ledger: no seq, no expiries, no meta write
+-- (`announce` is called by `main` directly, never in a batch). The bounds are the core's:
+-- REPLICAS_MAX and REPLICA_STALE_MS.
+do
+  local REPLICAS_MAX, REPLICA_STALE_MS = 128, 15000
+  local ID_BAD, FP_BAD = '[^0-9A-Za-z%.%-_:]', '[^0-9A-Za-z]'
+
+  -- The live entries of HGETALL's answer `all` at `now`: { id, fingerprint, seen }; with
+  -- `drop`, stale and malformed ones are deleted.
+  local function live_rows(all, now, drop, k)
+    local rows = {}
+    for i = 1, #all, 2 do
+      local fp, seen = string.match(all[i + 1], '^([0-9A-Za-z]+)|(%d+)$')
+      if fp and N(seen) + REPLICA_STALE_MS > now then
+        rows[#rows + 1] = { all[i], fp, N(seen) }
+      elseif drop then
+        rcall('HDEL', k, all[i])
+      end
+    end
+    return rows
+  end
+
+  local function answer(rows)
+    local out = {}
+    for i, r in ipairs(rows) do out[i] = { r[1], r[2], S(r[3]) } end
+    return { 'OK', S(SEQ), out }
+  end
+
+  -- args: replica fingerprint (Command::Announce)
+  function OPS.announce(now, A)
+    local id, fp = A[1], A[2]
+    if #id < 1 or #id > 128 or string.find(id, ID_BAD) then
+      return err({ 'invalid', "replica id must be 1 to 128 bytes of letters, digits, '.', '-', '_' or ':'" })
+    end
+    if #fp < 1 or #fp > 64 or string.find(fp, FP_BAD) then
+      return err({ 'invalid', 'policy fingerprint must be 1 to 64 letters or digits' })
+    end
+    local k = B .. ':rp'
+    local others = {}
+    for _, r in ipairs(live_rows(rcall('HGETALL', k), now, true, k)) do
+      if r[1] ~= id then others[#others + 1] = r end
+    end
+    rcall('HSET', k, id, fp .. '|' .. S(now))
+    -- Over the bound, the least recently seen others go (ties: any of them).
+    while #others + 1 > REPLICAS_MAX do
+      local oi = 1
+      for j = 2, #others do
+        if others[j][3] < others[oi][3] then oi = j end
+      end
+      rcall('HDEL', k, others[oi][1])
+      table.remove(others, oi)
+    end
+    others[#others + 1] = { id, fp, now }
+    return answer(others)
+  end
+
+  -- Command::Replicas (read-only: stale entries are skipped, dropped by the next announce)
+  function OPS.replicas_read(now)
+    return answer(live_rows(rcall('HGETALL', B .. ':rp'), now, false, nil))
+  end
+end
+
 ---------------------------------------------------------------- reads
 local READS = {}
 do
@@ -1779,6 +1844,9 @@ do
   function READS.check(now, A)
     return { 'OK', S(SEQ) }
   end
+
+  -- (defined with `announce` above, a read)
+  READS.replicas, OPS.replicas_read = OPS.replicas_read, nil
 
   function READS.usage(now, A)
     return { 'OK', S(SEQ), lines(scope_args(A, 1), now) }
@@ -1912,6 +1980,9 @@ local function main(KEYS, ARGV)
   -- (left over by a call that failed half way)
   if WBN > 0 or next(RC) then RC, WB, WBN = {}, {}, 0 end
 
+  -- (presence, not ledger: no expiries, no meta write)
+  if op == 'announce' then return OPS.announce(now, A) end
+
   P = policy(ARGV[5])
 
   if op ~= 'batch' then
@@ -1925,7 +1996,7 @@ local function main(KEYS, ARGV)
   local cmds, i = {}, 6
   while i <= #ARGV do
     local sop, n = ARGV[i], N(ARGV[i + 1])
-    if not n or (not READS[sop] and not OPS[sop]) then
+    if not n or (not READS[sop] and not OPS[sop]) or sop == 'announce' then
       return redis.error_reply('spendgate: bad batch at argument ' .. S(i))
     end
     cmds[#cmds + 1] = { sop, i + 2, i + 1 + n }

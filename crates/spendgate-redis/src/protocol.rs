@@ -182,6 +182,11 @@ pub fn encode(cmd: &Command) -> Call {
         Command::ConsumeOnce { key, ttl_ms } => {
             write("consume_once", vec![key.clone(), ttl_ms.to_string()])
         }
+        Command::Announce {
+            replica,
+            fingerprint,
+        } => write("announce", vec![replica.clone(), fingerprint.clone()]),
+        Command::Replicas => read("replicas", vec![]),
     }
 }
 
@@ -634,6 +639,25 @@ pub fn decode(cmd: &Command, items: &[Item]) -> Result<Reply, StoreError> {
             changed,
         )),
         Command::ConsumeOnce { .. } => Reply::Consumed(applied(f.b()?, seq, changed)),
+        Command::Announce { .. } | Command::Replicas => {
+            let mut v = f
+                .list()?
+                .iter()
+                .map(|row| {
+                    let mut r = Fields::new(row.list()?);
+                    Ok(ReplicaSeen {
+                        replica: r.s()?,
+                        fingerprint: r.s()?,
+                        seen: UnixMs(r.u()?),
+                    })
+                })
+                .collect::<Result<Vec<_>, StoreError>>()?;
+            // (by id, as the core answers; sorted here, not by the script, whose string
+            // order follows the server's locale)
+            v.sort_by(|a, b| a.replica.cmp(&b.replica));
+            v.truncate(REPLICAS_MAX);
+            Reply::Replicas(v)
+        }
         Command::Usage { .. } => Reply::Usage(usage_lines(f.list()?)?),
         Command::Summary => {
             let engaged = f.b()?;
@@ -697,7 +721,8 @@ pub fn decode(cmd: &Command, items: &[Item]) -> Result<Reply, StoreError> {
     })
 }
 
-/// Whether the command's answer carries a `changed` flag (every write does).
+/// Whether the command's answer carries a `changed` flag (every write does, but an
+/// announcement, which changes no ledger record).
 fn encode_kind(cmd: &Command) -> bool {
     !matches!(
         cmd,
@@ -705,12 +730,27 @@ fn encode_kind(cmd: &Command) -> bool {
             | Command::Summary
             | Command::Reservations { .. }
             | Command::TopCounters { .. }
+            | Command::Announce { .. }
+            | Command::Replicas
     )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `ledger.lua` bounds the replicas it remembers as the core does.
+    #[test]
+    fn the_script_holds_the_cores_replica_bounds() {
+        let script = include_str!("ledger.lua");
+        for needle in [
+            format!("local REPLICAS_MAX, REPLICA_STALE_MS = {REPLICAS_MAX}, {REPLICA_STALE_MS}"),
+            format!("#id > {REPLICA_ID_BYTES_MAX}"),
+            format!("#fp > {FINGERPRINT_BYTES_MAX}"),
+        ] {
+            assert!(script.contains(&needle), "ledger.lua lacks {needle:?}");
+        }
+    }
 
     #[test]
     fn netstrings_roundtrip() {

@@ -6,6 +6,7 @@ pub mod alerts;
 pub mod api;
 pub mod challenge;
 pub mod config;
+pub mod drift;
 pub mod error;
 pub mod identity;
 pub mod listener;
@@ -196,7 +197,9 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
         .as_ref()
         .map(|u| u.expose().to_string());
     let alerts = alerts::Alerts::start(http.clone(), webhook);
+    let replica = drift::Replica::of(&config);
     Ok(Arc::new(AppState {
+        replica,
         alerts,
         upstreams,
         config: Arc::new(config),
@@ -414,6 +417,11 @@ pub async fn serve(
         state.config.alerts.thresholds_permille.clone(),
         state.config.alerts.scopes.clone(),
     );
+    let publisher = drift::spawn_publisher(
+        state.store.clone(),
+        state.alerts.clone(),
+        state.replica.clone(),
+    );
     let longest_upstream = state
         .upstreams
         .values()
@@ -427,6 +435,7 @@ pub async fn serve(
         listener::serve(listener, app, shutdown, listener::HEADER_READ_TIMEOUT, idle).await;
     sweeper.abort();
     checker.abort();
+    publisher.abort();
     result
 }
 

@@ -8,7 +8,6 @@ use crate::harness::*;
 use serde_json::json;
 use spendgate_mock_upstream::{MockConfig, MockUpstream};
 use spendgate_testkit::{RedisOptions, RedisServer};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "mock-model";

@@ -6,6 +6,7 @@ mod harness;
 mod alerts;
 mod cli;
 mod decision_api;
+mod drift;
 mod holds;
 mod proxy;
 mod replicas;

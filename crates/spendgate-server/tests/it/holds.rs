@@ -111,7 +111,7 @@ async fn client(
     mock: MockUpstream,
     i: usize,
 ) -> End {
-    let body = json!({"model": MODEL, "stream": i % 2 == 0,
+    let body = json!({"model": MODEL, "stream": i.is_multiple_of(2),
                       "messages": [{"role": "user", "content": "hello"}]});
     for _ in 0..ATTEMPTS_MAX {
         let r = http
@@ -255,7 +255,7 @@ async fn burst(store_keys: &str, start: impl FnOnce(&str) -> Server) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_burst_is_served_its_budget_when_clients_retry_as_told_sqlite() {
-    burst("", |config| Server::start(config)).await;
+    burst("", Server::start).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

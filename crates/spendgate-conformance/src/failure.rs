@@ -311,7 +311,8 @@ pub async fn i4_two_handles_enforce_one_limit(b: &dyn Backend) {
                 {
                     Ok(_) => granted += 1,
                     Err(r) => {
-                        refused(&r, RefusalCode::BudgetExhausted, ScopeKind::Global);
+                        // (the holds, never resolved here, refuse: a wait)
+                        refused(&r, RefusalCode::BudgetHeld, ScopeKind::Global);
                         break;
                     }
                 }

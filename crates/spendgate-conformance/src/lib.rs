@@ -23,10 +23,12 @@ mod bounds;
 mod conservation;
 mod failure;
 mod hammer;
+mod held;
 mod leases;
 mod limits;
 mod model;
 mod overspend;
+mod presence;
 pub mod support;
 
 pub use async_trait::async_trait;
@@ -34,10 +36,12 @@ pub use bounds::*;
 pub use conservation::*;
 pub use failure::*;
 pub use hammer::*;
+pub use held::*;
 pub use leases::*;
 pub use limits::*;
 pub use model::*;
 pub use overspend::*;
+pub use presence::*;
 
 use spendgate_core::{Policy, UnixMs};
 use spendgate_store::Store;
@@ -91,6 +95,7 @@ macro_rules! __with_conformance_cases {
             i1_refused_admission_holds_nothing,
             i1_overrun_is_charged_and_blocks_until_next_window,
             i1_a_refusal_waits_for_the_spent_budget_that_frees_last,
+            i1_a_refusal_by_holds_is_a_wait,
             i2_each_reservation_ends_once,
             i2_expired_reservations_are_closed,
             i2_a_repeated_commit_keeps_its_result_size_verdict,
@@ -106,6 +111,7 @@ macro_rules! __with_conformance_cases {
             i5_context_and_output_tokens,
             i5_input_bytes,
             i5_run_max_cost,
+            i5_a_run_bound_held_by_its_own_steps_is_a_wait,
             i5_shrink_to_fit,
             i6_expired_lease_charges_and_frees,
             i6_a_lapsed_lease_is_seen_behind_a_backlog_of_timers,
@@ -120,7 +126,9 @@ macro_rules! __with_conformance_cases {
             whole_run_reserves_and_reconciles,
             whole_run_expiry_charges_the_hold,
             whole_run_overrun_reaches_the_scopes_at_commit,
+            whole_run_admission_held_by_other_runs_is_a_wait,
             cutoff_refuses_admission,
+            replicas_publish_policy_fingerprints,
             dry_run_reports_instead_of_refusing,
             hammer_one_budget,
             hammer_last_cent,

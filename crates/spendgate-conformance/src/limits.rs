@@ -271,7 +271,8 @@ pub async fn idempotent_step(b: &dyn Backend) {
         .value
         .clone()
         .expect_err("over the run's cost bound");
-    refusal(&r, RefusalCode::RunBoundExceeded, ScopeKind::Run);
+    // (held by the run's own step a: a wait)
+    held_refusal(&r, ScopeKind::Run);
     resolve(&s, "a", Resolution::Release).await;
     let again = s
         .reserve_step(req, key("step:r1:k2", "g"))
@@ -394,8 +395,9 @@ pub async fn whole_run_reserves_and_reconciles(b: &dyn Backend) {
         "steps draw from the hold"
     );
     // 22_000 of 50_000 taken: 28_000 is left, not a micro more.
+    // (12_000 used and 10_000 held: the hold refuses, a wait)
     let r = reserve_refused(&s, micros_step("r1", "x", 28_001)).await;
-    refusal(&r, RefusalCode::RunBoundExceeded, ScopeKind::Run);
+    held_refusal(&r, ScopeKind::Run);
     reserve(&s, micros_step("r1", "y", 28_000)).await;
     resolve(&s, "y", Resolution::Release).await;
 
@@ -413,10 +415,11 @@ pub async fn whole_run_reserves_and_reconciles(b: &dyn Backend) {
     assert_eq!(steps, 22_000);
     assert_eq!(hold_of(&all, "r1").state, ReservationState::Committed);
 
-    // The session has 120_000 - 22_000 = 98_000: one more hold of 50_000, not two.
+    // The session has 120_000 - 22_000 = 98_000: one more hold of 50_000, not two (the
+    // second is refused by the first's hold: a wait).
     admit(&s, Who::new("s1", "c2", "192.0.2.1/32").run("r2")).await;
     let r = admit_refused(&s, Who::new("s1", "c3", "192.0.2.1/32").run("r3")).await;
-    refusal(&r, RefusalCode::BudgetExhausted, ScopeKind::Session);
+    held_refusal(&r, ScopeKind::Session);
     check_ledger(&s, &Who::new("s1", "c3", "192.0.2.1/32").scopes()).await;
 }
 
@@ -437,9 +440,10 @@ pub async fn whole_run_overrun_reaches_the_scopes_at_commit(b: &dyn Backend) {
         hold_of(&reservations(&s).await, "r1").amount,
         Micros(90_000)
     );
-    // The session has 120_000 - 90_000 = 30_000 left: no room for a hold of 50_000.
+    // The session has 120_000 - 90_000 = 30_000 left: no room for a hold of 50_000 (held by
+    // r1's grown hold, not yet charged to the session: a wait, spent once r1 ends).
     let r = admit_refused(&s, Who::new("s1", "c2", "192.0.2.1/32").run("r2")).await;
-    refusal(&r, RefusalCode::BudgetExhausted, ScopeKind::Session);
+    held_refusal(&r, ScopeKind::Session);
     let f = finish(&s, "r1").await.value;
     assert_eq!(f.charged, Micros(90_000));
     let lines = check_ledger(&s, &w.scopes()).await;
@@ -633,8 +637,8 @@ pub async fn dry_run_reports_instead_of_refusing(b: &dyn Backend) {
     // Past it: granted, the budget refusal reported, the counter marked overrun.
     let b2 = reserve(&s, micros_step("r2", "r2.a", 100_000)).await;
     let dry = b2.dry_run.expect("a dry-run budget refusal is reported");
-    refusal(&dry, RefusalCode::BudgetExhausted, ScopeKind::Session);
-    assert_eq!(dry.retry_after_s, Some(SECS_TO_MIDNIGHT), "{dry:?}");
+    // (250_000 held, nothing used: reported as held, a wait)
+    held_refusal(&dry, ScopeKind::Session);
     let lines = check_ledger(&s, &w1.scopes()).await;
     let session = line(&lines, ScopeKind::Session);
     assert_eq!(
@@ -650,6 +654,8 @@ pub async fn dry_run_reports_instead_of_refusing(b: &dyn Backend) {
 
     // The enforced global budget still refuses (its refusal, not the session's report).
     let r = reserve_refused(&s, micros_step("r1", "r1.b", 700_000)).await;
+    held_refusal(&r, ScopeKind::Global);
+    let r = reserve_refused(&s, micros_step("r1", "r1.b", 1_000_001)).await;
     refusal(&r, RefusalCode::BudgetExhausted, ScopeKind::Global);
     // So does the enforced one-run-per-conversation cap.
     let r = admit_refused(&s, Who::new("s2", "c1", "192.0.2.2/32").run("r3")).await;

@@ -308,7 +308,23 @@ impl Model {
         !overrun && used + reserved + amount <= self.limit(key)
     }
 
-    fn budget_refusal(&self, key: Key) -> Ans {
+    /// Whether used spend alone would admit `amount` on this counter (the holds of calls in
+    /// flight refuse it: a wait, not a spent budget).
+    fn held(&self, key: Key, amount: u64) -> bool {
+        let (used, _, overrun) = self.view(key);
+        !overrun && used + amount <= self.limit(key)
+    }
+
+    fn budget_refusal(&self, key: Key, amount: u64) -> Ans {
+        if self.held(key, amount) {
+            // Held: retry within a second (the lease bounds every hold).
+            let scope = match key {
+                Key::Global(_) => ScopeKind::Global,
+                Key::Session(..) => ScopeKind::Session,
+                Key::Run(_) => ScopeKind::Run,
+            };
+            return refused(RefusalCode::BudgetHeld, scope, Some(1));
+        }
         let to_midnight = (day_of(self.now) + 1) * DAY_MS - self.now;
         match key {
             Key::Global(_) => refused(
@@ -420,27 +436,34 @@ impl Model {
         matches!(key, Key::Session(..)) && self.session_dry
     }
 
-    /// The first enforced key `amount` does not fit (its refusal), else the first key in
-    /// dry-run it does not fit (as reported).
+    /// The refusal of the enforced keys `amount` does not fit, else the one of the keys in
+    /// dry-run (as reported). Among the keys that refuse, a spent one before a held one (the
+    /// first spent: the run's lifetime bound, listed first, frees last, and the day budgets
+    /// reset together); else the first held one.
     fn check(&self, keys: &[Key], amount: u64) -> Result<DryRun, Ans> {
-        for &key in keys.iter().filter(|&&k| !self.dry(k)) {
-            if !self.fits(key, amount) {
-                return Err(self.budget_refusal(key));
-            }
+        let pick = |dry: bool| {
+            let refusing: Vec<Key> = keys
+                .iter()
+                .copied()
+                .filter(|&k| self.dry(k) == dry && !self.fits(k, amount))
+                .collect();
+            refusing
+                .iter()
+                .find(|&&k| !self.held(k, amount))
+                .or(refusing.first())
+                .map(|&k| self.budget_refusal(k, amount))
+        };
+        if let Some(refusal) = pick(false) {
+            return Err(refusal);
         }
-        for &key in keys.iter().filter(|&&k| self.dry(k)) {
-            if !self.fits(key, amount) {
-                if let Ans::Refused {
-                    code,
-                    scope,
-                    retry_after_s,
-                } = self.budget_refusal(key)
-                {
-                    return Ok(Some((code, scope, retry_after_s)));
-                }
-            }
+        match pick(true) {
+            Some(Ans::Refused {
+                code,
+                scope,
+                retry_after_s,
+            }) => Ok(Some((code, scope, retry_after_s))),
+            _ => Ok(None),
         }
-        Ok(None)
     }
 
     /// A model step (`Some((prompt, out, retry))`) or a tool step (`None`, `units`).

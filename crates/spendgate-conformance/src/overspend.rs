@@ -78,7 +78,8 @@ pub async fn i1_a_refusal_waits_for_the_spent_budget_that_frees_last(b: &dyn Bac
 
 /// Each of global, ip, session and conversation in turn is the one scope without room: the
 /// step is refused by that scope, and no counter of any scope moves. A step that fills the
-/// global budget exactly is granted.
+/// global budget exactly is granted. (Each refusal here is by holds of steps in flight, with
+/// used spend alone leaving room: `budget_held`, a wait.)
 pub async fn i1_admission_is_all_or_nothing(b: &dyn Backend) {
     let mut p = policy();
     p.global.budgets = vec![day(1_000_000)];
@@ -100,7 +101,7 @@ pub async fn i1_admission_is_all_or_nothing(b: &dyn Backend) {
     reserve(&s, micros_step("r1", "r1.a", 150_000)).await;
     let before = snapshot(&s, &everyone).await;
     let r = reserve_refused(&s, micros_step("r1", "r1.b", 60_000)).await;
-    budget_refusal(&r, ScopeKind::Conversation);
+    held_refusal(&r, ScopeKind::Conversation);
     assert_eq!(
         snapshot(&s, &everyone).await,
         before,
@@ -114,7 +115,7 @@ pub async fn i1_admission_is_all_or_nothing(b: &dyn Backend) {
     reserve(&s, micros_step("r2", "r2.a", 100_000)).await;
     let before = snapshot(&s, &everyone).await;
     let r = reserve_refused(&s, micros_step("r2", "r2.b", 60_000)).await;
-    budget_refusal(&r, ScopeKind::Session);
+    held_refusal(&r, ScopeKind::Session);
     assert_eq!(
         snapshot(&s, &everyone).await,
         before,
@@ -130,7 +131,7 @@ pub async fn i1_admission_is_all_or_nothing(b: &dyn Backend) {
     admit(&s, a4.run("r4")).await;
     let before = snapshot(&s, &everyone).await;
     let r = reserve_refused(&s, micros_step("r4", "r4.a", 60_000)).await;
-    budget_refusal(&r, ScopeKind::Ip);
+    held_refusal(&r, ScopeKind::Ip);
     assert_eq!(
         snapshot(&s, &everyone).await,
         before,
@@ -145,7 +146,7 @@ pub async fn i1_admission_is_all_or_nothing(b: &dyn Backend) {
     admit(&s, d7.run("r7")).await;
     let before = snapshot(&s, &everyone).await;
     let r = reserve_refused(&s, micros_step("r7", "r7.a", 160_000)).await;
-    budget_refusal(&r, ScopeKind::Global);
+    held_refusal(&r, ScopeKind::Global);
     assert_eq!(
         snapshot(&s, &everyone).await,
         before,
@@ -158,7 +159,7 @@ pub async fn i1_admission_is_all_or_nothing(b: &dyn Backend) {
     let lines = check_ledger(&s, &d7.scopes()).await;
     assert_eq!(ur(&lines, ScopeKind::Global), (150_000, 850_000));
     let r = reserve_refused(&s, micros_step("r7", "r7.c", 1)).await;
-    budget_refusal(&r, ScopeKind::Global);
+    held_refusal(&r, ScopeKind::Global);
     for w in everyone {
         check_ledger(&s, &w.scopes()).await;
     }
@@ -181,8 +182,9 @@ pub async fn i1_refused_admission_holds_nothing(b: &dyn Backend) {
     reserve(&s, micros_step("r1", "r1.a", 100_000)).await;
 
     let before = snapshot(&s, &[&w1, &w2]).await;
+    // (per_step's up-front check: the session's budget is all held, none used: a wait)
     let r = admit_refused(&s, w2.run("r2")).await;
-    budget_refusal(&r, ScopeKind::Session);
+    held_refusal(&r, ScopeKind::Session);
     assert_eq!(
         snapshot(&s, &[&w1, &w2]).await,
         before,

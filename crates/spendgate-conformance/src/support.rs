@@ -393,3 +393,17 @@ pub fn lines_hold(lines: &[UsageLine], all: &[Reservation]) -> Result<(), String
     }
     Ok(())
 }
+
+/// Asserts a refusal by the holds of calls in flight (`budget_held`): used spend alone would
+/// admit, so it is a short wait (`HELD_RETRY_AFTER_S`), not a spent budget.
+pub fn held_refusal(r: &Refusal, scope: ScopeKind) {
+    assert_eq!(
+        (r.code, r.scope, r.retry_after_s),
+        (
+            RefusalCode::BudgetHeld,
+            Some(scope),
+            Some(HELD_RETRY_AFTER_S)
+        ),
+        "a budget that holds refuse is a wait of {HELD_RETRY_AFTER_S} s: {r:?}"
+    );
+}

@@ -3,6 +3,7 @@
 //! without knowing them one by one.
 
 use crate::ledger::*;
+use crate::replicas::ReplicaSeen;
 use crate::scope::{IpScope, Policy, ScopeKey, ScopeKind};
 use crate::window::UnixMs;
 use crate::LedgerError;
@@ -69,6 +70,15 @@ pub enum Command {
         ttl_ms: u64,
     },
     Sweep,
+    /// Publishes this replica's policy fingerprint, seen now (the store's clock), and
+    /// answers every live replica's ([`crate::replicas`]). Not part of the ledger: it
+    /// changes no record and no `ledger_seq`.
+    Announce {
+        replica: String,
+        fingerprint: String,
+    },
+    /// Every live replica and its policy fingerprint.
+    Replicas,
 }
 
 impl Command {
@@ -106,6 +116,7 @@ impl Command {
                 | Command::Summary
                 | Command::Reservations { .. }
                 | Command::TopCounters { .. }
+                | Command::Replicas
         )
     }
 }
@@ -126,6 +137,8 @@ pub enum Reply {
     TopCounters(Vec<(CounterKey, Counter)>),
     Swept(Applied<usize>),
     Consumed(Applied<bool>),
+    /// Live replicas, by id.
+    Replicas(Vec<ReplicaSeen>),
 }
 
 impl Ledger {
@@ -179,6 +192,11 @@ impl Ledger {
             Command::ConsumeOnce { key, ttl_ms } => {
                 Reply::Consumed(self.consume_once(now, key, *ttl_ms)?)
             }
+            Command::Announce {
+                replica,
+                fingerprint,
+            } => Reply::Replicas(self.announce(now, replica, fingerprint)?),
+            Command::Replicas => Reply::Replicas(self.replicas_live(now)),
         })
     }
 }

@@ -5,7 +5,7 @@
 //! The memory and sqlite stores hold one `Ledger` each; the Redis store implements the same
 //! operations as server-side scripts and is held to the same answers by the conformance suite.
 
-use crate::admission::BudgetView;
+use crate::admission::{BudgetRefusal, BudgetView, Shortfall};
 use crate::money::{Micros, ModelPrice, TokenUsage, ToolPrice, MICROS_MAX};
 use crate::scope::{IpScope, Policy, ReservationMode, RunBounds, ScopeKey, ScopeKind, ScopePolicy};
 use crate::window::{UnixMs, Window, WindowId};
@@ -43,6 +43,13 @@ pub const LEDGER_RECORDS_MAX: usize = 2_000_000;
 pub const ID_BYTES_MAX: usize = 128;
 /// `Retry-After` for a lifetime budget, which never resets.
 pub const LIFETIME_RETRY_AFTER_S: u64 = 86_400;
+/// `Retry-After` of a budget refused only by the holds of calls in flight (`budget_held`):
+/// used spend alone would admit the call. A counter does not know when its holds end (each
+/// ends with its own call, at the latest when its run's lease runs out, `store.lease_ttl_s`,
+/// at least 1 s), and most end within one upstream call; so the shortest wait the header can
+/// say, never longer than a lease. A retry refused again costs one store call and no rate
+/// quota (a refused admission does not move the rate's state).
+pub const HELD_RETRY_AFTER_S: u64 = 1;
 /// Idle rate state and counters of long-ended windows are dropped at most this often.
 pub const COMPACT_EVERY_MS: u64 = 30_000;
 /// Expired timers processed by one call; the rest wait for the next call or the sweeper.
@@ -230,6 +237,9 @@ pub enum RefusalCode {
     PayloadTooLarge,
     ContextTooLarge,
     CutoffEngaged,
+    /// Used spend alone would admit the call; the holds of calls in flight refuse it: a
+    /// short wait, not a spent budget. (Last: stored refusals name their code by position.)
+    BudgetHeld,
 }
 
 impl RefusalCode {
@@ -242,6 +252,7 @@ impl RefusalCode {
             RefusalCode::PayloadTooLarge => "payload_too_large",
             RefusalCode::ContextTooLarge => "context_too_large",
             RefusalCode::CutoffEngaged => "cutoff_engaged",
+            RefusalCode::BudgetHeld => "budget_held",
         }
     }
 }
@@ -667,6 +678,9 @@ pub struct Ledger {
     ending: BTreeSet<(UnixMs, CounterKey)>,
     /// Derived totals (not persisted; recomputed on restore).
     stats: Stats,
+    /// Replicas and their policy fingerprints (presence, not ledger: not persisted, no
+    /// `ledger_seq`; see [`crate::replicas`]).
+    replicas: crate::replicas::ReplicaTable,
 }
 
 /// When a counter becomes stale (droppable by a sweep once it holds nothing): its window's
@@ -1104,7 +1118,7 @@ impl Ledger {
                 .collect();
             crate::admission::decide(&views, amount, now).map_err(|r| {
                 let (key, limit) = picked[r.index];
-                budget_refusal(key, &self.counter_view(key, *limit), now)
+                budget_refusal(key, &self.counter_view(key, *limit), r)
             })
         };
         check(false)?;
@@ -1749,7 +1763,10 @@ impl Ledger {
                     }
                 }
                 let mut refusal = refusal;
-                if refusal.scope == Some(ScopeKind::Run) {
+                // (a run bound its own steps in flight hold is a wait: `budget_held`)
+                if refusal.scope == Some(ScopeKind::Run)
+                    && refusal.code == RefusalCode::BudgetExhausted
+                {
                     refusal.code = RefusalCode::RunBoundExceeded;
                     refusal.message = format!("run cost bound of {} reached", b.max_cost);
                     refusal.retry_after_s = None;
@@ -2138,6 +2155,23 @@ impl Ledger {
         v
     }
 
+    /// Records a replica's policy fingerprint as seen at `now` (never before the ledger's
+    /// clock) and answers every live replica. Changes no record and no sequence number.
+    pub fn announce(
+        &mut self,
+        now: UnixMs,
+        replica: &str,
+        fingerprint: &str,
+    ) -> Result<Vec<crate::replicas::ReplicaSeen>, LedgerError> {
+        self.replicas
+            .announce(now.max(self.clock), replica, fingerprint)
+    }
+
+    /// Every replica live at `now` (never before the ledger's clock).
+    pub fn replicas_live(&self, now: UnixMs) -> Vec<crate::replicas::ReplicaSeen> {
+        self.replicas.live(now.max(self.clock))
+    }
+
     pub fn set_cutoff(&mut self, now: UnixMs, engaged: bool, reason: &str) -> Applied<bool> {
         let (_, swept) = self.advance(now);
         let new = engaged.then(|| reason.to_string());
@@ -2424,25 +2458,30 @@ fn charge_of(res: &Reservation, s: Settlement) -> Result<Micros, LedgerError> {
     }
 }
 
-fn budget_refusal(key: &CounterKey, c: &Counter, now: UnixMs) -> Refusal {
-    let retry = key
-        .window
-        .resets_at()
-        .map(|r| now.secs_until(r))
-        .unwrap_or(LIFETIME_RETRY_AFTER_S);
+/// The refusal of the budget `r` names (counter `c` under `key`).
+fn budget_refusal(key: &CounterKey, c: &Counter, r: BudgetRefusal) -> Refusal {
+    let (code, state) = match r.shortfall {
+        Shortfall::Spent => (RefusalCode::BudgetExhausted, "is spent"),
+        Shortfall::Held => (RefusalCode::BudgetHeld, "is held by calls in flight"),
+    };
     Refusal::new(
-        RefusalCode::BudgetExhausted,
+        code,
         Some(key.scope.kind),
-        format!(
-            "{} budget for {} is spent ({} used, {} reserved of {})",
-            key.scope.kind.name(),
-            key.window,
-            c.used,
-            c.reserved,
-            c.limit
-        ),
+        budget_message(key.scope.kind, &key.window, state, c),
     )
-    .retry_after(retry)
+    .retry_after(r.retry_after_s)
+}
+
+/// The text of a budget refusal (`state`: "is spent", "is held by calls in flight"); the
+/// Redis store writes the same from the script's fields.
+pub fn budget_message(kind: ScopeKind, window: &WindowId, state: &str, c: &Counter) -> String {
+    format!(
+        "{} budget for {window} {state} ({} used, {} reserved of {})",
+        kind.name(),
+        c.used,
+        c.reserved,
+        c.limit
+    )
 }
 
 struct RunPlan {

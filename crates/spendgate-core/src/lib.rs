@@ -9,14 +9,19 @@ pub mod command;
 pub mod ledger;
 pub mod money;
 pub mod rate;
+pub mod replicas;
 pub mod scope;
 pub mod window;
 
-pub use admission::{decide, BudgetRefusal, BudgetView};
+pub use admission::{decide, BudgetRefusal, BudgetView, Shortfall};
 pub use command::{Command, Reply};
 pub use ledger::*;
 pub use money::{parse_amount, AmountError, Micros, ModelPrice, TokenUsage, ToolPrice, MICROS_MAX};
 pub use rate::{Rate, RateError};
+pub use replicas::{
+    fingerprint_counts, ReplicaSeen, FINGERPRINT_BYTES_MAX, REPLICAS_MAX, REPLICA_ID_BYTES_MAX,
+    REPLICA_STALE_MS,
+};
 pub use scope::{
     Budget, IpScope, Policy, ReservationMode, RunBounds, ScopeKey, ScopeKind, ScopePolicy,
 };

@@ -765,7 +765,13 @@ local function run_budget_counters(session, ips, conv, now)
   return v
 end
 
-local function budget_refusal(k, c, now)
+-- (`held`: used spend alone would admit, the holds of calls in flight refuse: `budget_held`,
+-- whose Retry-After the reader derives, as a spent budget's, from the window and `now`)
+local function budget_refusal(k, c, now, held)
+  if held then
+    return { 'refused', 'budget_held', k.kind, '', 'held', k.window, S(k.index), S(c.used), S(c.reserved),
+      S(k.limit), S(now) }
+  end
   return { 'refused', 'budget_exhausted', k.kind, '', 'budget', k.window, S(k.index), S(c.used), S(c.reserved),
     S(k.limit), S(now) }
 end
@@ -776,27 +782,33 @@ local function is_dry(kind)
   return kp ~= nil and kp.dry
 end
 
--- The enforced counter `amount` does not fit that frees last (a refusal: the latest window
--- reset, a lifetime budget a day away (LIFETIME_RETRY_AFTER_S), the first of equals; as
--- admission::decide), else nil and the first counter in dry-run it does not fit (nil when
+-- The refusal of the counters `amount` does not fit (admission::decide): a spent one before
+-- any held one (spent: used spend alone leaves no room, or overrun); among spent ones the one
+-- that frees last (the latest window reset, a lifetime budget a day away
+-- (LIFETIME_RETRY_AFTER_S), the first of equals); else the first held one. Enforced counters
+-- refuse (the first answer), else nil and the refusal counters in dry-run would give (nil when
 -- none).
 local function check_budgets(counters, amount, now)
-  local dry, worst, worst_at = nil, nil, 0
+  -- [1] enforced, [2] dry-run: { spent refusal, its reset, held refusal }
+  local pick = { { nil, 0, nil }, { nil, 0, nil } }
   for _, k in ipairs(counters) do
     -- (a check writes nothing, not even into the cached counter: a refused command must
     -- leave the limit a later command of the same batch sees as it was)
     local c = cload(k.enc)
     if not (c.overrun == 0 and c.used + c.reserved + amount <= k.limit) then
-      if not is_dry(k.kind) then
+      local p = pick[1]
+      if is_dry(k.kind) then p = pick[2] end
+      if c.overrun == 0 and c.used + amount <= k.limit then
+        if not p[3] then p[3] = budget_refusal(k, c, now, true) end
+      else
         local at = resets_at(k.window, k.index) or (now + 86400000)
-        if not worst or at > worst_at then worst, worst_at = budget_refusal(k, c, now), at end
-      elseif not dry then
-        dry = budget_refusal(k, c, now)
+        if not p[1] or at > p[2] then p[1], p[2] = budget_refusal(k, c, now, false), at end
       end
     end
   end
-  if worst then return worst end
-  return nil, dry
+  local refusal = pick[1][1] or pick[1][3]
+  if refusal then return refusal end
+  return nil, pick[2][1] or pick[2][3]
 end
 
 -- (past its limit only in dry-run: the counter is then overrun)
@@ -1395,7 +1407,8 @@ function OPS.reserve_step(now, swept, A)
         end
       end
       if not plan and not outcome then
-        if refusal[3] == 'run' then
+        -- (a run bound its own steps in flight hold is a wait: budget_held)
+        if refusal[3] == 'run' and refusal[2] == 'budget_exhausted' then
           outcome = { 'refused', 'run_bound_exceeded', 'run', '', 'runcost', S(imm[R_B_COST]) }
         else
           outcome = refusal
@@ -1707,6 +1720,71 @@ do -- (a block of its own: the main chunk is at Lua's 200-locals limit)
   end
 end
 
+---------------------------------------------------------------- replicas
+
+-- Replicas and their policy fingerprints (spendgate_core::replicas): a hash under the base,
+-- replica id -> 'fingerprint|seen'. Presence, not ledger: no seq, no expiries, no meta write
+-- (`announce` is called by `main` directly, never in a batch). The bounds are the core's:
+-- REPLICAS_MAX and REPLICA_STALE_MS.
+do
+  local REPLICAS_MAX, REPLICA_STALE_MS = 128, 15000
+  local ID_BAD, FP_BAD = '[^0-9A-Za-z%.%-_:]', '[^0-9A-Za-z]'
+
+  -- The live entries of HGETALL's answer `all` at `now`: { id, fingerprint, seen }; with
+  -- `drop`, stale and malformed ones are deleted.
+  local function live_rows(all, now, drop, k)
+    local rows = {}
+    for i = 1, #all, 2 do
+      local fp, seen = string.match(all[i + 1], '^([0-9A-Za-z]+)|(%d+)$')
+      if fp and N(seen) + REPLICA_STALE_MS > now then
+        rows[#rows + 1] = { all[i], fp, N(seen) }
+      elseif drop then
+        rcall('HDEL', k, all[i])
+      end
+    end
+    return rows
+  end
+
+  local function answer(rows)
+    local out = {}
+    for i, r in ipairs(rows) do out[i] = { r[1], r[2], S(r[3]) } end
+    return { 'OK', S(SEQ), out }
+  end
+
+  -- args: replica fingerprint (Command::Announce)
+  function OPS.announce(now, A)
+    local id, fp = A[1], A[2]
+    if #id < 1 or #id > 128 or string.find(id, ID_BAD) then
+      return err({ 'invalid', "replica id must be 1 to 128 bytes of letters, digits, '.', '-', '_' or ':'" })
+    end
+    if #fp < 1 or #fp > 64 or string.find(fp, FP_BAD) then
+      return err({ 'invalid', 'policy fingerprint must be 1 to 64 letters or digits' })
+    end
+    local k = B .. ':rp'
+    local others = {}
+    for _, r in ipairs(live_rows(rcall('HGETALL', k), now, true, k)) do
+      if r[1] ~= id then others[#others + 1] = r end
+    end
+    rcall('HSET', k, id, fp .. '|' .. S(now))
+    -- Over the bound, the least recently seen others go (ties: any of them).
+    while #others + 1 > REPLICAS_MAX do
+      local oi = 1
+      for j = 2, #others do
+        if others[j][3] < others[oi][3] then oi = j end
+      end
+      rcall('HDEL', k, others[oi][1])
+      table.remove(others, oi)
+    end
+    others[#others + 1] = { id, fp, now }
+    return answer(others)
+  end
+
+  -- Command::Replicas (read-only: stale entries are skipped, dropped by the next announce)
+  function OPS.replicas_read(now)
+    return answer(live_rows(rcall('HGETALL', B .. ':rp'), now, false, nil))
+  end
+end
+
 ---------------------------------------------------------------- reads
 local READS = {}
 do
@@ -1766,6 +1844,9 @@ do
   function READS.check(now, A)
     return { 'OK', S(SEQ) }
   end
+
+  -- (defined with `announce` above, a read)
+  READS.replicas, OPS.replicas_read = OPS.replicas_read, nil
 
   function READS.usage(now, A)
     return { 'OK', S(SEQ), lines(scope_args(A, 1), now) }
@@ -1925,6 +2006,9 @@ local function main(KEYS, ARGV)
   -- (left over by a call that failed half way)
   if WBN > 0 or next(RC) then RC, WB, WBN = {}, {}, 0 end
 
+  -- (presence, not ledger: no expiries, no meta write)
+  if op == 'announce' then return OPS.announce(now, A) end
+
   P = policy(ARGV[5])
 
   if op ~= 'batch' then
@@ -1938,7 +2022,7 @@ local function main(KEYS, ARGV)
   local cmds, i = {}, 6
   while i <= #ARGV do
     local sop, n = ARGV[i], N(ARGV[i + 1])
-    if not n or (not READS[sop] and not OPS[sop]) then
+    if not n or (not READS[sop] and not OPS[sop]) or sop == 'announce' then
       return redis.error_reply('spendgate: bad batch at argument ' .. S(i))
     end
     cmds[#cmds + 1] = { sop, i + 2, i + 1 + n }

@@ -182,6 +182,11 @@ pub fn encode(cmd: &Command) -> Call {
         Command::ConsumeOnce { key, ttl_ms } => {
             write("consume_once", vec![key.clone(), ttl_ms.to_string()])
         }
+        Command::Announce {
+            replica,
+            fingerprint,
+        } => write("announce", vec![replica.clone(), fingerprint.clone()]),
+        Command::Replicas => read("replicas", vec![]),
     }
 }
 
@@ -305,6 +310,7 @@ fn code_of(s: &str) -> Result<RefusalCode, StoreError> {
         "payload_too_large" => RefusalCode::PayloadTooLarge,
         "context_too_large" => RefusalCode::ContextTooLarge,
         "cutoff_engaged" => RefusalCode::CutoffEngaged,
+        "budget_held" => RefusalCode::BudgetHeld,
         _ => return Err(bad(format!("refusal code {s:?}"))),
     })
 }
@@ -352,27 +358,35 @@ fn refusal(f: &mut Fields<'_>) -> Result<Refusal, StoreError> {
     let kind = f.s()?;
     let (message, retry) = match kind.as_str() {
         "text" => (f.s()?, retry),
-        "budget" => {
+        // A spent budget ("budget") waits for its window's reset; one its holds refuse
+        // ("held") for HELD_RETRY_AFTER_S at most (as `admission::decide`).
+        held @ ("budget" | "held") => {
             let window = WindowId {
                 window: window_of(&f.s()?)?,
                 index: f.u()?,
             };
-            let (used, reserved, limit, now) = (f.u()?, f.u()?, f.u()?, UnixMs(f.u()?));
-            let scope_name = scope.map(|k| k.name()).unwrap_or("global");
-            let retry = window
+            let c = Counter {
+                used: Micros(f.u()?),
+                reserved: Micros(f.u()?),
+                limit: Micros(f.u()?),
+                ..Counter::default()
+            };
+            let now = UnixMs(f.u()?);
+            let to_reset = window
                 .resets_at()
                 .map(|r| now.secs_until(r))
                 .unwrap_or(LIFETIME_RETRY_AFTER_S)
                 .max(1);
-            (
-                format!(
-                    "{scope_name} budget for {window} is spent ({} used, {} reserved of {})",
-                    Micros(used),
-                    Micros(reserved),
-                    Micros(limit)
-                ),
-                Some(retry),
-            )
+            let (state, retry) = if held == "held" {
+                (
+                    "is held by calls in flight",
+                    to_reset.min(HELD_RETRY_AFTER_S),
+                )
+            } else {
+                ("is spent", to_reset)
+            };
+            let kind = scope.unwrap_or(ScopeKind::Global);
+            (budget_message(kind, &window, state, &c), Some(retry))
         }
         "runcost" => (
             format!("run cost bound of {} reached", Micros(f.u()?)),
@@ -625,6 +639,25 @@ pub fn decode(cmd: &Command, items: &[Item]) -> Result<Reply, StoreError> {
             changed,
         )),
         Command::ConsumeOnce { .. } => Reply::Consumed(applied(f.b()?, seq, changed)),
+        Command::Announce { .. } | Command::Replicas => {
+            let mut v = f
+                .list()?
+                .iter()
+                .map(|row| {
+                    let mut r = Fields::new(row.list()?);
+                    Ok(ReplicaSeen {
+                        replica: r.s()?,
+                        fingerprint: r.s()?,
+                        seen: UnixMs(r.u()?),
+                    })
+                })
+                .collect::<Result<Vec<_>, StoreError>>()?;
+            // (by id, as the core answers; sorted here, not by the script, whose string
+            // order follows the server's locale)
+            v.sort_by(|a, b| a.replica.cmp(&b.replica));
+            v.truncate(REPLICAS_MAX);
+            Reply::Replicas(v)
+        }
         Command::Usage { .. } => Reply::Usage(usage_lines(f.list()?)?),
         Command::Summary => {
             let engaged = f.b()?;
@@ -688,7 +721,8 @@ pub fn decode(cmd: &Command, items: &[Item]) -> Result<Reply, StoreError> {
     })
 }
 
-/// Whether the command's answer carries a `changed` flag (every write does).
+/// Whether the command's answer carries a `changed` flag (every write does, but an
+/// announcement, which changes no ledger record).
 fn encode_kind(cmd: &Command) -> bool {
     !matches!(
         cmd,
@@ -696,12 +730,27 @@ fn encode_kind(cmd: &Command) -> bool {
             | Command::Summary
             | Command::Reservations { .. }
             | Command::TopCounters { .. }
+            | Command::Announce { .. }
+            | Command::Replicas
     )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `ledger.lua` bounds the replicas it remembers as the core does.
+    #[test]
+    fn the_script_holds_the_cores_replica_bounds() {
+        let script = include_str!("ledger.lua");
+        for needle in [
+            format!("local REPLICAS_MAX, REPLICA_STALE_MS = {REPLICAS_MAX}, {REPLICA_STALE_MS}"),
+            format!("#id > {REPLICA_ID_BYTES_MAX}"),
+            format!("#fp > {FINGERPRINT_BYTES_MAX}"),
+        ] {
+            assert!(script.contains(&needle), "ledger.lua lacks {needle:?}");
+        }
+    }
 
     #[test]
     fn netstrings_roundtrip() {

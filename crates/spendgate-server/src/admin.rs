@@ -19,6 +19,7 @@ pub async fn summary(State(state): State<Shared>, headers: HeaderMap) -> ApiResu
     require_admin(&state, &headers)?;
     let s = state.store.summary().await?;
     let global = state.store.usage(vec![(ScopeKey::global(), 1)]).await?;
+    let policy = crate::drift::PolicyView::of(&state.replica, state.store.replicas().await?);
     Ok(Json(json!({
         "ledger_seq": s.seq,
         "store": state.store.kind(),
@@ -32,6 +33,9 @@ pub async fn summary(State(state): State<Shared>, headers: HeaderMap) -> ApiResu
         // The scopes whose limits are reported, not enforced.
         "dry_run_limits": dry_run_limits(&state.config.policy),
         "global": usage_json(&global)["scopes"],
+        // Live replicas on this ledger enforcing different policies (issue 18).
+        "policy_drift": policy.drift(),
+        "policy": policy.json(),
     }))
     .into_response())
 }

@@ -8,7 +8,9 @@
 //! DIGEST a hash of the scope's id) used (a single-use key, `Command::ConsumeOnce`) sends it;
 //! the others see the key taken. Overruns and expiries are reported by the replica that saw
 //! them; store outages by each replica (the store cannot arbitrate while it is down), once per
-//! outage.
+//! outage. Policy drift (live replicas publishing different policy fingerprints) once per
+//! drift episode across replicas: `alert:drift:DIGEST`, DIGEST a hash of the set of
+//! fingerprints.
 
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -49,6 +51,9 @@ pub const OVERRUN_ALERTS_PER_PERIOD: u32 = 10;
 pub const OVERRUN_ALERT_PERIOD: Duration = Duration::from_secs(60);
 /// Expired reservations are alerted at most once per this period across replicas.
 pub const EXPIRED_ALERT_PERIOD_MS: u64 = 60_000;
+/// How long a policy drift's key is remembered: a drift between the same fingerprints is
+/// alerted once in this time across replicas (one that lasts, again a day later).
+pub const DRIFT_ALERT_KEY_TTL_MS: u64 = 86_400_000;
 /// Expired reservations (the newest) listed per expiry check, to tell new expiries from the
 /// ones seen before. Small: every replica lists them every few seconds while expired records
 /// are kept, and on Redis one listing is one script that holds the server. The listing is
@@ -143,6 +148,54 @@ impl Alerts {
             json!({"step": step, "reserved_micros": reserved, "charged_micros": charged,
                    "suppressed_since_last": suppressed}),
         );
+    }
+
+    /// Live replicas on this ledger enforce different policies (`fingerprints`: each with
+    /// its replica count; `replica`: this one). Sent once per drift episode (the set of
+    /// fingerprints) across replicas, for [`DRIFT_ALERT_KEY_TTL_MS`]; whether this replica
+    /// sent it.
+    pub async fn policy_drift(
+        &self,
+        store: &Arc<dyn Store>,
+        sent_here: &mut std::collections::HashSet<String>,
+        fingerprints: &[(String, usize)],
+        replica: &str,
+    ) -> bool {
+        let mut h = Sha256::new();
+        for (fp, _) in fingerprints {
+            h.update(fp.as_bytes());
+            h.update(b"\n");
+        }
+        let key = format!("alert:drift:{}", hex::encode(&h.finalize()[..16]));
+        if sent_here.contains(&key) {
+            return false;
+        }
+        // Room in the queue first (the key is used up in the shared store): else a later
+        // look sends it.
+        let Ok(slot) = self.tx.try_reserve() else {
+            return false;
+        };
+        if !first_to_send(store, sent_here, key, DRIFT_ALERT_KEY_TTL_MS).await {
+            return false;
+        }
+        let list: Vec<String> = fingerprints
+            .iter()
+            .map(|(fp, n)| format!("{fp} ({n} replica{})", if *n == 1 { "" } else { "s" }))
+            .collect();
+        slot.send(Alerts::event(
+            "policy_drift",
+            format!(
+                "replicas on this ledger enforce different policies: {}",
+                list.join(", ")
+            ),
+            json!({
+                "fingerprints": fingerprints.iter()
+                    .map(|(fp, n)| json!({"fingerprint": fp, "replicas": n}))
+                    .collect::<Vec<_>>(),
+                "replica": replica,
+            }),
+        ));
+        true
     }
 
     pub fn expired(&self, n: usize) {
@@ -603,6 +656,31 @@ mod tests {
         clock.advance_ms(EXPIRED_ALERT_PERIOD_MS);
         seen.check(&store, &alerts, clock.now().0).await;
         assert!(events(&mut rx, "expired").is_empty());
+    }
+
+    /// A policy drift is alerted once across replicas (two replicas' alerts on one store),
+    /// and again for another set of fingerprints (another episode).
+    #[tokio::test]
+    async fn a_policy_drift_is_alerted_once_across_replicas() {
+        let store: Arc<dyn Store> = Arc::new(spendgate_store::MemoryStore::new(
+            spendgate_core::Policy::default(),
+            Arc::new(spendgate_store::SystemClock),
+        ));
+        let (a, mut rx_a) = held_queue();
+        let (b, mut rx_b) = held_queue();
+        let (mut sent_a, mut sent_b) = (Default::default(), Default::default());
+        let two = vec![("f1".to_string(), 1), ("f2".to_string(), 2)];
+        assert!(a.policy_drift(&store, &mut sent_a, &two, "ra").await);
+        assert!(!a.policy_drift(&store, &mut sent_a, &two, "ra").await);
+        assert!(!b.policy_drift(&store, &mut sent_b, &two, "rb").await);
+        let got = events(&mut rx_a, "policy_drift");
+        assert_eq!(got.len(), 1, "{got:?}");
+        assert_eq!(got[0]["fingerprints"][1]["replicas"], 2);
+        assert_eq!(got[0]["replica"], "ra");
+        assert!(events(&mut rx_b, "policy_drift").is_empty());
+        let three = vec![("f1".to_string(), 1), ("f3".to_string(), 2)];
+        assert!(b.policy_drift(&store, &mut sent_b, &three, "rb").await);
+        assert_eq!(events(&mut rx_b, "policy_drift").len(), 1);
     }
 
     #[test]

@@ -40,6 +40,8 @@ pub struct AppState {
     pub alerts: crate::alerts::Alerts,
     /// The in-flight bounds per class of caller and per address (`crate::capacity`).
     pub capacity: crate::capacity::Capacity,
+    /// This process as the store knows it: its id and its policy's fingerprint.
+    pub replica: crate::drift::Replica,
 }
 
 impl AppState {
@@ -942,11 +944,16 @@ pub async fn metrics(State(state): State<Shared>) -> Response {
         .usage(vec![(ScopeKey::global(), 1)])
         .await
         .unwrap_or_default();
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        state.metrics.render(summary.as_ref(), &global),
-    )
-        .into_response()
+    let mut text = state.metrics.render(summary.as_ref(), &global);
+    if let Ok(live) = state.store.replicas().await {
+        let view = crate::drift::PolicyView::of(&state.replica, live);
+        let me = (
+            state.replica.id.as_str(),
+            state.replica.fingerprint.as_str(),
+        );
+        crate::metrics::render_policy(&mut text, &view.fingerprints, me);
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
 /// Any route that does not exist: an OpenAI-shaped 404.

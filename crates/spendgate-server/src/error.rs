@@ -77,6 +77,7 @@ impl ApiError {
             404 => "not_found_error",
             // OpenAI's own type for a spent quota: client libraries do not retry it.
             429 if self.code == "budget_exhausted" => "insufficient_quota",
+            // Rate, concurrency and a budget held by calls in flight (`budget_held`): waits.
             429 => "rate_limit_error",
             // Any other refusal of the request as sent (405, 408, 415, 422, ...).
             400..=499 => "invalid_request_error",
@@ -90,7 +91,8 @@ impl From<&Refusal> for ApiError {
         let status = match r.code {
             RefusalCode::RateLimited
             | RefusalCode::ConcurrencyLimited
-            | RefusalCode::BudgetExhausted => StatusCode::TOO_MANY_REQUESTS,
+            | RefusalCode::BudgetExhausted
+            | RefusalCode::BudgetHeld => StatusCode::TOO_MANY_REQUESTS,
             RefusalCode::RunBoundExceeded | RefusalCode::ContextTooLarge => StatusCode::BAD_REQUEST,
             RefusalCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             RefusalCode::CutoffEngaged => StatusCode::SERVICE_UNAVAILABLE,
@@ -194,10 +196,11 @@ impl IntoResponse for ApiError {
             }
         }
         // A spent budget does not come back by retrying: tell OpenAI clients not to hammer it.
-        // Everything else that is not a rate or concurrency limit is not worth retrying either.
+        // Everything else that is not a wait (a rate or concurrency limit, a budget held by
+        // calls in flight, an outage) is not worth retrying either.
         let retry = matches!(
             self.code,
-            "rate_limited" | "concurrency_limited" | "store_unavailable"
+            "rate_limited" | "concurrency_limited" | "budget_held" | "store_unavailable"
         );
         h.insert(
             "x-should-retry",
@@ -248,6 +251,57 @@ mod tests {
         );
         let spent = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "budget_exhausted", "m");
         assert_eq!(retry(spent).as_deref(), Some("false"));
+    }
+
+    /// A budget refused only by the holds of calls in flight is a wait: 429, a rate-limit
+    /// type (OpenAI clients retry it), `x-should-retry: true` and its short `Retry-After`; a
+    /// spent budget stays `insufficient_quota`, not retried, until its window's reset.
+    #[test]
+    fn a_held_budget_invites_a_retry_and_a_spent_one_does_not() {
+        let refusal = |code, retry_after_s| Refusal {
+            code,
+            scope: Some(ScopeKind::Global),
+            retry_after_s: Some(retry_after_s),
+            message: "m".into(),
+        };
+        let answer = |r: Refusal| {
+            let e = ApiError::from(&r);
+            let kind = e.kind();
+            let resp = e.into_response();
+            let h = |n: &str| {
+                resp.headers()
+                    .get(n)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+            };
+            (
+                resp.status().as_u16(),
+                kind,
+                h("x-should-retry"),
+                h("retry-after"),
+            )
+        };
+        assert_eq!(
+            answer(refusal(
+                RefusalCode::BudgetHeld,
+                spendgate_core::HELD_RETRY_AFTER_S
+            )),
+            (
+                429,
+                "rate_limit_error",
+                Some("true".into()),
+                Some("1".into())
+            )
+        );
+        assert_eq!(
+            answer(refusal(RefusalCode::BudgetExhausted, 43_200)),
+            (
+                429,
+                "insufficient_quota",
+                Some("false".into()),
+                Some("43200".into())
+            )
+        );
     }
 
     /// A refusal from a call that changed the ledger first (it expired a lapsed run) carries

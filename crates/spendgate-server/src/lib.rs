@@ -7,6 +7,7 @@ pub mod api;
 pub mod capacity;
 pub mod challenge;
 pub mod config;
+pub mod drift;
 pub mod error;
 pub mod identity;
 pub mod listener;
@@ -231,7 +232,9 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
         .map(|u| u.expose().to_string());
     let alerts = alerts::Alerts::start(http.clone(), webhook);
     let capacity = capacity::Capacity::new(&config.server.capacity);
+    let replica = drift::Replica::of(&config);
     Ok(Arc::new(AppState {
+        replica,
         alerts,
         upstreams,
         config: Arc::new(config),
@@ -524,6 +527,11 @@ pub async fn serve(
         state.config.alerts.thresholds_permille.clone(),
         state.config.alerts.scopes.clone(),
     );
+    let publisher = drift::spawn_publisher(
+        state.store.clone(),
+        state.alerts.clone(),
+        state.replica.clone(),
+    );
     let longest_upstream = state
         .upstreams
         .values()
@@ -545,6 +553,7 @@ pub async fn serve(
         listener::serve(listener, app, shutdown, listener::HEADER_READ_TIMEOUT, idle).await;
     sweeper.abort();
     checker.abort();
+    publisher.abort();
     result
 }
 

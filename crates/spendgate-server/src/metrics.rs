@@ -242,6 +242,41 @@ impl Metrics {
     }
 }
 
+/// The policies of the live replicas on this ledger (issue 18): how many distinct
+/// fingerprints, how many replicas publish each, whether they drift (more than one), and this
+/// replica's own (`replica`: its id and fingerprint). Fingerprints and replica ids are of the
+/// store's checked characters (letters, digits, `.`, `-`, `_`, `:`), at most `REPLICAS_MAX`.
+pub fn render_policy(out: &mut String, fingerprints: &[(String, usize)], replica: (&str, &str)) {
+    let _ = writeln!(
+        out,
+        "# HELP spendgate_policy_fingerprints Distinct policy fingerprints among the live \
+         replicas on this ledger (above 1: they enforce different limits).\n\
+         # TYPE spendgate_policy_fingerprints gauge\nspendgate_policy_fingerprints {}",
+        fingerprints.len()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP spendgate_policy_replicas Live replicas on this ledger by the fingerprint of \
+         their policy.\n# TYPE spendgate_policy_replicas gauge"
+    );
+    for (fp, n) in fingerprints {
+        let _ = writeln!(out, "spendgate_policy_replicas{{fingerprint=\"{fp}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP spendgate_policy_drift 1 when live replicas on this ledger enforce different \
+         policies.\n# TYPE spendgate_policy_drift gauge\nspendgate_policy_drift {}",
+        u8::from(fingerprints.len() > 1)
+    );
+    let _ = writeln!(
+        out,
+        "# HELP spendgate_policy_info This replica and the fingerprint of its policy.\n\
+         # TYPE spendgate_policy_info gauge\n\
+         spendgate_policy_info{{replica=\"{}\",fingerprint=\"{}\"}} 1",
+        replica.0, replica.1
+    );
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -129,6 +129,13 @@ impl dyn Store {
         Command::TopCounters { kind, top }, TopCounters);
     typed!(sweep() -> Applied<usize>, Command::Sweep, Swept);
     typed!(consume_once(key: String, ttl_ms: u64) -> Applied<bool>, Command::ConsumeOnce { key, ttl_ms }, Consumed);
+    typed!(
+        /// Publishes this replica's policy fingerprint; answers every live replica's.
+        announce(replica: String, fingerprint: String) -> Vec<ReplicaSeen>,
+        Command::Announce { replica, fingerprint }, Replicas);
+    typed!(
+        /// Every live replica and its policy fingerprint.
+        replicas() -> Vec<ReplicaSeen>, Command::Replicas, Replicas);
 }
 
 /// Bounds every call of the inner store by a timeout: past it the call counts as failed

@@ -1173,6 +1173,11 @@ async fn concurrent_reservations_grant_exactly_the_budget() {
                             .expect("commit");
                         assert_eq!(c.value.charged, TOOL_COST);
                     }
+                    // Another task's hold refuses: a wait (used spend alone has room).
+                    Err(refusal) if refusal.code == RefusalCode::BudgetHeld => {
+                        assert!(i < 100_000, "task {t} waited forever");
+                        tokio::task::yield_now().await;
+                    }
                     Err(refusal) => {
                         assert_eq!(refusal.code, RefusalCode::BudgetExhausted);
                         return granted;

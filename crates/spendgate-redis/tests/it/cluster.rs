@@ -179,10 +179,11 @@ async fn stores_follow_the_ledger_slot_across_a_resharding() {
     // budget's rest is granted exactly once, and past it the global budget refuses.
     assert_eq!(resolve(&a, "s2", units(250)).await.value.charged.0, 250);
     reserve(&b, micros_step("r2", "s3", 650)).await;
+    // (s3's hold takes the rest: a wait, `budget_held`)
     let refused = reserve_refused(&a, micros_step("r1", "s4", 1)).await;
     assert_eq!(
         (refused.code, refused.scope),
-        (RefusalCode::BudgetExhausted, Some(ScopeKind::Global))
+        (RefusalCode::BudgetHeld, Some(ScopeKind::Global))
     );
     resolve(&b, "s3", units(650)).await;
     for s in [&a, &b] {
@@ -277,8 +278,9 @@ async fn a_store_follows_the_ledger_slot_across_a_failover() {
     };
     assert_eq!(charged, 250);
     reserve(&a, micros_step("r1", "s3", 650)).await;
+    // (s3's hold takes the rest: a wait, `budget_held`)
     let refused = reserve_refused(&a, micros_step("r1", "s4", 1)).await;
-    assert_eq!(refused.code, RefusalCode::BudgetExhausted);
+    assert_eq!(refused.code, RefusalCode::BudgetHeld);
     let lines = usage(&a, &w.scopes()).await;
     assert_eq!(
         (lines[0].used.0, lines[0].reserved.0),

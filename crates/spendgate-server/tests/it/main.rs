@@ -7,6 +7,8 @@ mod alerts;
 mod capacity;
 mod cli;
 mod decision_api;
+mod drift;
+mod holds;
 mod proxy;
 mod replicas;
 mod sessions;

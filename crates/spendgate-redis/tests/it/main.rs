@@ -5,6 +5,7 @@ mod cluster;
 mod conformance;
 mod differential;
 mod faults;
+mod grace;
 mod keys;
 mod support;
 mod worst_case;

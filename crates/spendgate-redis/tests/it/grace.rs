@@ -52,12 +52,27 @@ fn run_req(id: &str) -> RunRequest {
 async fn timed_store(
     server: &spendgate_testkit::RedisServer,
 ) -> (Arc<Timed<RedisStore>>, Arc<dyn Store>) {
+    timed_store_at(server, None).await
+}
+
+/// [`timed_store`], reaching Redis at `port` (a relay) when given.
+async fn timed_store_at(
+    server: &spendgate_testkit::RedisServer,
+    port: Option<u16>,
+) -> (Arc<Timed<RedisStore>>, Arc<dyn Store>) {
+    // Initialised with the suite's generous timeout (loading the library takes a while on
+    // busy cores), then opened as the server opens it.
+    let mut generous = options(server, &fresh_prefix("grace"), None);
+    if let Some(port) = port {
+        generous.url = format!("redis://127.0.0.1:{port}/0");
+    }
+    RedisStore::init(&generous).await.expect("init");
     let opts = RedisOptions {
         timeout: TIMEOUT,
         slow_grace: GRACE,
-        ..options(server, &fresh_prefix("grace"), None)
+        ..generous
     };
-    let store = Arc::new(open(opts, policy()).await);
+    let store = Arc::new(open_only(opts, policy()).await);
     store.ready().await.expect("ready");
     let timed = Arc::new(Timed::with_grace(store, TIMEOUT, GRACE));
     let dyn_store: Arc<dyn Store> = timed.clone();
@@ -168,4 +183,60 @@ async fn a_paused_redis_is_refused_at_the_timeout_once_known_to_fail() {
     }
     assert!(!timed.failing(), "an admission answered closes the circuit");
     s.ready().await.expect("ready again");
+}
+
+/// A half-open connection (frozen by a relay) while Redis is paused, so the check of a new
+/// connection made when the first call ran out of grace finds no primary and keeps the frozen
+/// one. Redis resumes: the calls refused at `timeout_ms` meanwhile (their callers abandon
+/// them: `Timed` cuts them) still have the connection checked, so service resumes within a
+/// few seconds, before `Timed`'s next probe (5 s after the circuit opened) would find it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_half_open_connection_is_replaced_while_calls_are_cut_at_the_timeout() {
+    let server = server(false);
+    let relay = crate::faults::FreezingRelay::start(server.port()).await;
+    let (timed, s) = timed_store_at(&server, Some(relay.port)).await;
+    s.admit_run(run_req("r1"), None)
+        .await
+        .expect("admit")
+        .value
+        .expect("admitted");
+    server.pause().expect("SIGSTOP");
+    relay.freeze();
+    let r = s.admit_run(run_req("r2"), None).await;
+    assert!(matches!(r, Err(StoreError::Timeout(_))), "{r:?}");
+    let opened = Instant::now();
+    assert!(timed.failing());
+    // The check of a new connection that the first call's timeout started waits up to
+    // timeout + grace for a paused Redis: resume after it gave up.
+    tokio::time::sleep(TIMEOUT + GRACE + Duration::from_millis(300)).await;
+    server.resume().expect("SIGCONT");
+    let until = opened + spendgate_store::PROBE_EVERY - Duration::from_millis(500);
+    let mut refused = 0;
+    loop {
+        let start = Instant::now();
+        match s.admit_run(run_req("r3"), None).await {
+            Ok(a) => {
+                a.value.expect("admitted");
+                break;
+            }
+            Err(e) => {
+                refused += 1;
+                assert!(
+                    start.elapsed() < TIMEOUT + MARGIN,
+                    "known failing: refused after {:?}",
+                    start.elapsed()
+                );
+                assert!(
+                    Instant::now() < until,
+                    "still refused {:?} after the circuit opened ({refused} calls): {e}",
+                    opened.elapsed()
+                );
+            }
+        }
+    }
+    println!(
+        "served again {:?} after the circuit opened, {refused} calls refused meanwhile",
+        opened.elapsed()
+    );
+    assert!(!timed.failing());
 }

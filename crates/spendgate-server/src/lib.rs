@@ -83,7 +83,8 @@ pub enum ServerError {
     Http(String),
 }
 
-/// Opens the configured store (wrapped in the `store.timeout_ms` bound).
+/// Opens the configured store, wrapped in its bounds ([`Timed`]): `store.timeout_ms`, and
+/// `store.slow_grace_ms` more for a slow call while the store is not known to be failing.
 pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServerError> {
     let policy = config.policy.clone();
     let inner: Arc<dyn Store> = match config.store.kind {
@@ -94,7 +95,11 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServerError> 
         }
         StoreKind::Redis => open_redis(config, policy).await?,
     };
-    Ok(Arc::new(Timed::new(inner, config.store.timeout)))
+    Ok(Arc::new(Timed::with_grace(
+        inner,
+        config.store.timeout,
+        config.store.slow_grace,
+    )))
 }
 
 /// The Redis options of a config.
@@ -103,6 +108,7 @@ pub fn redis_options(config: &Config) -> spendgate_redis::RedisOptions {
         url: config.store.url.expose().to_string(),
         prefix: config.store.prefix.clone(),
         timeout: config.store.timeout,
+        slow_grace: config.store.slow_grace,
         clock: spendgate_redis::ClockSource::Server,
     }
 }
@@ -430,7 +436,11 @@ pub async fn serve(
     result
 }
 
-// A store call fails closed (503 `store_unavailable`) before the request it serves times out.
-const _: () = assert!((config::STORE_TIMEOUT_MS_MAX as u128) < API_REQUEST_TIMEOUT.as_millis());
+// A store call fails closed (503 `store_unavailable`) before the request it serves times out,
+// its grace included.
+const _: () = assert!(
+    ((config::STORE_TIMEOUT_MS_MAX + config::SLOW_GRACE_MS_MAX) as u128)
+        < API_REQUEST_TIMEOUT.as_millis()
+);
 // A slow body is answered 408 by the body read before the whole request times out (504).
 const _: () = assert!(api::BODY_READ_TIMEOUT.as_millis() < API_REQUEST_TIMEOUT.as_millis());

@@ -104,9 +104,33 @@ timeout_s = 30" > "$work/side.toml"
     --direct "http://127.0.0.1:$mport" --service-token "$BENCH_TOKEN" \
     --clients "$CLIENTS" --seconds "$SECONDS_EACH")
   echo "$out"
-  local timeouts
-  timeouts=$(grep -c "did not answer" "$work/server.log" || true)
-  echo "server log: $timeouts store timeouts logged"
+  # The proxy's store calls by latency (the server's own histogram): how many a bound of
+  # 100 ms, 250 ms, ... would have cut.
+  curl -fs "http://127.0.0.1:$port/metrics" | python3 -c '
+import sys
+b = {}
+for line in sys.stdin:
+    if line.startswith("spendgate_store_call_seconds_bucket{le=\""):
+        le = line.split("\"")[1]
+        b[le] = int(line.split()[-1])
+total = b.get("+Inf", 0)
+over = [total - b.get(le, total) for le in ("0.1", "0.25", "0.5", "1", "2.5")]
+print("store calls: %d; slower than 100 ms: %d, 250 ms: %d, 500 ms: %d, 1 s: %d, 2.5 s: %d"
+      % tuple([total] + over))
+' || echo "store calls: (no metrics)"
+  # What the server logged of its store: calls refused by timeout, calls served in their
+  # grace (the slowest of them), and the store marked failing.
+  local log timeouts slow slowest failing
+  log=$(sed 's/\x1b\[[0-9;]*m//g' "$work/server.log")
+  timeouts=$(echo "$log" | grep -c "did not answer within [0-9]" || true)
+  slow=$(echo "$log" | grep -o " calls=[0-9]* slowest_ms=[0-9]*" || true)
+  slowest=$(echo "$slow" | sed -n 's/.*slowest_ms=//p' | sort -n | tail -1)
+  failing=$(echo "$log" | grep -c "it counts as failing" || true)
+  local served
+  served=$(echo "$slow" | awk -F'calls=' 'NF > 1 { split($2, a, " "); s += a[1] } END { print s + 0 }')
+  echo "server log: $timeouts store calls refused by timeout; $served calls served in their" \
+    "grace (logged at most every 10 s: a lower bound), slowest ${slowest:-none} ms; store" \
+    "marked failing $failing times"
   echo
   local last
   last=$(echo "$out" | tail -1)

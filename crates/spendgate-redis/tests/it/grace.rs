@@ -163,6 +163,15 @@ async fn a_paused_redis_is_refused_at_the_timeout_once_known_to_fail() {
     let start = Instant::now();
     assert_eq!(s.ready().await, Err(StoreError::Timeout(TIMEOUT)));
     times.push(start.elapsed());
+    let mut sorted = times.clone();
+    sorted.sort();
+    println!(
+        "paused redis (timeout {TIMEOUT:?}, grace {GRACE:?}): first call refused after \
+         {took:?}; then p50 {:?}, max {:?} over {} calls",
+        sorted[sorted.len() / 2],
+        sorted[sorted.len() - 1],
+        sorted.len()
+    );
     for took in &times {
         assert!(
             *took >= TIMEOUT && *took < TIMEOUT + MARGIN,

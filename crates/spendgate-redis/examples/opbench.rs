@@ -137,6 +137,7 @@ async fn main() -> Result<(), String> {
         url: url.clone(),
         prefix: "opbench".into(),
         timeout: Duration::from_secs(5),
+        slow_grace: Duration::ZERO,
         clock: ClockSource::Server,
         ledger_id: None,
         witness: None,

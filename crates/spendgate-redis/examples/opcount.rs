@@ -147,6 +147,7 @@ async fn main() -> Result<(), String> {
         url,
         prefix: tag.clone(),
         timeout: Duration::from_secs(60),
+        slow_grace: Duration::ZERO,
         clock: ClockSource::Server,
         ledger_id: None,
         witness: None,

@@ -141,8 +141,13 @@ pub struct RedisOptions {
     pub url: String,
     /// Key prefix of this deployment (`store.prefix`): letters, digits, `_ . : -`.
     pub prefix: String,
-    /// `store.timeout_ms`: past it a call answers unavailable.
+    /// `store.timeout_ms`: past it a call answers unavailable, unless `slow_grace` extends it.
     pub timeout: Duration,
+    /// `store.slow_grace_ms`: how much longer than `timeout` a call may wait for its answer
+    /// (one slow call under load). The store's own bounds (connect, response, each call) are
+    /// `timeout + slow_grace`; the server's `Timed` cuts calls at `timeout` alone once Redis
+    /// did not answer within that (see `spendgate_store::Timed`). `Duration::ZERO`: no grace.
+    pub slow_grace: Duration,
     pub clock: ClockSource,
     /// `store.ledger_id`: the ledger this store belongs to, as `spendgate store init` printed
     /// it. Required by [`RedisStore::open`] (a Redis whose ledger id is missing or another is
@@ -387,17 +392,41 @@ async fn fcall(
     argv: &[&str],
     timeout: Duration,
 ) -> Result<Item, StoreError> {
-    // Shorter than the caller's own bound (`store.timeout_ms`), so that a timeout is seen
-    // here, where it can replace the connection.
-    let answer_within = timeout - timeout / 10;
+    fcall_patient(slot, lib, read, base, argv, timeout, Duration::ZERO).await
+}
+
+/// [`fcall`], waiting up to `timeout + grace` for the answer (`store.slow_grace_ms`).
+async fn fcall_patient(
+    slot: &Arc<SlotConn>,
+    lib: &Library,
+    read: bool,
+    base: &str,
+    argv: &[&str],
+    timeout: Duration,
+    grace: Duration,
+) -> Result<Item, StoreError> {
+    // Shorter than the caller's own bound (`store.timeout_ms` + grace), so that a timeout is
+    // seen here, where it can replace the connection.
+    let bound = timeout + grace;
+    let answer_within = bound - bound / 10;
     for _ in 0..=REDIRECTS_MAX {
         let node = slot.current();
         let mut conn = node.conn.clone();
+        // A caller that stops waiting (the server's `Timed` cuts calls at `timeout` while
+        // Redis is not answering) has the connection checked as a timeout here would.
+        let mut unanswered = Unanswered {
+            slot,
+            node: &node,
+            since: Instant::now(),
+            after: timeout - timeout / 10,
+            armed: true,
+        };
         let answer =
             tokio::time::timeout(answer_within, fcall_on(&mut conn, lib, read, base, argv)).await;
+        unanswered.armed = false;
         let Ok(answer) = answer else {
             slot.failed(&node);
-            return Err(StoreError::Timeout(timeout));
+            return Err(StoreError::Timeout(bound));
         };
         match answer {
             Ok(v) => return Item::from_value(v),
@@ -418,6 +447,24 @@ async fn fcall(
     Err(unavailable(format!(
         "redis cluster redirected one call more than {REDIRECTS_MAX} times (slots moving?)"
     )))
+}
+
+/// Dropped while `armed`, after waiting at least `after`: the call was abandoned by its caller
+/// without an answer, which checks the connection as a timeout does ([`SlotConn::failed`]).
+struct Unanswered<'a> {
+    slot: &'a Arc<SlotConn>,
+    node: &'a Arc<Node>,
+    since: Instant,
+    after: Duration,
+    armed: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if self.armed && self.since.elapsed() >= self.after {
+            self.slot.failed(self.node);
+        }
+    }
 }
 
 /// Whether an error says that the node may no longer serve the deployment: no answer at all
@@ -489,6 +536,7 @@ fn redirect_target(addr: &str, current: &str) -> Result<(String, u16), StoreErro
 /// whichever node serves the slot then (after a failover or a resharding).
 struct SlotConn {
     info: redis::ConnectionInfo,
+    /// The connections' own bounds: `store.timeout_ms` + `store.slow_grace_ms`.
     timeout: Duration,
     node: Mutex<Arc<Node>>,
     /// When the configured node's connection was last replaced ([`RECONNECT_EVERY`]).
@@ -502,10 +550,11 @@ impl SlotConn {
     fn open(opts: &RedisOptions) -> Result<SlotConn, StoreError> {
         let info = redis::IntoConnectionInfo::into_connection_info(opts.url.as_str())
             .map_err(|e| unavailable(format!("store.url is not a usable redis url: {e}")))?;
-        let node = Node::configured(&info, opts.timeout)?;
+        let timeout = opts.timeout + opts.slow_grace;
+        let node = Node::configured(&info, timeout)?;
         Ok(SlotConn {
             info,
-            timeout: opts.timeout,
+            timeout,
             node: Mutex::new(Arc::new(node)),
             reconnected: Mutex::new(None),
             generation: AtomicU64::new(0),
@@ -593,8 +642,13 @@ impl SlotConn {
             }
             *last = Some(Instant::now());
         }
+        // (also called when a call is dropped: outside a runtime, e.g. at its shutdown, the
+        // check is skipped)
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
         let (slot, from) = (self.clone(), from.clone());
-        tokio::spawn(async move {
+        runtime.spawn(async move {
             let node = match Node::configured(&slot.info, slot.timeout) {
                 Ok(node) => node,
                 Err(e) => {
@@ -1317,15 +1371,21 @@ impl RedisStore {
     }
 
     async fn eval(&self, read: bool, argv: &[&str]) -> Result<Item, StoreError> {
-        fcall(
+        fcall_patient(
             &self.conn,
             &self.lib,
             read,
             &self.base,
             argv,
             self.opts.timeout,
+            self.opts.slow_grace,
         )
         .await
+    }
+
+    /// The longest one call waits: `store.timeout_ms` + `store.slow_grace_ms`.
+    fn bound(&self) -> Duration {
+        self.opts.timeout + self.opts.slow_grace
     }
 
     /// The epoch id and lowest acceptable seq for a call. On first contact reads the ledger
@@ -1507,7 +1567,7 @@ impl RedisStore {
 
     /// PING, eviction policy, persistence warnings. Cached for admissions.
     async fn check_server(&self) -> Result<(), StoreError> {
-        let t = self.opts.timeout;
+        let t = self.bound();
         let generation = self.conn.generation();
         let mut conn = self.conn.current().conn.clone();
         let map = |e| map_redis_error(e, t);
@@ -1684,9 +1744,10 @@ impl RedisStore {
 #[async_trait::async_trait]
 impl Store for RedisStore {
     async fn execute(&self, cmd: Command) -> Result<Reply, StoreError> {
-        tokio::time::timeout(self.opts.timeout, self.execute_inner(cmd))
+        let bound = self.bound();
+        tokio::time::timeout(bound, self.execute_inner(cmd))
             .await
-            .map_err(|_| StoreError::Timeout(self.opts.timeout))?
+            .map_err(|_| StoreError::Timeout(bound))?
     }
 
     async fn execute_many(&self, cmds: Vec<Command>) -> Vec<Result<Reply, StoreError>> {
@@ -1698,16 +1759,18 @@ impl Store for RedisStore {
             }
             return out;
         }
-        match tokio::time::timeout(self.opts.timeout, self.execute_many_inner(cmds)).await {
+        let bound = self.bound();
+        match tokio::time::timeout(bound, self.execute_many_inner(cmds)).await {
             Ok(answers) => answers,
-            Err(_) => vec![Err(StoreError::Timeout(self.opts.timeout)); n],
+            Err(_) => vec![Err(StoreError::Timeout(bound)); n],
         }
     }
 
     async fn ready(&self) -> Result<(), StoreError> {
-        tokio::time::timeout(self.opts.timeout, self.ready_inner())
+        let bound = self.bound();
+        tokio::time::timeout(bound, self.ready_inner())
             .await
-            .map_err(|_| StoreError::Timeout(self.opts.timeout))?
+            .map_err(|_| StoreError::Timeout(bound))?
     }
 
     fn kind(&self) -> &'static str {

@@ -81,7 +81,8 @@ pub enum ServerError {
     Http(String),
 }
 
-/// Opens the configured store (wrapped in the `store.timeout_ms` bound).
+/// Opens the configured store, wrapped in its bounds ([`Timed`]): `store.timeout_ms`, and
+/// `store.slow_grace_ms` more for a slow call while the store is not known to be failing.
 pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServerError> {
     Ok(open_store_with_witness(config).await?.store)
 }
@@ -115,7 +116,11 @@ pub async fn open_store_with_witness(config: &Config) -> Result<OpenedStore, Ser
         }
     };
     Ok(OpenedStore {
-        store: Arc::new(Timed::new(inner, config.store.timeout)),
+        store: Arc::new(Timed::with_grace(
+            inner,
+            config.store.timeout,
+            config.store.slow_grace,
+        )),
         witness,
     })
 }
@@ -126,6 +131,7 @@ pub fn redis_options(config: &Config) -> spendgate_redis::RedisOptions {
         url: config.store.url.expose().to_string(),
         prefix: config.store.prefix.clone(),
         timeout: config.store.timeout,
+        slow_grace: config.store.slow_grace,
         clock: spendgate_redis::ClockSource::Server,
         ledger_id: config.store.ledger_id.clone(),
         witness: config.store.witness_path.clone(),
@@ -557,8 +563,12 @@ pub async fn serve(
     result
 }
 
-// A store call fails closed (503 `store_unavailable`) before the request it serves times out.
-const _: () = assert!((config::STORE_TIMEOUT_MS_MAX as u128) < API_REQUEST_TIMEOUT.as_millis());
+// A store call fails closed (503 `store_unavailable`) before the request it serves times out,
+// its grace included.
+const _: () = assert!(
+    ((config::STORE_TIMEOUT_MS_MAX + config::SLOW_GRACE_MS_MAX) as u128)
+        < API_REQUEST_TIMEOUT.as_millis()
+);
 // A stalled body is answered 408 by its rate, after its grace, before the whole request times
 // out (504).
 const _: () = assert!((config::BODY_GRACE_MS_MAX as u128) < API_REQUEST_TIMEOUT.as_millis());

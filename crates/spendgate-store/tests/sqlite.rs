@@ -988,9 +988,12 @@ impl Drop for OpenOnDrop {
     }
 }
 
-/// I3 on a real file: `Timed` around a `SqliteStore` whose writer is stalled (held mid-batch by
-/// the clock, as a hung disk would hold it) answers `StoreError::Timeout` at its bound, calls
-/// and `ready()` alike, and the store serves again once the writer moves.
+/// I3 on a real file: `Timed` (with a grace) around a `SqliteStore` whose writer is stalled
+/// (held mid-batch by the clock, as a hung disk would hold it). The first call is given the
+/// grace (the store is not known to be failing) and fails at `timeout + grace`, which marks
+/// the store failing; later calls and `ready()` fail at `timeout` alone; reservations whose
+/// callers gave up while they were queued are never applied (the longer bound changes nothing
+/// there); once the writer moves, the store serves again and an admission closes the circuit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_writer_times_out_through_timed_and_recovers() {
     let dir = tempfile::tempdir().expect("tempdir");
@@ -1005,34 +1008,43 @@ async fn a_stalled_writer_times_out_through_timed_and_recovers() {
     );
     admit(&*store, "run-1").await;
     let timeout = Duration::from_millis(150);
+    let grace = Duration::from_millis(600);
     // Generous for 2 shared cores: the bound is what matters, not the scheduler's promptness.
     let margin = Duration::from_millis(250);
-    let timed: Arc<dyn Store> = Arc::new(spendgate_store::Timed::new(store.clone(), timeout));
-    timed.ready().await.expect("ready before the stall");
+    let timed = Arc::new(spendgate_store::Timed::with_grace(
+        store.clone(),
+        timeout,
+        grace,
+    ));
+    let s: &dyn Store = &*timed;
+    s.ready().await.expect("ready before the stall");
 
     gate.set(false);
     // A failed assertion while the writer is held would otherwise hang the test (dropping the
     // store joins the writer): the gate opens on the way out.
     let _open_on_exit = OpenOnDrop(gate.clone());
     let t = Instant::now();
-    let r = timed
-        .reserve_step(tool_step("run-1", "stalled"), None)
-        .await;
+    let r = s.reserve_step(tool_step("run-1", "stalled"), None).await;
     let took = t.elapsed();
-    assert_eq!(r.map(|a| a.value), Err(StoreError::Timeout(timeout)));
-    assert!(
-        took >= timeout && took < timeout + margin,
-        "answered after {took:?}, the bound is {timeout:?}"
+    assert_eq!(
+        r.map(|a| a.value),
+        Err(StoreError::Timeout(timeout + grace))
     );
+    assert!(
+        took >= timeout + grace && took < timeout + grace + margin,
+        "answered after {took:?}, the bound is {:?}",
+        timeout + grace
+    );
+    assert!(timed.failing(), "no answer within the grace: failing");
     assert_eq!(
         gate.waiting.load(Ordering::SeqCst),
         1,
         "the writer is held on the clock"
     );
-    for _ in 0..2 {
+    for i in 0..2 {
         let t = Instant::now();
         assert_eq!(
-            timed.ready().await,
+            s.ready().await,
             Err(StoreError::Timeout(timeout)),
             "not ready while stalled"
         );
@@ -1042,28 +1054,40 @@ async fn a_stalled_writer_times_out_through_timed_and_recovers() {
             "ready answered after {took:?}"
         );
         let t = Instant::now();
-        let r = timed.execute(Command::Summary).await;
+        let r = s.execute(Command::Summary).await;
         assert_eq!(
             r,
             Err(StoreError::Timeout(timeout)),
             "a read waits on the writer too"
         );
         assert!(t.elapsed() < timeout + margin);
+        let t = Instant::now();
+        let r = s
+            .reserve_step(tool_step("run-1", &format!("gave-up-{i}")), None)
+            .await;
+        let took = t.elapsed();
+        assert_eq!(r.map(|a| a.value), Err(StoreError::Timeout(timeout)));
+        assert!(
+            took >= timeout && took < timeout + margin,
+            "known failing: refused after {took:?}, not given the grace"
+        );
     }
 
     gate.set(true);
     let deadline = Instant::now() + Duration::from_secs(5);
-    while timed.ready().await.is_err() {
+    while s.ready().await.is_err() {
         assert!(Instant::now() < deadline, "never ready after the stall");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let served = timed
+    let served = s
         .reserve_step(tool_step("run-1", "after"), None)
         .await
         .expect("served after the stall");
     assert_eq!(served.value.expect("granted").reserved, TOOL_COST);
+    assert!(!timed.failing(), "an admission answered closes the circuit");
     // The stalled step's caller was answered Timeout: its outcome is unknown to it, and if
-    // the writer applied it, it is held (to expire charged in full), never lost.
+    // the writer applied it, it is held (to expire charged in full), never lost. The steps
+    // queued behind it were dropped unapplied when their callers gave up.
     let held = (&*store as &dyn Store)
         .reservations(Some(ReservationState::Held), 10)
         .await
@@ -1071,6 +1095,75 @@ async fn a_stalled_writer_times_out_through_timed_and_recovers() {
     let line = global_usage(&*store).await;
     assert_eq!(line.reserved, Micros(TOOL_COST.0 * held.len() as u64));
     assert!(held.iter().any(|r| r.id.0 == "after"), "{held:?}");
+    assert!(
+        !held.iter().any(|r| r.id.0.starts_with("gave-up")),
+        "applied after its caller gave up: {held:?}"
+    );
+    check_invariants(&store).await;
+}
+
+/// Finding 6 on a real file: a write that stalls past `store.timeout_ms` (the disk thread held
+/// at its gate, as one slow fsync holds it, with a batch of reservations behind it) while the
+/// store is not known to be failing: every reservation queued behind it is served when it
+/// completes, within the grace; none is refused, and the store is not marked failing. With
+/// `store.timeout_ms` alone (main's `Timed`) every one of them was refused at 150 ms.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[allow(clippy::await_holding_lock)] // the gate is held on purpose while the test waits
+async fn reservations_behind_a_write_stalled_within_the_grace_are_served() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _fault, gate) = open_gated(&db_path(&dir), ManualClock::new(T0));
+    let store = Arc::new(store);
+    admit(&*store, "r1").await;
+    let timeout = Duration::from_millis(150);
+    let grace = Duration::from_millis(1500);
+    let stall = Duration::from_millis(500);
+    let timed = Arc::new(spendgate_store::Timed::with_grace(
+        store.clone(),
+        timeout,
+        grace,
+    ));
+    let arrived = gate.arrivals();
+    let stalled = gate.hold();
+    let started = Instant::now();
+    let calls: Vec<_> = (0..8)
+        .map(|i| {
+            let timed = timed.clone();
+            tokio::spawn(async move {
+                let r = (&*timed as &dyn Store)
+                    .reserve_step(tool_step("r1", &format!("s{i}")), None)
+                    .await;
+                (r, started.elapsed())
+            })
+        })
+        .collect();
+    for _ in 0..500 {
+        if gate.arrivals() > arrived {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        gate.arrivals() > arrived,
+        "the disk thread reached the gate"
+    );
+    tokio::time::sleep(stall).await;
+    drop(stalled);
+    for c in calls {
+        let (r, took) = c.await.expect("join");
+        let granted = r
+            .unwrap_or_else(|e| panic!("refused after {took:?}: {e}"))
+            .value;
+        assert_eq!(granted.expect("granted").reserved, TOOL_COST);
+        assert!(
+            took >= stall && took < timeout + grace,
+            "answered after {took:?}"
+        );
+    }
+    assert!(!timed.failing());
+    assert_eq!(
+        global_usage(&*store).await.reserved,
+        Micros(8 * TOOL_COST.0)
+    );
     check_invariants(&store).await;
 }
 

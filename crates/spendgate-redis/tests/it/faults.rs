@@ -701,14 +701,14 @@ async fn the_server_clock_is_the_one_clock() {
 /// A TCP relay to Redis whose established connections can be frozen: their bytes stop
 /// flowing both ways while the sockets stay open, as with a host gone without a reset or a
 /// name moved to a new primary. New connections relay normally.
-struct FreezingRelay {
-    port: u16,
+pub(crate) struct FreezingRelay {
+    pub(crate) port: u16,
     frozen: Arc<std::sync::atomic::AtomicBool>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl FreezingRelay {
-    async fn start(to: u16) -> FreezingRelay {
+    pub(crate) async fn start(to: u16) -> FreezingRelay {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind relay");
@@ -745,7 +745,7 @@ impl FreezingRelay {
     }
 
     /// Freezes every connection open now.
-    fn freeze(&self) {
+    pub(crate) fn freeze(&self) {
         self.frozen.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 }

@@ -6,6 +6,7 @@ mod conformance;
 mod differential;
 mod faults;
 mod identity;
+mod grace;
 mod keys;
 mod support;
 mod worst_case;

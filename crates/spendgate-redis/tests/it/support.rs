@@ -164,6 +164,7 @@ pub fn options(server: &RedisServer, prefix: &str, clock: Option<Arc<dyn Clock>>
         url: server.url(),
         prefix: prefix.to_string(),
         timeout: TEST_TIMEOUT,
+        slow_grace: Duration::ZERO,
         clock: match clock {
             Some(c) => ClockSource::Manual(c),
             None => ClockSource::Server,

@@ -19,6 +19,12 @@
 //! rate each, instead of interleaved at the rate each: the machine then carries one path's
 //! load at a time, which is how a high rate is measured on a small machine.
 //!
+//! With `--clients N` it runs a closed loop instead (the side-by-side load of
+//! `scripts/side-by-side.sh`): N clients, each sending one proxied, non-streaming call after
+//! the other for `--seconds`, and it counts what came back: calls, answers by status and
+//! error code, and when each 503 came (a burst at one instant is one slow store call). Its
+//! last line is `calls=N ok=N refused=N status_503=N errors=N`.
+//!
 //! Every loop is bounded in count and time; only loopback targets are accepted.
 
 use clap::Parser;
@@ -36,6 +42,12 @@ const IN_FLIGHT_MAX: usize = 10_000;
 const SECONDS_MAX: u64 = 600;
 /// Chunks recorded per stream at most (the paced phase).
 const CHUNKS_PER_STREAM_MAX: usize = 4096;
+/// Clients of the closed loop at most.
+const CLIENTS_MAX: u64 = 1024;
+/// Calls one closed-loop client sends at most (besides `--seconds`).
+const CALLS_PER_CLIENT_MAX: u64 = 1_000_000;
+/// 503 instants listed at most.
+const INSTANTS_SHOWN_MAX: usize = 20;
 
 #[derive(Parser, Clone)]
 struct Args {
@@ -70,6 +82,11 @@ struct Args {
     /// Completion tokens of each paced stream.
     #[arg(long, default_value_t = 64)]
     paced_tokens: u64,
+    /// Closed loop: this many clients send proxied calls one after the other for
+    /// `--seconds` (no warm-up, no direct path) and the answers are counted by status and
+    /// error code. 0: the open-loop latency benchmark.
+    #[arg(long, default_value_t = 0)]
+    clients: u64,
 }
 
 /// What a phase measures.
@@ -392,6 +409,14 @@ async fn main() -> anyhow::Result<()> {
         errors: [AtomicU64::new(0), AtomicU64::new(0)],
         first_error: Mutex::new(None),
     });
+    if args.clients > 0 {
+        anyhow::ensure!(
+            args.clients <= CLIENTS_MAX && args.seconds <= SECONDS_MAX,
+            "--clients must be 1..={CLIENTS_MAX} and --seconds at most {SECONDS_MAX}"
+        );
+        closed_loop(&ctx).await;
+        return Ok(());
+    }
 
     let mut measures = vec![Measure::Whole, Measure::FirstToken];
     if args.paced_tokens_per_second > 0 {
@@ -455,4 +480,157 @@ async fn main() -> anyhow::Result<()> {
         println!("first error: {e}");
     }
     Ok(())
+}
+
+/// What the closed loop saw.
+#[derive(Default)]
+struct Tally {
+    calls: u64,
+    ok: u64,
+    /// `(status, error code)` of each answer other than 200, counted.
+    refused: std::collections::BTreeMap<(u16, String), u64>,
+    /// Calls that got no HTTP answer (connection error, driver timeout).
+    errors: u64,
+    /// When each 503 came, in ms since the start.
+    at_503: Vec<u64>,
+}
+
+/// `--clients` clients, each sending one call after the other until `--seconds` have passed.
+async fn closed_loop(ctx: &Arc<Ctx>) {
+    let args = &ctx.args;
+    let start = Instant::now();
+    let end = start + Duration::from_secs(args.seconds);
+    let tally = Arc::new(Mutex::new(Tally::default()));
+    let latency = Arc::new(Mutex::new(hist()));
+    let mut tasks = Vec::new();
+    for c in 0..args.clients {
+        let (ctx, tally, latency) = (ctx.clone(), tally.clone(), latency.clone());
+        tasks.push(tokio::spawn(async move {
+            for k in 0..CALLS_PER_CLIENT_MAX {
+                let sent = Instant::now();
+                if sent >= end {
+                    break;
+                }
+                let body = ctx.body(Measure::Whole);
+                let answer = ctx
+                    .http
+                    .post(format!("{}/v1/chat/completions", ctx.args.proxy))
+                    .bearer_auth(&ctx.args.service_token)
+                    .header("spendgate-session", &ctx.session)
+                    .header("spendgate-client-ip", "10.0.0.1")
+                    .header(
+                        "spendgate-conversation",
+                        format!("side-{}", (c * 7919 + k) % ctx.args.conversations.max(1)),
+                    )
+                    .json(&body)
+                    .send()
+                    .await;
+                let outcome = match answer {
+                    Err(e) => Err(format!("send: {e}")),
+                    Ok(r) => {
+                        let status = r.status().as_u16();
+                        match r.bytes().await {
+                            Err(e) => Err(format!("body: {e}")),
+                            Ok(b) => Ok((status, b)),
+                        }
+                    }
+                };
+                let took = sent.elapsed();
+                let Ok(mut t) = tally.lock() else { return };
+                t.calls += 1;
+                match outcome {
+                    Err(e) => {
+                        t.errors += 1;
+                        drop(t);
+                        ctx.error(Path::Proxy, e);
+                    }
+                    Ok((200, _)) => {
+                        t.ok += 1;
+                        drop(t);
+                        if let Ok(mut h) = latency.lock() {
+                            let _ = h.record(took.as_nanos().max(1) as u64);
+                        }
+                    }
+                    Ok((status, body)) => {
+                        let code = serde_json::from_slice::<Value>(&body)
+                            .ok()
+                            .and_then(|v| v["error"]["code"].as_str().map(str::to_string))
+                            .unwrap_or_else(|| "(no code)".into());
+                        *t.refused.entry((status, code)).or_default() += 1;
+                        if status == 503 {
+                            let ms = u64::try_from(sent.duration_since(start).as_millis())
+                                .unwrap_or(u64::MAX);
+                            t.at_503.push(ms);
+                        }
+                        drop(t);
+                        ctx.error(
+                            Path::Proxy,
+                            format!("{status}: {}", String::from_utf8_lossy(&body)),
+                        );
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        let _ = t.await;
+    }
+    let t = match tally.lock() {
+        Ok(mut t) => std::mem::take(&mut *t),
+        Err(_) => Tally::default(),
+    };
+    let h = latency.lock().map(|h| h.clone()).unwrap_or_else(|_| hist());
+    let refused: u64 = t.refused.values().sum();
+    let status_503: u64 = t
+        .refused
+        .iter()
+        .filter(|((s, _), _)| *s == 503)
+        .map(|(_, n)| n)
+        .sum();
+    println!(
+        "Closed loop, {} clients, {} s, proxied non-streaming calls.",
+        args.clients, args.seconds
+    );
+    println!();
+    println!("| calls | ok | refused | 503 | no answer | ok p50 ms | ok p99 ms | ok max ms |");
+    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| {} | {} | {} | {} | {} | {:.1} | {:.1} | {:.1} |",
+        t.calls,
+        t.ok,
+        refused,
+        status_503,
+        t.errors,
+        ms(h.value_at_quantile(0.5)),
+        ms(h.value_at_quantile(0.99)),
+        ms(h.max()),
+    );
+    for ((status, code), n) in &t.refused {
+        println!("refused {status} {code}: {n}");
+    }
+    if !t.at_503.is_empty() {
+        let mut at = t.at_503.clone();
+        at.sort_unstable();
+        let shown: Vec<String> = at
+            .iter()
+            .take(INSTANTS_SHOWN_MAX)
+            .map(|ms| format!("{:.2}", *ms as f64 / 1e3))
+            .collect();
+        println!(
+            "503s sent at (s from start): {}{}",
+            shown.join(" "),
+            if at.len() > INSTANTS_SHOWN_MAX {
+                " ..."
+            } else {
+                ""
+            }
+        );
+    }
+    if let Ok(Some(e)) = ctx.first_error.lock().map(|e| e.clone()) {
+        println!("first error: {}", e.chars().take(300).collect::<String>());
+    }
+    println!(
+        "calls={} ok={} refused={} status_503={} errors={}",
+        t.calls, t.ok, refused, status_503, t.errors
+    );
 }

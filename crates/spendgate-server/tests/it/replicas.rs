@@ -7,8 +7,10 @@ use spendgate_testkit::{RedisOptions, RedisServer};
 use std::time::{Duration, Instant};
 
 /// Short leases and store timeouts (the `[store]` keys come first), then the acceptance config.
+/// The grace is shorter than the default (1000 ms) so that a pause that outlasts it stays well
+/// within the 2 s lease.
 const TOOL_BUDGET: &str = concat!(
-    "lease_ttl_s = 2\ntimeout_ms = 100\n",
+    "lease_ttl_s = 2\ntimeout_ms = 100\nslow_grace_ms = 300\n",
     tool_budget_config!("1.00", "")
 );
 
@@ -214,9 +216,11 @@ async fn run_bounds_hold_across_replicas() {
     );
 }
 
-/// Acceptance: Redis paused → every replica refuses with 503 `store_unavailable` within
-/// `timeout_ms` + 50 ms (p99), `/readyz` fails, nothing is granted; after Redis returns,
-/// service resumes within 2 s without restarting the replicas.
+/// Acceptance: Redis paused → every replica refuses with 503 `store_unavailable`: the first
+/// call on each replica once its grace is spent (`timeout_ms` + `slow_grace_ms`, Redis not
+/// yet known to be failing), every later one within `timeout_ms` + 50 ms (p99; a probe, at
+/// most one every 5 s, is given the grace again); `/readyz` fails, nothing is granted; after
+/// Redis returns, service resumes within 2 s without restarting the replicas.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn paused_redis_fails_closed_and_recovers() {
     let redis = RedisServer::start(RedisOptions::default()).expect("redis");
@@ -227,7 +231,9 @@ async fn paused_redis_fails_closed_and_recovers() {
     let session = servers[0].session().await;
     let run = servers[0].run(&session, "10.2.0.1", "pause").await;
     redis.pause().expect("pause");
+    let (timeout, grace) = (Duration::from_millis(100), Duration::from_millis(300));
     let mut times = Vec::new();
+    let paused = Instant::now();
     for i in 0..40 {
         let s = &servers[i % 2];
         let t = Instant::now();
@@ -237,14 +243,43 @@ async fn paused_redis_fails_closed_and_recovers() {
                 json!({"kind": "tool", "tool": "web_search"}),
             )
             .await;
-        times.push(t.elapsed());
+        let took = t.elapsed();
         assert_eq!((status, code(&v)), (503, "store_unavailable"), "{v}");
+        assert!(
+            took <= timeout + grace + Duration::from_millis(150),
+            "refused after {took:?}, past timeout_ms + slow_grace_ms"
+        );
+        if i < 2 {
+            println!("paused redis: first refusal on replica {i} after {took:?}");
+            // Redis is not known to be failing yet: the call is given the grace (the store's
+            // own bound is 0.9 of it).
+            assert!(
+                took >= (timeout + grace) * 9 / 10,
+                "the first call on a replica refused after {took:?}, before its grace"
+            );
+        } else {
+            times.push(took);
+        }
     }
-    times.sort();
-    let p99 = times[times.len() * 99 / 100 - 1];
+    let mut sorted = times.clone();
+    sorted.sort();
+    println!(
+        "paused redis: later refusals p50 {:?}, max {:?} (timeout_ms 100, slow_grace_ms 300)",
+        sorted[sorted.len() / 2],
+        sorted[sorted.len() - 1]
+    );
+    // Once Redis is known to be failing: within timeout_ms + 50 ms, but for one call (p99 of
+    // 38) and the probes (one admission per replica every 5 s is given the grace again).
+    let probes = 2 * (paused.elapsed().as_secs() / 5) as usize;
+    let slower = times
+        .iter()
+        .filter(|t| **t > timeout + Duration::from_millis(50))
+        .count();
     assert!(
-        p99 <= Duration::from_millis(150),
-        "p99 refusal time {p99:?} > timeout_ms + 50 ms"
+        slower <= 1 + probes,
+        "{slower} of {} refusals took longer than timeout_ms + 50 ms once Redis was known \
+         to be failing ({probes} probes): {times:?}",
+        times.len()
     );
     let r = servers[1]
         .http

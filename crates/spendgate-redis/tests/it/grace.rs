@@ -5,7 +5,7 @@
 
 use crate::support::*;
 use spendgate_core::*;
-use spendgate_redis::{RedisOptions, RedisStore};
+use spendgate_redis::{InitMode, RedisOptions, RedisStore};
 use spendgate_store::{Store, StoreError, Timed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -66,10 +66,13 @@ async fn timed_store_at(
     if let Some(port) = port {
         generous.url = format!("redis://127.0.0.1:{port}/0");
     }
-    RedisStore::init(&generous).await.expect("init");
+    let done = RedisStore::init(&generous, InitMode::Routine)
+        .await
+        .expect("init");
     let opts = RedisOptions {
         timeout: TIMEOUT,
         slow_grace: GRACE,
+        ledger_id: Some(done.ledger().to_string()),
         ..generous
     };
     let store = Arc::new(open_only(opts, policy()).await);

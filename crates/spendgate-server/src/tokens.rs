@@ -320,6 +320,18 @@ impl OutputCounter {
         t
     }
 
+    /// The most [`OutputTally::floor`] can be once `bytes` more bytes of text are counted:
+    /// a cheap bound, which no tokenizer runs for.
+    pub fn most_after(&self, bytes: u64) -> u64 {
+        let now = match self.tokenizer {
+            // (each byte of `pending` at most a token)
+            Tokenizer::Bytes => self.settled.max(self.bytes.div_ceil(BYTES_PER_TOKEN_MAX)),
+            _ => self.settled.saturating_add(self.pending.len() as u64),
+        };
+        // A byte more is at most a word or a token more.
+        now.saturating_add(self.unread).saturating_add(bytes)
+    }
+
     /// Whether the output counted is over `bound` tokens ([`OutputTally::floor`]); the
     /// tokenizer runs only when the bytes held could be.
     pub fn over(&mut self, bound: u64) -> bool {

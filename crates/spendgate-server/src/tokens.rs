@@ -358,13 +358,13 @@ impl OutputCounter {
             c.end_field();
             !c.over(bound)
         };
-        if fits(text.len()) {
-            return text.len();
-        }
         let mut c = self.clone();
         c.end_field();
         if c.over(bound) {
             return 0;
+        }
+        if c.most_after(text.len() as u64) <= bound || fits(text.len()) {
+            return text.len();
         }
         if self.tokenizer == Tokenizer::Bytes {
             // Words and bytes as `push` counts them; stop before the first that is over.

@@ -100,6 +100,9 @@ fn count_here(tokenizer: Tokenizer, text: &str) -> u64 {
     count(tokenizer, text)
 }
 
+/// Most bytes of whole output text an [`OutputCounter`] holds before it counts them.
+pub const DONE_BYTES_MAX: usize = INLINE_BYTES_MAX;
+
 /// Most bytes of output text between two [`segment boundaries`](segment_boundary) counted
 /// by the tokenizer. A longer run (a very long word, a long sentence of ideographs without
 /// punctuation, a run of one character) counts one token per byte up to the next boundary:
@@ -178,8 +181,13 @@ pub struct OutputTally {
 #[derive(Clone, Debug)]
 pub struct OutputCounter {
     tokenizer: Tokenizer,
-    /// BPE: the tokens of the text before `pending`. `bytes`: the words begun.
+    /// BPE: the tokens of the text before `done`. `bytes`: the words begun.
     settled: u64,
+    /// BPE: whole stretches (up to the last boundary) of the field under way, not counted
+    /// yet: counted together when they could take the count over the bound looked at
+    /// ([`OutputCounter::over`]), grow past [`DONE_BYTES_MAX`], or the field ends, so that
+    /// the tokenizer runs a few times a stream rather than once a piece.
+    done: String,
     /// BPE: the text since the last boundary, not counted yet.
     pending: String,
     /// BPE: the count of `pending`, when known.
@@ -200,6 +208,7 @@ impl OutputCounter {
         OutputCounter {
             tokenizer,
             settled: 0,
+            done: String::new(),
             pending: String::new(),
             pending_tokens: None,
             long: false,
@@ -224,8 +233,8 @@ impl OutputCounter {
             }
             return;
         }
-        // Everything up to the last boundary is whole: counted now, in one call (a long
-        // stretch under way ends at the first boundary instead, counted by its bytes).
+        // Everything up to the last boundary is whole: it joins `done` (a long stretch under
+        // way ends at the first boundary instead, counted by its bytes).
         let (mut start, mut last) = (0, None);
         let mut prev = self.prev;
         for (i, c) in text.char_indices() {
@@ -242,11 +251,25 @@ impl OutputCounter {
         }
         self.prev = prev;
         if let Some(i) = last {
-            self.pending.push_str(&text[start..i]);
-            self.close();
+            self.done.push_str(&self.pending);
+            self.pending.clear();
+            self.pending_tokens = None;
+            self.done.push_str(&text[start..i]);
             start = i;
+            if self.done.len() > DONE_BYTES_MAX {
+                self.count_done();
+            }
         }
         self.extend(&text[start..]);
+    }
+
+    /// Counts the whole stretches held (exactly: they end at a boundary).
+    fn count_done(&mut self) {
+        if !self.done.is_empty() {
+            let n = count_here(self.tokenizer, &self.done);
+            self.settled = self.settled.saturating_add(n);
+            self.done.clear();
+        }
     }
 
     /// Adds to the stretch under way (counted by bytes when it grows too long).
@@ -264,14 +287,12 @@ impl OutputCounter {
         }
     }
 
-    /// Counts the stretch under way, which ends here.
+    /// Counts the field's text, which ends here (with the stretch under way, in one call).
     fn close(&mut self) {
-        if !self.pending.is_empty() {
-            let n = self.pending_count();
-            self.settled = self.settled.saturating_add(n);
-            self.pending.clear();
-            self.pending_tokens = None;
-        }
+        self.done.push_str(&self.pending);
+        self.pending.clear();
+        self.pending_tokens = None;
+        self.count_done();
         self.long = false;
     }
 
@@ -308,6 +329,7 @@ impl OutputCounter {
                 upper: self.bytes,
             },
             _ => {
+                self.count_done();
                 let n = self.settled.saturating_add(self.pending_count());
                 OutputTally { floor: n, upper: n }
             }
@@ -324,23 +346,27 @@ impl OutputCounter {
     /// a cheap bound, which no tokenizer runs for.
     pub fn most_after(&self, bytes: u64) -> u64 {
         let now = match self.tokenizer {
-            // (each byte of `pending` at most a token)
             Tokenizer::Bytes => self.settled.max(self.bytes.div_ceil(BYTES_PER_TOKEN_MAX)),
-            _ => self.settled.saturating_add(self.pending.len() as u64),
+            // (each byte not counted yet at most a token)
+            _ => self
+                .settled
+                .saturating_add((self.done.len() + self.pending.len()) as u64),
         };
         // A byte more is at most a word or a token more.
         now.saturating_add(self.unread).saturating_add(bytes)
     }
 
-    /// Whether the output counted is over `bound` tokens ([`OutputTally::floor`]); the
-    /// tokenizer runs only when the bytes held could be.
+    /// Whether the output counted is over `bound` tokens ([`OutputTally::floor`]). The
+    /// tokenizer runs only when the text not counted yet could take the count over, at a
+    /// token a byte: for ordinary text (about four bytes a token) a few times a stream, and
+    /// piece by piece only in the last few tokens before the bound.
     pub fn over(&mut self, bound: u64) -> bool {
         if self.tokenizer != Tokenizer::Bytes {
-            let most = self
-                .settled
-                .saturating_add(self.pending.len() as u64)
-                .saturating_add(self.unread);
-            if most <= bound {
+            if self.most_after(0) <= bound {
+                return false;
+            }
+            self.count_done();
+            if self.most_after(0) <= bound {
                 return false;
             }
         }
@@ -502,12 +528,15 @@ mod tests {
         #[test]
         fn pieces_never_count_less_than_the_whole(
             pieces in proptest::collection::vec(piece_strategy(), 0..12),
+            bound in 0u64..60,
         ) {
             let whole: String = pieces.concat();
             for t in [Tokenizer::O200kBase, Tokenizer::Cl100kBase] {
                 let mut c = OutputCounter::new(t);
                 for p in &pieces {
                     c.push(p);
+                    // Looking at a bound counts what is held at whatever point.
+                    let _ = c.over(bound);
                 }
                 let tally = c.tally();
                 proptest::prop_assert_eq!(tally.floor, count(t, &whole), "{:?}: {:?}", t, pieces);
@@ -551,6 +580,7 @@ mod tests {
             for ch in long.chars() {
                 c.push(&ch.to_string());
                 assert!(c.pending.len() <= SEGMENT_BYTES_MAX);
+                assert!(c.done.len() <= DONE_BYTES_MAX + 4);
             }
             c.push(" next words, counted as usual.");
             let tally = c.tally();

@@ -2368,6 +2368,57 @@ async fn an_upstream_past_its_bound_is_cut_there_and_charged_what_it_served() {
     assert_eq!(global["reserved_micros"], 0);
     assert_eq!(g.metric("spendgate_output_cuts_total ").await, 12);
     assert!(g.metric("spendgate_overruns_total ").await >= 12);
+    total = 0;
+
+    // A tool call past the bound: its arguments are cut at it (a word a token), streamed or
+    // not, and the call charged at least what was served.
+    for stream in [false, true] {
+        let before = g.mock.stats();
+        let r = g
+            .chat(
+                &format!("past-tool-{stream}"),
+                json!({"model": MODEL, "stream": stream, "max_tokens": 20,
+                    "messages": user("search everything")}),
+                &[
+                    ("x-mock-fault", "tool_call"),
+                    ("x-mock-completion-tokens", "20"),
+                    ("x-mock-extra-completion-tokens", "300"),
+                ],
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let mut args = String::new();
+        if stream {
+            for e in r.events() {
+                if let Ok(v) = serde_json::from_str::<Value>(&e) {
+                    if let Some(a) =
+                        v["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str()
+                    {
+                        args.push_str(a);
+                    }
+                }
+            }
+        } else {
+            args = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+        }
+        // `{"q":"tok0 tok1 ...`: the tool's name is a token of the bound too.
+        let words = args.split_whitespace().count() as u64;
+        assert!(
+            (15..=19).contains(&words),
+            "stream={stream}: {words}: {args}"
+        );
+        let row = g.reservation(&r.step()).await;
+        let charged = row["charged_micros"].as_u64().expect("charged");
+        let served = priced_delta(g.prices, &before, &g.mock.stats());
+        assert!(
+            charged >= served,
+            "stream={stream}: {charged} < {served}: {row}"
+        );
+        assert_eq!(row["overrun"], true, "{row}");
+    }
 
     // A paced upstream past its bound (50 tokens a second for 20 s): cut at once, its
     // connection closed, so it stops generating; charged at least what it served.

@@ -164,6 +164,48 @@ def test_stream_cut_by_the_upstream_raises_an_api_error():
     assert got, "content arrived before the cut"
 
 
+# An upstream that ignores max_tokens=10 and generates 50 tokens (the mock's words).
+PAST_THE_BOUND = {"x-mock-extra-completion-tokens": "40"}
+
+
+def test_create_past_the_bound_is_cut_to_it():
+    raw = client("py-past", max_retries=0).chat.completions.with_raw_response.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, extra_headers=PAST_THE_BOUND
+    )
+    completion = raw.parse()
+    words = completion.choices[0].message.content.split()
+    assert words == ["tok%d" % i for i in range(10)], words
+    assert completion.choices[0].finish_reason == "length"
+    assert raw.headers["spendgate-output-cut"] == "true"
+    # Charged for all the upstream generated and reported, above the reservation.
+    assert completion.usage.completion_tokens == 50, completion.usage
+    charged = int(raw.headers["spendgate-charged-micros"])
+    assert charged == expected_charge(completion.usage), (charged, completion.usage)
+    assert charged > int(raw.headers["spendgate-reserved-micros"])
+
+
+def test_stream_past_the_bound_is_cut_at_it():
+    stream = client("py-past-stream", max_retries=0).chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=10,
+        stream=True,
+        extra_headers=PAST_THE_BOUND,
+    )
+    got = []
+    try:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                got.append(chunk.choices[0].delta.content)
+    except openai.APIError as e:
+        assert e.code == "upstream_error", e.body
+        assert "bound" in e.message, e.message
+    else:
+        raise AssertionError("expected openai.APIError")
+    words = "".join(got).split()
+    assert words == ["tok%d" % i for i in range(10)], words
+
+
 def test_upstream_error_passes_through():
     try:
         client("py-500", max_retries=0).chat.completions.create(
@@ -185,6 +227,8 @@ TESTS = [
     test_budget_refusal_is_a_rate_limit_error_and_not_retried,
     test_stream_cut_by_the_upstream_raises_an_api_error,
     test_upstream_error_passes_through,
+    test_create_past_the_bound_is_cut_to_it,
+    test_stream_past_the_bound_is_cut_at_it,
 ]
 
 

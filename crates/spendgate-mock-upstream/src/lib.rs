@@ -27,6 +27,10 @@
 //!   either is present (a `null` counts as absent), and `extra` is 0 or the header
 //!   `x-mock-extra-completion-tokens: N` (an upstream that does not honour the output
 //!   bound). The result is capped at [`MAX_COMPLETION_TOKENS`].
+//! - With the header `x-mock-reported-completion-tokens: N`, every usage the answer carries
+//!   (final, running, or in an error event) reports at most N completion tokens, and
+//!   `total_tokens` accordingly, whatever was generated (an upstream that under-reports its
+//!   output); the stats count what was generated and sent, as always.
 //! - The answer is `completion_tokens` words `"tok0 tok1 tok2 ..."`, one token each.
 //!   `finish_reason` is `"length"` when `max_tokens` cut the answer short, `"stop"` otherwise.
 //! - Non-streaming answers carry `usage: {prompt_tokens, completion_tokens, total_tokens,
@@ -174,6 +178,8 @@ pub const COMPLETION_TOKENS_HEADER: &str = "x-mock-completion-tokens";
 pub const CACHED_TOKENS_HEADER: &str = "x-mock-cached-tokens";
 /// Header adding completion tokens beyond the output bound (generated and reported).
 pub const EXTRA_COMPLETION_TOKENS_HEADER: &str = "x-mock-extra-completion-tokens";
+/// Header capping the completion tokens every usage reports (what is sent is not capped).
+pub const REPORTED_COMPLETION_TOKENS_HEADER: &str = "x-mock-reported-completion-tokens";
 /// Header `x-mock-running-usage: 1`: streamed content chunks carry the running usage.
 pub const RUNNING_USAGE_HEADER: &str = "x-mock-running-usage";
 /// Header setting the cached tokens the running usages report (default: the final count).
@@ -470,6 +476,8 @@ pub(crate) struct Plan {
     /// The cached tokens of the running usage on every streamed content chunk
     /// ([`RUNNING_USAGE_HEADER`]), when it is sent.
     pub(crate) running_cached: Option<u64>,
+    /// The most completion tokens a usage reports ([`REPORTED_COMPLETION_TOKENS_HEADER`]).
+    pub(crate) reported_cap: u64,
 }
 
 impl Plan {
@@ -492,8 +500,9 @@ impl Plan {
         self.usage_with(self.completion_tokens, self.cached_tokens)
     }
 
-    /// A usage of `completion_tokens` so far with `cached_tokens`.
+    /// A usage of `completion_tokens` so far with `cached_tokens` (at most the reported cap).
     pub(crate) fn usage_with(&self, completion_tokens: u64, cached_tokens: u64) -> Value {
+        let completion_tokens = completion_tokens.min(self.reported_cap);
         json!({
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -611,6 +620,7 @@ fn plan_request(
     let extra = header_u64(headers, EXTRA_COMPLETION_TOKENS_HEADER)?.unwrap_or(0);
     let running_usage = header_u64(headers, RUNNING_USAGE_HEADER)?.unwrap_or(0) != 0;
     let running_cached = header_u64(headers, RUNNING_CACHED_TOKENS_HEADER)?;
+    let reported_cap = header_u64(headers, REPORTED_COMPLETION_TOKENS_HEADER)?.unwrap_or(u64::MAX);
 
     let prompt_tokens = prompt_tokens_of(body);
     let clamped = max_tokens.map_or(length, |m| length.min(m));
@@ -647,6 +657,7 @@ fn plan_request(
         stamp,
         running_cached: running_usage
             .then(|| running_cached.map_or(cached_tokens, |c| c.min(prompt_tokens))),
+        reported_cap,
     })
 }
 
@@ -932,6 +943,27 @@ mod tests {
         )
         .expect("plan");
         assert_eq!(p.completion_tokens, MAX_COMPLETION_TOKENS);
+    }
+
+    #[test]
+    fn a_reported_cap_lowers_the_usage_not_the_answer() {
+        let p = plan(
+            &[
+                (EXTRA_COMPLETION_TOKENS_HEADER, "30"),
+                (REPORTED_COMPLETION_TOKENS_HEADER, "5"),
+            ],
+            json!({"messages": [], "max_tokens": 5}),
+        )
+        .expect("plan");
+        assert_eq!(p.completion_tokens, 35, "generated");
+        assert_eq!(p.usage()["completion_tokens"], 5);
+        assert_eq!(p.usage()["total_tokens"], p.prompt_tokens + 5);
+        assert_eq!(p.usage_with(3, 0)["completion_tokens"], 3);
+        assert!(plan(
+            &[(REPORTED_COMPLETION_TOKENS_HEADER, "-1")],
+            json!({"messages": []})
+        )
+        .is_err());
     }
 
     #[test]

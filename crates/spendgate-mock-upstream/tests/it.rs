@@ -770,6 +770,41 @@ async fn extra_completion_tokens_go_past_max_tokens() {
     assert_eq!(m.mock.stats().completion_tokens, 8);
 }
 
+/// An upstream past its bound that under-reports: the answer and the stats have every token
+/// generated, the usage (final and running) at most the cap; streamed or not, with usage or
+/// without (`no_usage`).
+#[tokio::test]
+async fn reported_completion_tokens_cap_the_usage_not_the_answer() {
+    let m = Mock::default().await;
+    let mut req = body(false);
+    req["max_tokens"] = json!(3);
+    let lie = [
+        ("x-mock-extra-completion-tokens", "9"),
+        ("x-mock-reported-completion-tokens", "3"),
+    ];
+    let v: Value = json_with(&m, &req, &lie).await;
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    assert_eq!(v["choices"][0]["message"]["content"], words(12));
+    assert_eq!(m.mock.stats().completion_tokens, 12);
+
+    let (text, errored) = stream_with(&m, &[lie[0], lie[1], ("x-mock-running-usage", "1")]).await;
+    assert!(!errored);
+    let chunks = json_events(&events(&text));
+    assert_eq!(content_of(&chunks), words(16 + 9));
+    assert!(chunks
+        .iter()
+        .filter(|c| c["usage"].is_object())
+        .all(|c| c["usage"]["completion_tokens"].as_u64() <= Some(3)));
+    assert_eq!(m.mock.stats().completion_tokens, 12 + 25);
+
+    // Past the bound without any usage: every token is still sent and counted.
+    let (text, _) = stream_with(&m, &[lie[0], ("x-mock-fault", "no_usage")]).await;
+    let chunks = json_events(&events(&text));
+    assert_eq!(content_of(&chunks), words(25));
+    assert!(chunks.iter().all(|c| !c["usage"].is_object()));
+    assert_eq!(m.mock.stats().completion_tokens, 12 + 25 + 25);
+}
+
 #[tokio::test]
 async fn content_after_usage_fault() {
     let m = Mock::default().await;

@@ -52,18 +52,21 @@ budgets = [{{ amount = "0.02", window = "day" }}]
 max_context_tokens = 4000
 max_output_tokens = 256
 
+# The mock's answers are words of its own tokens ("tok17" is one, where o200k_base counts
+# two): counted one per byte, at least one per word, they keep to the output bound they
+# are given, as a real model's answers do with its own tokenizer.
 [models."demo-mini"]
 upstream = "{MOCK_UPSTREAM}"
 input_per_million = "0.15"
 cached_input_per_million = "0.075"
 output_per_million = "0.60"
-tokenizer = "o200k_base"
+tokenizer = "bytes"
 
 [models."demo-large"]
 upstream = "{MOCK_UPSTREAM}"
 input_per_million = "2.50"
 output_per_million = "10.00"
-tokenizer = "o200k_base"
+tokenizer = "bytes"
 "#
     )
 }

@@ -24,6 +24,8 @@ pub struct Metrics {
     upstream_calls: Timing,
     proxy_overheads: Timing,
     unknown_outcomes: AtomicU64,
+    /// Proxied answers cut at the output bound their upstream went past.
+    output_cuts: AtomicU64,
 }
 
 /// Upper bounds of the latency histograms' buckets, in microseconds (Prometheus `le`, in
@@ -110,6 +112,9 @@ impl Metrics {
     pub fn unknown_outcome(&self) {
         self.unknown_outcomes.fetch_add(1, Ordering::Relaxed);
     }
+    pub fn output_cut(&self) {
+        self.output_cuts.fetch_add(1, Ordering::Relaxed);
+    }
     pub fn store_call(&self, d: Duration) {
         self.store_calls.record(d);
     }
@@ -193,6 +198,11 @@ impl Metrics {
             out,
             "# TYPE spendgate_unknown_outcomes_total counter\nspendgate_unknown_outcomes_total {}",
             l(&self.unknown_outcomes)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE spendgate_output_cuts_total counter\nspendgate_output_cuts_total {}",
+            l(&self.output_cuts)
         );
         self.store_calls
             .render(&mut out, "spendgate_store_call_seconds");

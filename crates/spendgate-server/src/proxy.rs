@@ -2,8 +2,16 @@
 //! the output, reserves, forwards (streams pass through as they arrive), and reconciles from
 //! the upstream's `usage`. Whatever cannot be known is charged in full.
 //!
+//! It counts the output it relays ([`OutputCounter`], with the model's tokenizer) and
+//! enforces the bound it forwarded: a stream past it is cut there (nothing more is relayed,
+//! what the upstream had sent is read and counted for at most [`CUT_DRAIN_MAX`], the
+//! connection is closed and the client's stream ends with an error event); a whole answer
+//! past it is cut to it (`finish_reason: "length"`, header `spendgate-output-cut: true`).
+//! No charge is below the output counted ([`settlement`]).
+//!
 //! Terminal states:
-//! - upstream answered with usage (streamed or not) → `committed` at the observed usage;
+//! - upstream answered with usage (streamed or not) → `committed` at the observed usage (its
+//!   completion tokens never below the output counted);
 //! - upstream answered an error status that says no work was done ([`NO_WORK_STATUSES`]: a
 //!   refusal, 500, 503; or a redirect, which is not followed) and the upstream is configured
 //!   `release_on_error` → `released`; any other error status (a gateway's 502 or 504, which
@@ -11,13 +19,14 @@
 //! - connection lost, timeout, client gone mid-stream, an answer without usage → `unknown`,
 //!   charged in full; unless a usage chunk had already been read whole, which is trusted.
 //!   A stream's usage is trusted at its end only after `[DONE]` or a final (choices-less)
-//!   usage chunk, with no content and no error event after it; a usage read but not trusted
-//!   that costs more than the reservation is committed (an overrun) rather than `unknown`.
+//!   usage chunk, with no content and no error event after it; a usage read but not trusted,
+//!   or the output counted past the bound, that costs more than the reservation is committed
+//!   (an overrun) rather than `unknown`.
 
 use crate::api::{self, Shared};
 use crate::config::Tokenizer;
 use crate::error::{ApiError, ApiResult};
-use crate::tokens::{self, TOKENS_PER_MESSAGE, TOKENS_PER_REQUEST};
+use crate::tokens::{self, OutputCounter, OutputTally, TOKENS_PER_MESSAGE, TOKENS_PER_REQUEST};
 use axum::body::Body as AxumBody;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -442,6 +451,11 @@ struct StepGuard {
     /// The step's price and reservation: what a usage read would cost, against the hold.
     price: ModelPrice,
     reserved: Micros,
+    /// The prompt bound and the output bound the step reserved for.
+    prompt_bound: u64,
+    bound: u64,
+    /// The output counted so far (see [`StepGuard::settlement`]).
+    output: OutputTally,
     /// The task renewing the run's lease; stopped when the step is resolved.
     renewal: Option<tokio::task::AbortHandle>,
     /// When the call must stop ([`StepGuard::stopped`]): the run's deadline once known, or
@@ -462,7 +476,7 @@ impl StepGuard {
     /// first renewal, at once, learns it.
     fn new(
         state: Shared,
-        (step, price, reserved): (ReservationId, ModelPrice, Micros),
+        hold: Hold,
         run_id: RunId,
         own_run: bool,
         deadline: Option<UnixMs>,
@@ -506,12 +520,15 @@ impl StepGuard {
         };
         StepGuard {
             state,
-            step: Some(step),
+            step: Some(hold.step),
             run: own_run.then_some(run_id),
             usage: None,
             seen: None,
-            price,
-            reserved,
+            price: hold.price,
+            reserved: hold.reserved,
+            prompt_bound: hold.prompt_bound,
+            bound: hold.bound,
+            output: OutputTally::default(),
             renewal: Some(renewal),
             stop,
         }
@@ -544,12 +561,22 @@ impl StepGuard {
         }
     }
 
-    /// How to resolve a step whose usage cannot be trusted (content came after it, the
-    /// stream was cut after a running total, an event reported an error): `unknown`, charged
-    /// the reservation; unless a usage read (`seen`) costs more than that, which is then
-    /// committed as an overrun (charged, counted and alerted), never charged less.
-    fn unsure(&self, seen: Option<TokenUsage>) -> Resolution {
-        unsure(self.price, self.reserved, seen)
+    /// How to resolve the step from what was observed (see [`settlement`]).
+    fn settlement(
+        &self,
+        trusted: Option<TokenUsage>,
+        seen: Option<TokenUsage>,
+        output: OutputTally,
+    ) -> Resolution {
+        settlement(
+            (self.price, self.reserved),
+            (self.prompt_bound, self.bound),
+            Observed {
+                trusted,
+                seen,
+                output,
+            },
+        )
     }
 
     fn take(&mut self) -> Option<(ReservationId, Option<RunId>)> {
@@ -669,21 +696,76 @@ impl Drop for StepGuard {
         let Some((step, run)) = self.take() else {
             return;
         };
-        let how = match self.usage {
-            Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-            None => self.unsure(self.seen),
-        };
+        let how = self.settlement(self.usage, self.seen, self.output);
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(Self::settle(self.state.clone(), step, run, how));
         }
     }
 }
 
-/// See [`StepGuard::unsure`].
-fn unsure(price: ModelPrice, reserved: Micros, seen: Option<TokenUsage>) -> Resolution {
-    match seen {
-        Some(u) if price.charge(&u) > reserved => Resolution::Commit(Settlement::Tokens(u)),
-        _ => Resolution::Unknown,
+/// What a proxied step's hold covers.
+struct Hold {
+    step: ReservationId,
+    price: ModelPrice,
+    reserved: Micros,
+    /// The prompt bound reserved for.
+    prompt_bound: u64,
+    /// The output bound forwarded.
+    bound: u64,
+}
+
+/// What the proxy observed of a step's answer.
+#[derive(Clone, Copy, Debug)]
+struct Observed {
+    /// A usage that covers the whole answer (read whole, nothing after it).
+    trusted: Option<TokenUsage>,
+    /// The largest usage read, trusted or not.
+    seen: Option<TokenUsage>,
+    /// The output counted ([`OutputCounter`]).
+    output: OutputTally,
+}
+
+/// How a proxied step ends, never charged below what the upstream is shown to have served
+/// (SPEC I1b):
+/// - a trusted usage is committed, its completion tokens never below the output counted
+///   ([`OutputTally::floor`]: an upstream that reports less than it sent is charged what
+///   it sent);
+/// - without one (no usage, a usage followed by more content, a stream cut, an error
+///   event), the step is `unknown`, charged its reservation, unless the usage read (or the
+///   prompt bound, without one) with the output counted costs more: that is committed, an
+///   overrun (charged, counted and alerted). The output counted is the floor while it is
+///   within the bound (an upstream that kept to its bound is covered by the reservation),
+///   and the most the text can have cost ([`OutputTally::upper`]) once the floor shows the
+///   upstream went past it.
+fn settlement(
+    (price, reserved): (ModelPrice, Micros),
+    (prompt_bound, bound): (u64, u64),
+    o: Observed,
+) -> Resolution {
+    if let Some(u) = o.trusted {
+        return Resolution::Commit(Settlement::Tokens(TokenUsage {
+            completion_tokens: u.completion_tokens.max(o.output.floor),
+            ..u
+        }));
+    }
+    let counted = if o.output.floor > bound {
+        o.output.upper
+    } else {
+        o.output.floor
+    };
+    let base = o.seen.unwrap_or(TokenUsage {
+        prompt_tokens: prompt_bound,
+        completion_tokens: 0,
+        cached_tokens: 0,
+    });
+    let u = TokenUsage {
+        completion_tokens: base.completion_tokens.max(counted),
+        ..base
+    };
+    if price.charge(&u) > reserved {
+        Resolution::Commit(Settlement::Tokens(u))
+    } else {
+        Resolution::Unknown
     }
 }
 
@@ -724,6 +806,201 @@ fn usage_of(v: &Value) -> Option<TokenUsage> {
         completion_tokens,
         cached_tokens: detail("cached_tokens"),
     })
+}
+
+/// Which text of an answer a piece of output belongs to: the choice's index, the field (see
+/// [`each_output_text`]) and the tool call's index. A stream's pieces of one field are
+/// counted as one text; fields apart.
+type FieldKey = (u64, u8, u64);
+
+/// Most levels of an array `content` searched for text.
+const CONTENT_DEPTH_MAX: usize = 8;
+
+/// Calls `f` with every text an upstream generated in an answer or in a stream's event,
+/// field by field in the order a model generates them. For each choice's `message` (a whole
+/// answer) or `delta` (a stream): its reasoning (`reasoning_content`, `reasoning`), its
+/// `content` (a string, or every string of an array of parts but their `type`), its
+/// `refusal`, each tool call's name and arguments (`function.name` and `.arguments`, or a
+/// custom tool's `custom.name` and `.input`), and the legacy `function_call`. Other fields
+/// (roles, ids, annotations, logprobs) are not counted: a reported usage covers them, and
+/// else the reservation does.
+fn each_output_text(event: &mut Value, f: &mut dyn FnMut(FieldKey, &mut String)) {
+    let Some(choices) = event.get_mut("choices").and_then(Value::as_array_mut) else {
+        return;
+    };
+    for (pos, choice) in choices.iter_mut().enumerate() {
+        let c = choice
+            .get("index")
+            .and_then(Value::as_u64)
+            .unwrap_or(pos as u64);
+        for part in ["message", "delta"] {
+            let Some(m) = choice.get_mut(part).and_then(Value::as_object_mut) else {
+                continue;
+            };
+            for (kind, k) in [(0u8, "reasoning_content"), (1, "reasoning")] {
+                if let Some(Value::String(t)) = m.get_mut(k) {
+                    f((c, kind, 0), t);
+                }
+            }
+            if let Some(content) = m.get_mut("content") {
+                each_string(content, CONTENT_DEPTH_MAX, &mut |t| f((c, 2, 0), t));
+            }
+            if let Some(Value::String(t)) = m.get_mut("refusal") {
+                f((c, 3, 0), t);
+            }
+            if let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                for (tpos, call) in calls.iter_mut().enumerate() {
+                    let t = call
+                        .get("index")
+                        .and_then(Value::as_u64)
+                        .unwrap_or(tpos as u64);
+                    for (holder, text) in [("function", "arguments"), ("custom", "input")] {
+                        let Some(h) = call.get_mut(holder).and_then(Value::as_object_mut) else {
+                            continue;
+                        };
+                        for (kind, k) in [(4u8, "name"), (5, text)] {
+                            if let Some(Value::String(x)) = h.get_mut(k) {
+                                f((c, kind, t), x);
+                            }
+                        }
+                    }
+                }
+            }
+            if let Some(h) = m.get_mut("function_call").and_then(Value::as_object_mut) {
+                for (kind, k) in [(6u8, "name"), (7, "arguments")] {
+                    if let Some(Value::String(x)) = h.get_mut(k) {
+                        f((c, kind, 0), x);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Every string of `v` (a string, or in arrays and objects but under the key `type`), to
+/// `depth` levels.
+fn each_string(v: &mut Value, depth: usize, f: &mut dyn FnMut(&mut String)) {
+    match v {
+        Value::String(t) => f(t),
+        Value::Array(items) if depth > 0 => {
+            for item in items {
+                each_string(item, depth - 1, f);
+            }
+        }
+        Value::Object(fields) if depth > 0 => {
+            for (k, item) in fields.iter_mut() {
+                if k != "type" {
+                    each_string(item, depth - 1, f);
+                }
+            }
+        }
+        _ => {}
+    }
+}
+
+/// A whole (non-streamed) answer, read: what the client receives, and what it shows.
+struct WholeAnswer {
+    /// The answer as the upstream sent it, or cut to the output bound.
+    body: Bytes,
+    /// Its usage (a whole answer's usage is trusted).
+    usage: Option<TokenUsage>,
+    /// Its output, counted whole (before any cut).
+    output: OutputTally,
+    /// The answer's texts were cut to the output bound ([`clip_answer`]).
+    cut: bool,
+    /// The answer is not a JSON object with `choices`, and its bytes are over the output
+    /// bound: it cannot be cut, and is not passed on.
+    unreadable: bool,
+}
+
+/// Reads a whole answer: its usage, its output counted ([`each_output_text`], each text a
+/// field of its own; an answer that is not a JSON object with `choices` counts a token a
+/// byte), and, when the output is over `bound`, its texts cut to the bound ([`clip_answer`]).
+fn read_answer(tokenizer: Tokenizer, bound: u64, bytes: Bytes) -> WholeAnswer {
+    let mut counter = OutputCounter::new(tokenizer);
+    let answer = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .filter(|v| v.get("choices").is_some_and(Value::is_array));
+    let Some(mut v) = answer else {
+        counter.push_unread(bytes.len() as u64);
+        let over = counter.over(bound);
+        return WholeAnswer {
+            body: bytes,
+            usage: None,
+            output: counter.tally(),
+            cut: false,
+            unreadable: over,
+        };
+    };
+    let usage = usage_of(&v);
+    each_output_text(&mut v, &mut |_, text| {
+        counter.push(text);
+        counter.end_field();
+    });
+    let output = counter.tally();
+    let cut = output.floor > bound && clip_answer(&mut v, tokenizer, bound);
+    let body = if cut {
+        serde_json::to_vec(&v).map_or(bytes, Bytes::from)
+    } else {
+        bytes
+    };
+    WholeAnswer {
+        body,
+        usage,
+        output,
+        cut,
+        unreadable: false,
+    }
+}
+
+/// Cuts the texts of a whole answer to `bound` tokens of output, in the order the model
+/// generated them ([`each_output_text`]): each text keeps the longest start that fits
+/// ([`OutputCounter::fit`]), a tool call left without a name is removed, and every choice
+/// ends as if the upstream had stopped at its bound (`finish_reason: "length"`), as one that
+/// honours it would. Whether anything was cut.
+fn clip_answer(v: &mut Value, tokenizer: Tokenizer, bound: u64) -> bool {
+    let mut counter = OutputCounter::new(tokenizer);
+    let mut cut = false;
+    each_output_text(v, &mut |_, text| {
+        let n = counter.fit(text, bound);
+        if n < text.len() {
+            text.truncate(n);
+            cut = true;
+        }
+        counter.push(text);
+        counter.end_field();
+    });
+    debug_assert!(!counter.over(bound));
+    if !cut {
+        return false;
+    }
+    let choices = v.get_mut("choices").and_then(Value::as_array_mut);
+    for choice in choices.into_iter().flatten() {
+        if let Some(m) = choice.get_mut("message").and_then(Value::as_object_mut) {
+            if let Some(calls) = m.get_mut("tool_calls").and_then(Value::as_array_mut) {
+                calls.retain(|c| {
+                    ["function", "custom"].iter().any(|h| {
+                        c.get(h)
+                            .and_then(|h| h.get("name"))
+                            .and_then(Value::as_str)
+                            .is_some_and(|n| !n.is_empty())
+                    })
+                });
+            }
+            let named = m
+                .get("function_call")
+                .and_then(|h| h.get("name"))
+                .and_then(Value::as_str)
+                .is_some_and(|n| !n.is_empty());
+            if !named {
+                m.remove("function_call");
+            }
+        }
+        if let Some(c) = choice.as_object_mut() {
+            c.insert("finish_reason".into(), json!("length"));
+        }
+    }
+    true
 }
 
 /// Response headers passed through from the upstream, every value of a repeated one (`vary`,
@@ -993,18 +1270,23 @@ pub async fn chat_completions(
         }
     };
     state.metrics.admitted("proxy_step");
-    let guard = StepGuard::new(
-        state.clone(),
-        (step_id.clone(), model.price, reserved.reserved),
-        run_id.clone(),
-        own_run,
-        run_deadline,
-    );
-
     // The forwarded request: exactly one output bound, usage asked for in streams.
     let out = reserved
         .max_output_tokens
         .unwrap_or(bounds.max_output_tokens);
+    let guard = StepGuard::new(
+        state.clone(),
+        Hold {
+            step: step_id.clone(),
+            price: model.price,
+            reserved: reserved.reserved,
+            prompt_bound: prompt,
+            bound: out,
+        },
+        run_id.clone(),
+        own_run,
+        run_deadline,
+    );
     let mut client_wants_usage = false;
     if let Some(o) = req.as_object_mut() {
         // The field the model's upstream honours, never the client's choice: an upstream
@@ -1202,35 +1484,62 @@ pub async fn chat_completions(
         state
             .metrics
             .upstream_call(upstream_done.duration_since(started));
-        let usage = serde_json::from_slice::<Value>(&bytes)
-            .ok()
-            .as_ref()
-            .and_then(usage_of);
-        let how = match usage {
-            Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-            None => {
-                tracing::warn!(upstream = %model.upstream, "upstream answer without usage; charging the step in full");
-                Resolution::Unknown
-            }
-        };
+        let tokenizer = model.tokenizer;
+        let len = bytes.len();
+        let answer = tokens::counting(len, move || read_answer(tokenizer, out, bytes))
+            .await
+            // A count that could not run: as if the answer could not be read (a token a byte).
+            .unwrap_or(WholeAnswer {
+                body: Bytes::new(),
+                usage: None,
+                output: OutputTally {
+                    floor: len as u64,
+                    upper: len as u64,
+                },
+                cut: false,
+                unreadable: true,
+            });
+        if answer.usage.is_none() {
+            tracing::warn!(upstream = %model.upstream, "upstream answer without usage; charging the step in full (or for the output counted, when more)");
+        }
+        let how = guard.settlement(answer.usage, answer.usage, answer.output);
+        if answer.unreadable {
+            tracing::warn!(upstream = %model.upstream, bound = out, "an upstream answer that is not JSON, over the output bound; not passed on");
+            state.metrics.output_cut();
+            return Ok(fail(
+                guard,
+                how,
+                out_headers,
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                "the upstream's answer could not be read and is longer than the output bound it was given; it was charged for what was sent",
+            )
+            .await);
+        }
+        if answer.cut {
+            tracing::warn!(upstream = %model.upstream, bound = out, counted = answer.output.floor, "an upstream answered past the output bound it was given; the answer was cut to the bound");
+            state.metrics.output_cut();
+            out_headers.insert("spendgate-output-cut", HeaderValue::from_static("true"));
+        }
         if let Some(a) = guard.resolve(how).await {
             note_resolution(&a, &mut out_headers);
         }
         state
             .metrics
             .proxy_overhead(before_forwarding + upstream_done.elapsed());
-        let mut r = (status, bytes).into_response();
+        let mut r = (status, answer.body).into_response();
         r.headers_mut().extend(out_headers);
         return Ok(r);
     }
 
     state.metrics.proxy_overhead(before_forwarding);
-    // Streaming: pass every chunk through as it arrives; watch for the usage chunk.
+    // Streaming: pass every chunk through as it arrives; watch for the usage chunk, and
+    // count the output.
     let body_stream = relay(
         resp.bytes_stream(),
         guard,
         upstream.timeout,
-        !client_wants_usage,
+        SseTap::new(!client_wants_usage, model.tokenizer, out),
         started,
     );
     let mut r = Response::new(AxumBody::from_stream(body_stream));
@@ -1259,6 +1568,7 @@ const FORWARDED_HEADERS: &[&str] = &[
     "x-mock-fault",
     "x-mock-completion-tokens",
     "x-mock-extra-completion-tokens",
+    "x-mock-reported-completion-tokens",
     "x-mock-latency-ms",
     "x-mock-linger-ms",
     "x-mock-cached-tokens",
@@ -1353,8 +1663,10 @@ async fn read_capped(
 
 /// Watches an SSE stream line by line as it passes: reads the usage chunk, and drops it when
 /// the client did not ask for usage (we did, on its behalf; a client that did not ask may not
-/// expect a chunk without choices). Bytes are forwarded as soon as their line is complete.
-#[derive(Default)]
+/// expect a chunk without choices); counts the output of every event ([`each_output_text`]),
+/// and once it is over the bound the upstream was given, forwards nothing more (the event
+/// that went over included; [`SseTap::over`]). Bytes are forwarded as soon as their line is
+/// complete.
 struct SseTap {
     /// The start of a line whose end has not arrived yet.
     line: Vec<u8>,
@@ -1373,6 +1685,14 @@ struct SseTap {
     /// `"error"`): no usage of this stream is trusted, one carried by the error included.
     failed: bool,
     strip_usage: bool,
+    /// The output counted so far, every event's (also those not forwarded).
+    output: OutputCounter,
+    /// The output bound the upstream was given.
+    bound: u64,
+    /// The field the last piece of output belonged to.
+    field: Option<FieldKey>,
+    /// The output went over `bound`: nothing more is forwarded.
+    over: bool,
 }
 
 /// Whether a stream's event reports an error: an `error` object (OpenAI's and OpenRouter's
@@ -1387,32 +1707,21 @@ fn is_error_event(v: &Value) -> bool {
             })
 }
 
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
-}
-
-/// True when a `data:` payload has `"usage": {` (not `"usage": null`), without parsing it.
-fn has_usage_object(data: &[u8]) -> bool {
-    const KEY: &[u8] = b"\"usage\"";
-    let mut rest = data;
-    while let Some(i) = rest.windows(KEY.len()).position(|w| w == KEY) {
-        rest = &rest[i + KEY.len()..];
-        let after = rest
-            .iter()
-            .copied()
-            .find(|b| !(b.is_ascii_whitespace() || *b == b':'));
-        if after == Some(b'{') {
-            return true;
-        }
-    }
-    false
-}
-
 impl SseTap {
-    fn new(strip_usage: bool) -> SseTap {
+    fn new(strip_usage: bool, tokenizer: Tokenizer, bound: u64) -> SseTap {
         SseTap {
+            line: Vec::new(),
+            overflow: false,
+            usage: None,
+            content_after_usage: false,
+            settled: false,
+            done: false,
+            failed: false,
             strip_usage,
-            ..SseTap::default()
+            output: OutputCounter::new(tokenizer),
+            bound,
+            field: None,
+            over: false,
         }
     }
 
@@ -1440,36 +1749,96 @@ impl SseTap {
         }
     }
 
-    /// Reads one whole line (with its `\n`); false when it is to be dropped.
-    fn line(&mut self, line: &[u8]) -> bool {
+    /// Reads one whole line (with its `\n`): what becomes of it.
+    fn line(&mut self, line: &[u8]) -> Fate {
+        let keep = |over| if over { Fate::Drop } else { Fate::Keep };
         let text = line.strip_suffix(b"\n").unwrap_or(line);
         let text = text.strip_suffix(b"\r").unwrap_or(text);
         let Some(data) = text.strip_prefix(b"data:") else {
-            return true;
+            return keep(self.over);
         };
         let data = data.trim_ascii();
         if data == b"[DONE]" {
             self.done = true;
-            return true;
+            return keep(self.over);
         }
         if data.is_empty() {
-            return true;
+            return keep(self.over);
         }
-        if !has_usage_object(data) {
-            // Parsed only when it may be an error event (`"error"` as a key or a value).
-            if contains(data, b"\"error\"")
-                && serde_json::from_slice::<Value>(data).is_ok_and(|v| is_error_event(&v))
-            {
-                self.failed = true;
+        let mut event = serde_json::from_slice::<Value>(data).ok();
+        let cut = self.count(event.as_mut(), data);
+        let passed = self.read(event.as_ref());
+        match cut {
+            Some(event) => Fate::Replace(event),
+            None if passed => keep(self.over),
+            None => Fate::Drop,
+        }
+    }
+
+    /// Counts the output of an event (or of a payload that is not JSON, as text of its
+    /// own), and notes when it goes over the bound. The event that goes over is cut to what
+    /// fits under the bound ([`OutputCounter::fit`], each text apart, in order): its new
+    /// line, if anything of it fits.
+    fn count(&mut self, event: Option<&mut Value>, data: &[u8]) -> Option<Vec<u8>> {
+        let Some(v) = event else {
+            self.output.end_field();
+            self.output.push(&String::from_utf8_lossy(data));
+            self.output.end_field();
+            self.field = None;
+            self.check_bound();
+            return None;
+        };
+        // The count before this event, kept only when the event may take it over the bound.
+        let mut bytes = 0u64;
+        each_output_text(v, &mut |_, text| {
+            bytes = bytes.saturating_add(text.len() as u64)
+        });
+        let before =
+            (!self.over && self.output.most_after(bytes) > self.bound).then(|| self.output.clone());
+        let (output, field) = (&mut self.output, &mut self.field);
+        each_output_text(v, &mut |key, text| {
+            if *field != Some(key) {
+                output.end_field();
+                *field = Some(key);
             }
-            self.saw_content();
-            return true;
+            output.push(text);
+        });
+        self.check_bound();
+        let mut fitted = before.filter(|_| self.over)?;
+        let (bound, mut kept) = (self.bound, false);
+        each_output_text(v, &mut |_, text| {
+            let n = fitted.fit(text, bound);
+            text.truncate(n);
+            kept |= n > 0;
+            fitted.end_field();
+            fitted.push(text);
+            fitted.end_field();
+        });
+        debug_assert!(!fitted.over(bound));
+        // A running usage it carried counts what was cut off.
+        if let Some(u) = v.get_mut("usage") {
+            *u = Value::Null;
         }
-        let Ok(v) = serde_json::from_slice::<Value>(data) else {
+        kept.then(|| format!("data: {v}\n\n").into_bytes())
+    }
+
+    fn check_bound(&mut self) {
+        if !self.over && self.output.over(self.bound) {
+            self.over = true;
+        }
+    }
+
+    /// Reads an event's usage and errors; false when it is to be dropped (a usage chunk the
+    /// client did not ask for).
+    fn read(&mut self, event: Option<&Value>) -> bool {
+        let Some(v) = event else {
             self.saw_content();
             return true;
         };
-        let Some(u) = usage_of(&v) else {
+        let Some(u) = usage_of(v) else {
+            if is_error_event(v) {
+                self.failed = true;
+            }
             self.saw_content();
             return true;
         };
@@ -1483,7 +1852,7 @@ impl SseTap {
             },
         });
         self.content_after_usage = false;
-        let error = is_error_event(&v);
+        let error = is_error_event(v);
         self.failed |= error;
         let no_choices = v
             .get("choices")
@@ -1499,14 +1868,18 @@ impl SseTap {
         // Fast path: nothing carried over, whole lines only, all kept: forward as is.
         if self.line.is_empty() && !self.overflow && chunk.ends_with(b"\n") {
             let mut keep_all = true;
-            let mut kept: Vec<(usize, usize)> = Vec::new();
+            // Each line kept (its span) or replaced (its new text).
+            let mut kept: Vec<Result<(usize, usize), Vec<u8>>> = Vec::new();
             let mut start = 0;
             for (i, b) in chunk.iter().enumerate() {
                 if *b == b'\n' {
-                    if self.line(&chunk[start..=i]) {
-                        kept.push((start, i + 1));
-                    } else {
-                        keep_all = false;
+                    match self.line(&chunk[start..=i]) {
+                        Fate::Keep => kept.push(Ok((start, i + 1))),
+                        Fate::Drop => keep_all = false,
+                        Fate::Replace(r) => {
+                            keep_all = false;
+                            kept.push(Err(r));
+                        }
                     }
                     start = i + 1;
                 }
@@ -1515,8 +1888,11 @@ impl SseTap {
                 return chunk;
             }
             let mut out = Vec::with_capacity(chunk.len());
-            for (a, b) in kept {
-                out.extend_from_slice(&chunk[a..b]);
+            for k in kept {
+                match k {
+                    Ok((a, b)) => out.extend_from_slice(&chunk[a..b]),
+                    Err(r) => out.extend_from_slice(&r),
+                }
             }
             return Bytes::from(out);
         }
@@ -1526,29 +1902,43 @@ impl SseTap {
             let (head, tail) = rest.split_at(pos + 1);
             rest = tail;
             if self.overflow {
-                out.extend_from_slice(head);
+                self.unread(head, &mut out);
                 self.overflow = false;
                 continue;
             }
             let mut line = std::mem::take(&mut self.line);
             line.extend_from_slice(head);
-            if self.line(&line) {
-                out.extend_from_slice(&line);
+            match self.line(&line) {
+                Fate::Keep => out.extend_from_slice(&line),
+                Fate::Drop => {}
+                Fate::Replace(r) => out.extend_from_slice(&r),
             }
         }
         if self.overflow {
-            out.extend_from_slice(rest);
+            self.unread(rest, &mut out);
         } else {
             self.line.extend_from_slice(rest);
             if self.line.len() > SSE_LINE_BYTES_MAX {
                 // Too long to hold: pass it on unread (a usage in it is not trusted, and
-                // it may be content after a usage read before).
+                // it may be content after a usage read before), each byte counted as a
+                // token of output.
                 self.overflow = true;
                 self.saw_content();
-                out.append(&mut self.line);
+                let line = std::mem::take(&mut self.line);
+                self.unread(&line, &mut out);
             }
         }
         Bytes::from(out)
+    }
+
+    /// Part of a line too long to read: counted a token a byte, and forwarded unless the
+    /// output is over its bound.
+    fn unread(&mut self, bytes: &[u8], out: &mut Vec<u8>) {
+        self.output.push_unread(bytes.len() as u64);
+        self.check_bound();
+        if !self.over {
+            out.extend_from_slice(bytes);
+        }
     }
 
     /// The end of the stream: what is left of an unterminated last line.
@@ -1557,10 +1947,10 @@ impl SseTap {
         if self.overflow || line.is_empty() {
             return Bytes::from(line);
         }
-        if self.line(&line) {
-            Bytes::from(line)
-        } else {
-            Bytes::new()
+        match self.line(&line) {
+            Fate::Keep => Bytes::from(line),
+            Fate::Drop => Bytes::new(),
+            Fate::Replace(r) => Bytes::from(r),
         }
     }
 
@@ -1568,6 +1958,14 @@ impl SseTap {
     fn mid_line(&self) -> bool {
         self.overflow || !self.line.is_empty()
     }
+}
+
+/// What becomes of a line of a stream ([`SseTap::line`]).
+enum Fate {
+    Keep,
+    Drop,
+    /// The event that went over the output bound, cut to it.
+    Replace(Vec<u8>),
 }
 
 /// An SSE event carrying an OpenAI-shaped error: what OpenAI itself sends when a stream fails
@@ -1579,65 +1977,135 @@ fn sse_error(code: &str, message: &str, mid_line: bool) -> Bytes {
     Bytes::from(format!("{lead}data: {event}\n\n"))
 }
 
+/// Completes when a proxied call must stop ([`StepGuard::stopped`]).
+type Stop = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Longest the proxy goes on reading a stream it cut at the output bound, to count what the
+/// upstream had sent already (and may bill), before it closes the connection.
+pub const CUT_DRAIN_MAX: Duration = Duration::from_millis(500);
+/// Most bytes read from a stream after it was cut at the output bound.
+pub const CUT_DRAIN_BYTES_MAX: usize = 4 * 1024 * 1024;
+
 /// A stream's step at its end (`[DONE]`, or the body's clean end): committed from a usage
-/// the tap trusts, else `unknown` (or committed at a usage read above the reservation).
-async fn settle_at_end(tap: &SseTap, guard: StepGuard, started: Instant) {
-    let how = match tap.end_usage() {
-        Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-        None => {
-            tracing::warn!(
-                usage_read = tap.usage.is_some(),
-                error_event = tap.failed,
-                "upstream stream ended without a usage to trust; charging the step in full (or at a usage read above it)"
-            );
-            guard.unsure(tap.usage)
-        }
-    };
+/// the tap trusts, else `unknown` (or committed at the usage read or the output counted,
+/// when that costs more; see [`settlement`]).
+async fn settle_at_end(tap: &mut SseTap, guard: StepGuard, started: Instant) {
+    let trusted = tap.end_usage();
+    if trusted.is_none() {
+        tracing::warn!(
+            usage_read = tap.usage.is_some(),
+            error_event = tap.failed,
+            "upstream stream ended without a usage to trust; charging the step in full (or at a usage read or the output counted, above it)"
+        );
+    }
+    let how = guard.settlement(trusted, tap.usage, tap.output.tally());
     guard.state.metrics.upstream_call(started.elapsed());
     let _ = guard.resolve(how).await;
 }
 
-/// The body relayed to the client: upstream chunks as they arrive (idle-bounded), then the
-/// step's resolution: commit from a usage read whole, else `unknown`.
-fn relay(
-    upstream: impl futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
+/// How a stream cut at the output bound ended when it was last read.
+enum DrainEnd {
+    /// `[DONE]` or the body's clean end: the upstream's answer is whole.
+    Whole,
+    /// Still going (past [`CUT_DRAIN_MAX`] or [`CUT_DRAIN_BYTES_MAX`], or the run's
+    /// deadline), or lost.
+    Cut,
+}
+
+/// Reads (and counts, forwarding nothing) what an upstream sends after its stream was cut
+/// at the output bound, until it ends, for at most [`CUT_DRAIN_MAX`] and
+/// [`CUT_DRAIN_BYTES_MAX`]: what it had sent already is billed, and is charged.
+async fn drain<U>(upstream: Option<&mut U>, tap: &mut SseTap, stop: &mut Stop) -> DrainEnd
+where
+    U: futures::Stream<Item = reqwest::Result<Bytes>> + Unpin,
+{
+    let Some(upstream) = upstream.filter(|_| !tap.done) else {
+        // (ended already)
+        return DrainEnd::Whole;
+    };
+    let deadline = tokio::time::Instant::now() + CUT_DRAIN_MAX;
+    let mut read = 0usize;
+    loop {
+        let next = tokio::select! {
+            next = tokio::time::timeout_at(deadline, upstream.next()) => next,
+            _ = &mut *stop => return DrainEnd::Cut,
+        };
+        match next {
+            Ok(Some(Ok(chunk))) => {
+                read = read.saturating_add(chunk.len());
+                let _ = tap.feed(chunk);
+                if tap.done {
+                    return DrainEnd::Whole;
+                }
+                if read > CUT_DRAIN_BYTES_MAX {
+                    return DrainEnd::Cut;
+                }
+            }
+            Ok(None) => {
+                let _ = tap.finish();
+                return DrainEnd::Whole;
+            }
+            Ok(Some(Err(_))) | Err(_) => return DrainEnd::Cut,
+        }
+    }
+}
+
+/// The body relayed to the client: upstream chunks as they arrive (idle-bounded), cut at the
+/// output bound, then the step's resolution: commit from a usage read whole, else `unknown`
+/// (or above the reservation: [`settlement`]).
+fn relay<U>(
+    upstream: U,
     guard: StepGuard,
     idle: Duration,
-    strip_usage: bool,
+    tap: SseTap,
     started: Instant,
-) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
-    struct S<U> {
-        upstream: U,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static
+where
+    U: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
+{
+    struct S<B> {
+        /// The upstream's body; dropped (its connection closed) when the stream is cut.
+        upstream: Option<B>,
         guard: Option<StepGuard>,
-        stop: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+        stop: Stop,
         tap: SseTap,
         idle: Duration,
         started: Instant,
     }
+    impl<B> Drop for S<B> {
+        /// The client went away (or the body was dropped) mid-stream: the step is resolved
+        /// by its guard ([`StepGuard`]'s `Drop`) from what the tap read and counted.
+        fn drop(&mut self) {
+            if let Some(g) = self.guard.as_mut() {
+                g.usage = self.tap.final_usage();
+                g.seen = self.tap.usage;
+                g.output = self.tap.output.tally();
+            }
+        }
+    }
     let s = S {
-        upstream,
+        upstream: Some(upstream),
         stop: Box::pin(guard.stopped()),
         guard: Some(guard),
-        tap: SseTap::new(strip_usage),
+        tap,
         idle,
         started,
     };
     futures::stream::unfold(s, |mut s| async move {
         loop {
             let mut guard = s.guard.take()?;
+            let upstream = s.upstream.as_mut()?;
             let next = tokio::select! {
-                next = tokio::time::timeout(s.idle, s.upstream.next()) => next,
+                next = tokio::time::timeout(s.idle, upstream.next()) => next,
                 _ = &mut s.stop => {
                     // The run's time is up (or it ended): the upstream connection is dropped
                     // with the stream, and the step is charged in full unless its usage was
                     // read whole.
-                    let how = match s.tap.final_usage() {
-                        Some(u) => Resolution::Commit(Settlement::Tokens(u)),
-                        None => guard.unsure(s.tap.usage),
-                    };
+                    let how = guard.settlement(s.tap.final_usage(), s.tap.usage, s.tap.output.tally());
                     tracing::warn!(usage_read = s.tap.final_usage().is_some(), "a proxied stream reached its run's deadline; cutting it");
                     guard.state.metrics.upstream_call(s.started.elapsed());
                     let _ = guard.resolve(how).await;
+                    s.upstream = None;
                     let event = sse_error(
                         "run_deadline_exceeded",
                         "the run's deadline passed; the stream was cut (charged in full unless its usage had arrived)",
@@ -1651,12 +2119,21 @@ fn relay(
                     let out = s.tap.feed(chunk);
                     guard.usage = s.tap.final_usage();
                     guard.seen = s.tap.usage;
+                    if s.tap.over {
+                        let event =
+                            cut_at_bound(&mut s.tap, Some(upstream), &mut s.stop, guard, s.started)
+                                .await;
+                        s.upstream = None;
+                        let mut bytes = out.to_vec();
+                        bytes.extend_from_slice(&event);
+                        return Some((Ok(Bytes::from(bytes)), s));
+                    }
                     if s.tap.done {
                         // `[DONE]`: the answer is whole. The step is resolved (and a one-step
                         // run finished, freeing the conversation's slot) before the client
                         // reads `[DONE]`, so that its next call is not refused for a slot
                         // this one still held; whatever the upstream sends after is dropped.
-                        settle_at_end(&s.tap, guard, s.started).await;
+                        settle_at_end(&mut s.tap, guard, s.started).await;
                         return (!out.is_empty()).then_some((Ok(out), s));
                     }
                     s.guard = Some(guard);
@@ -1666,9 +2143,17 @@ fn relay(
                     return Some((Ok(out), s));
                 }
                 Ok(None) => {
-                    // The stream ended: commit from a usage chunk read whole, else charge in full.
+                    // The stream ended: commit from a usage chunk read whole, else charge in
+                    // full (or above, see `settlement`).
                     let tail = s.tap.finish();
-                    settle_at_end(&s.tap, guard, s.started).await;
+                    if s.tap.over {
+                        let event =
+                            cut_at_bound::<U>(&mut s.tap, None, &mut s.stop, guard, s.started)
+                                .await;
+                        s.upstream = None;
+                        return Some((Ok(event), s));
+                    }
+                    settle_at_end(&mut s.tap, guard, s.started).await;
                     if tail.is_empty() {
                         return None;
                     }
@@ -1676,34 +2161,67 @@ fn relay(
                 }
                 Ok(Some(Err(_))) | Err(_) => {
                     guard.state.metrics.upstream_call(s.started.elapsed());
-                    // Lost mid-stream: trust a usage chunk that was read whole, else unknown.
-                    let (how, message) = match s.tap.final_usage() {
-                        Some(u) => (
-                            Resolution::Commit(Settlement::Tokens(u)),
-                            "the upstream stream was cut off after its usage; the call was charged at that usage",
-                        ),
-                        None => match guard.unsure(s.tap.usage) {
-                            Resolution::Unknown => (
-                                Resolution::Unknown,
-                                "the upstream stream was cut off or stalled; the call was charged in full",
-                            ),
-                            how => (
-                                how,
-                                "the upstream stream was cut off or stalled; the call was charged at the usage it reported, above its reservation",
-                            ),
-                        },
+                    // Lost mid-stream: trust a usage chunk that was read whole, else unknown
+                    // (or above, see `settlement`).
+                    let trusted = s.tap.final_usage();
+                    let how = guard.settlement(trusted, s.tap.usage, s.tap.output.tally());
+                    let message = match (trusted, &how) {
+                        (Some(_), _) => "the upstream stream was cut off after its usage; the call was charged at that usage",
+                        (None, Resolution::Unknown) => "the upstream stream was cut off or stalled; the call was charged in full",
+                        (None, _) => "the upstream stream was cut off or stalled; the call was charged for what it sent, above its reservation",
                     };
                     tracing::warn!(
-                        usage_read = s.tap.final_usage().is_some(),
+                        usage_read = trusted.is_some(),
                         "upstream stream failed mid-way"
                     );
                     let _ = guard.resolve(how).await;
+                    s.upstream = None;
                     let event = sse_error("upstream_error", message, s.tap.mid_line());
                     return Some((Ok(event), s));
                 }
             }
         }
     })
+}
+
+/// A stream whose output went over its bound ([`SseTap::over`]): what the upstream had sent
+/// already is read and counted ([`drain`]), the step resolved from it ([`settlement`]), and
+/// the event that ends the client's stream returned; the caller then drops the upstream's
+/// connection, so that it stops generating.
+async fn cut_at_bound<U>(
+    tap: &mut SseTap,
+    upstream: Option<&mut U>,
+    stop: &mut Stop,
+    guard: StepGuard,
+    started: Instant,
+) -> Bytes
+where
+    U: futures::Stream<Item = reqwest::Result<Bytes>> + Unpin,
+{
+    let end = drain(upstream, tap, stop).await;
+    let trusted = match end {
+        DrainEnd::Whole => tap.end_usage(),
+        DrainEnd::Cut => tap.final_usage(),
+    };
+    let output = tap.output.tally();
+    tracing::warn!(
+        bound = tap.bound,
+        counted = output.floor,
+        usage_read = trusted.is_some(),
+        "an upstream streamed past the output bound it was given; the stream was cut at the bound"
+    );
+    guard.state.metrics.output_cut();
+    guard.state.metrics.upstream_call(started.elapsed());
+    let how = guard.settlement(trusted, tap.usage, output);
+    let _ = guard.resolve(how).await;
+    sse_error(
+        "upstream_error",
+        &format!(
+            "the upstream sent more output than the {} tokens it was given; the stream was cut at that bound, and the call charged for all the upstream sent",
+            tap.bound
+        ),
+        tap.mid_line(),
+    )
 }
 
 #[cfg(test)]
@@ -1720,7 +2238,7 @@ mod tests {
     const USAGE_LINE: &str = "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":1,\"prompt_tokens_details\":{\"cached_tokens\":2}}}\n";
 
     fn run_tap(strip: bool, cuts: &[usize]) -> (String, SseTap) {
-        let mut tap = SseTap::new(strip);
+        let mut tap = SseTap::new(strip, Tokenizer::Bytes, u64::MAX);
         let mut out = Vec::new();
         let mut from = 0;
         for &to in cuts.iter().chain([STREAM.len()].iter()) {
@@ -1893,7 +2411,7 @@ mod tests {
             let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(stream.len())).collect();
             cuts.sort_unstable();
             for strip in [false, true] {
-                let mut tap = SseTap::new(strip);
+                let mut tap = SseTap::new(strip, Tokenizer::Bytes, u64::MAX);
                 let mut out = Vec::new();
                 let mut from = 0;
                 for &to in cuts.iter().chain([stream.len()].iter()) {
@@ -1912,7 +2430,7 @@ mod tests {
     }
 
     fn tap_of(stream: &str) -> SseTap {
-        let mut tap = SseTap::new(false);
+        let mut tap = SseTap::new(false, Tokenizer::Bytes, u64::MAX);
         let out = tap.feed(Bytes::copy_from_slice(stream.as_bytes()));
         assert_eq!(out, stream.as_bytes(), "passed through whole");
         assert!(tap.finish().is_empty());
@@ -1963,7 +2481,7 @@ mod tests {
                 assert_eq!(tap.end_usage(), None, "{stream}");
                 assert_eq!(tap.final_usage(), None, "{stream}");
             }
-            let mut strip = SseTap::new(true);
+            let mut strip = SseTap::new(true, Tokenizer::Bytes, u64::MAX);
             let out = strip.feed(Bytes::copy_from_slice(e.as_bytes()));
             assert!(
                 String::from_utf8_lossy(&out).contains("\"error\""),
@@ -2001,9 +2519,10 @@ mod tests {
         );
     }
 
-    /// A usage that is not trusted is committed only when it costs more than the hold.
+    /// A trusted usage is committed, never below the output counted; without one, the step
+    /// is `unknown` unless the usage read or the output counted costs more than the hold.
     #[test]
-    fn an_untrusted_usage_above_the_reservation_is_committed() {
+    fn settlements_are_never_below_what_was_shown() {
         let price = ModelPrice {
             input_per_million: Micros(1_000_000),
             cached_input_per_million: Micros(1_000_000),
@@ -2011,13 +2530,223 @@ mod tests {
         };
         let u = usage(10, 5, 0);
         assert_eq!(price.charge(&u), Micros(20));
-        assert_eq!(unsure(price, Micros(20), Some(u)), Resolution::Unknown);
-        assert_eq!(unsure(price, Micros(100), Some(u)), Resolution::Unknown);
-        assert_eq!(unsure(price, Micros(19), None), Resolution::Unknown);
+        let tally = |floor, upper| OutputTally { floor, upper };
+        let settle = |reserved, trusted, seen, output| {
+            settlement(
+                (price, Micros(reserved)),
+                (10, 5),
+                Observed {
+                    trusted,
+                    seen,
+                    output,
+                },
+            )
+        };
+        let commit = |p, c, k| Resolution::Commit(Settlement::Tokens(usage(p, c, k)));
+        // An untrusted usage: committed only when it costs more than the hold.
+        assert_eq!(settle(20, None, Some(u), tally(0, 0)), Resolution::Unknown);
+        assert_eq!(settle(100, None, Some(u), tally(0, 0)), Resolution::Unknown);
+        assert_eq!(settle(19, None, None, tally(0, 0)), Resolution::Unknown);
+        assert_eq!(settle(19, None, Some(u), tally(0, 0)), commit(10, 5, 0));
+        // A trusted usage: never below the floor of the output counted.
+        assert_eq!(settle(20, Some(u), Some(u), tally(3, 9)), commit(10, 5, 0));
+        assert_eq!(settle(20, Some(u), Some(u), tally(8, 40)), commit(10, 8, 0));
+        // No usage: the output within the bound is covered by the hold; past it, the most
+        // it can have cost (`upper`) is charged, with the prompt bound.
+        assert_eq!(settle(20, None, None, tally(5, 30)), Resolution::Unknown);
+        assert_eq!(settle(20, None, None, tally(6, 30)), commit(10, 30, 0));
+        // An untrusted usage and output past the bound: the usage, its completion lifted.
+        let cached = usage(10, 2, 4);
         assert_eq!(
-            unsure(price, Micros(19), Some(u)),
-            Resolution::Commit(Settlement::Tokens(u))
+            settle(20, None, Some(cached), tally(7, 12)),
+            commit(10, 12, 4)
         );
+    }
+
+    /// A mock-like stream of `words` words in chunks of `per_chunk`, with a final usage
+    /// chunk and `[DONE]`.
+    fn word_stream(words: u64, per_chunk: u64, reported: u64) -> String {
+        let mut out = String::new();
+        let mut i = 0;
+        while i < words {
+            let to = (i + per_chunk).min(words);
+            let text: String = (i..to)
+                .map(|k| {
+                    if k == 0 {
+                        "tok0".to_string()
+                    } else {
+                        format!(" tok{k}")
+                    }
+                })
+                .collect();
+            out.push_str(&format!(
+                "data: {}\n\n",
+                json!({"choices": [{"index": 0, "delta": {"content": text}}], "usage": null})
+            ));
+            i = to;
+        }
+        out.push_str(&format!(
+            "data: {}\n\ndata: [DONE]\n\n",
+            json!({"choices": [], "usage": {"prompt_tokens": 9, "completion_tokens": reported}})
+        ));
+        out
+    }
+
+    fn words_relayed(out: &str) -> u64 {
+        let mut text = String::new();
+        for e in out.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if let Ok(v) = serde_json::from_str::<Value>(e) {
+                if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+                    text.push_str(t);
+                }
+            }
+        }
+        text.split_whitespace().count() as u64
+    }
+
+    proptest::proptest! {
+        /// Wherever the stream is cut into chunks: a stream within its bound passes whole; one
+        /// past it passes at most the bound (a word a token, as the mock counts), nothing after
+        /// the event that went over, and every word sent is counted.
+        #[test]
+        fn tap_cuts_a_stream_at_its_bound(
+            words in 0u64..60,
+            per_chunk in 1u64..6,
+            bound in 1u64..40,
+            cuts in proptest::collection::vec(0usize..4096, 0..8),
+            bpe in proptest::bool::ANY,
+        ) {
+            let stream = word_stream(words, per_chunk, words);
+            let tokenizer = if bpe { Tokenizer::O200kBase } else { Tokenizer::Bytes };
+            let mut tap = SseTap::new(false, tokenizer, bound);
+            let mut cuts: Vec<usize> = cuts.into_iter().map(|c| c.min(stream.len())).collect();
+            cuts.sort_unstable();
+            let mut out = Vec::new();
+            let mut from = 0;
+            for &to in cuts.iter().chain([stream.len()].iter()) {
+                out.extend_from_slice(&tap.feed(Bytes::copy_from_slice(&stream.as_bytes()[from..to])));
+                from = to;
+            }
+            out.extend_from_slice(&tap.finish());
+            let out = String::from_utf8(out).expect("utf8");
+            let floor = tap.output.tally().floor;
+            proptest::prop_assert!(floor >= words, "{} < {}", floor, words);
+            if !bpe {
+                proptest::prop_assert_eq!(floor, words);
+            }
+            if floor <= bound {
+                proptest::prop_assert!(!tap.over);
+                proptest::prop_assert_eq!(out.as_str(), stream.as_str());
+            } else {
+                proptest::prop_assert!(tap.over);
+                // The event that went over is cut to what fits: a word a token, exactly.
+                if bpe {
+                    proptest::prop_assert!(words_relayed(&out) <= bound);
+                } else {
+                    proptest::prop_assert_eq!(words_relayed(&out), bound);
+                }
+                let usage_passed = out.contains("\"completion_tokens\"");
+                proptest::prop_assert!(!out.contains("[DONE]") && !usage_passed, "{}", out);
+                // A usage read after the cut is still read (the step's charge).
+                proptest::prop_assert_eq!(tap.end_usage().map(|u| u.completion_tokens), Some(words));
+            }
+        }
+    }
+
+    /// Every text an upstream generates counts, in every field, and nothing else does.
+    #[test]
+    fn every_generated_text_counts() {
+        let mut event = json!({"choices": [{"index": 0, "message": {
+            "role": "assistant",
+            "reasoning_content": "r1", "reasoning": "r2",
+            "content": [{"type": "text", "text": "c1", "annotations": []}, "c2"],
+            "refusal": "no",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
+                {"id": "call_2", "type": "custom", "custom": {"name": "g", "input": "in"}}
+            ],
+            "function_call": {"name": "h", "arguments": "a"},
+        }, "logprobs": {"content": [{"token": "x"}]}, "finish_reason": "stop"}]});
+        let mut seen = Vec::new();
+        each_output_text(&mut event, &mut |k, t| seen.push((k, t.clone())));
+        let texts: Vec<&str> = seen.iter().map(|(_, t)| t.as_str()).collect();
+        assert_eq!(
+            texts,
+            ["r1", "r2", "c1", "c2", "no", "f", "{}", "g", "in", "h", "a"]
+        );
+        // Each field its own key: a stream's pieces of one field are counted as one text.
+        let keys: std::collections::BTreeSet<FieldKey> = seen.iter().map(|(k, _)| *k).collect();
+        assert_eq!(keys.len(), 10);
+    }
+
+    /// A whole answer within its bound passes as it came; one past it is cut to the bound,
+    /// in the order generated, ends with `"length"`, and a tool call left without a name goes.
+    #[test]
+    fn a_whole_answer_past_its_bound_is_cut_to_it() {
+        let words = |n: u64| -> String {
+            (0..n)
+                .map(|k| {
+                    if k == 0 {
+                        "tok0".to_string()
+                    } else {
+                        format!(" tok{k}")
+                    }
+                })
+                .collect()
+        };
+        let answer = |content: String| {
+            json!({"id": "x", "choices": [{"index": 0, "message": {"role": "assistant",
+                "content": content, "refusal": null}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 9, "completion_tokens": 30}})
+        };
+        let within = Bytes::from(answer(words(20)).to_string());
+        let a = read_answer(Tokenizer::Bytes, 20, within.clone());
+        assert!(!a.cut && !a.unreadable);
+        assert_eq!(a.body, within, "passed as it came");
+        assert_eq!(a.output.floor, 20);
+        assert_eq!(a.usage.map(|u| u.completion_tokens), Some(30));
+
+        for t in [Tokenizer::Bytes, Tokenizer::O200kBase] {
+            let a = read_answer(t, 20, Bytes::from(answer(words(500)).to_string()));
+            assert!(a.cut, "{t:?}");
+            assert!(a.output.floor >= 500, "counted whole: {t:?}");
+            let v: Value = serde_json::from_slice(&a.body).expect("json");
+            let content = v["choices"][0]["message"]["content"]
+                .as_str()
+                .expect("content");
+            let kept = content.split_whitespace().count() as u64;
+            assert!((5..=20).contains(&kept), "{t:?}: {kept}");
+            assert_eq!(v["choices"][0]["finish_reason"], "length");
+            assert_eq!(v["usage"]["completion_tokens"], 30, "the usage as reported");
+        }
+
+        // Reasoning first, then content, then tool calls: what comes after the bound goes.
+        let v = json!({"choices": [{"index": 0, "message": {"role": "assistant",
+            "reasoning_content": words(15), "content": words(10),
+            "tool_calls": [{"id": "c", "type": "function",
+                "function": {"name": "web_search", "arguments": "{\"q\":\"x\"}"}}]},
+            "finish_reason": "tool_calls"}]});
+        let a = read_answer(Tokenizer::Bytes, 20, Bytes::from(v.to_string()));
+        assert!(a.cut);
+        let v: Value = serde_json::from_slice(&a.body).expect("json");
+        let m = &v["choices"][0]["message"];
+        assert_eq!(m["reasoning_content"], words(15));
+        assert_eq!(m["content"], words(5));
+        assert_eq!(m["tool_calls"], json!([]));
+        assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+        // Not JSON: a token a byte; passed on only within the bound.
+        let a = read_answer(Tokenizer::Bytes, 20, Bytes::from_static(b"plain text"));
+        assert!(!a.unreadable && !a.cut);
+        assert_eq!(
+            a.output,
+            OutputTally {
+                floor: 10,
+                upper: 10
+            }
+        );
+        let a = read_answer(Tokenizer::Bytes, 20, Bytes::from("z".repeat(21)));
+        assert!(a.unreadable);
     }
 
     #[test]
@@ -2058,7 +2787,7 @@ mod tests {
     #[test]
     fn tap_does_not_trust_a_cut_usage_line() {
         let cut = STREAM.find("\"completion_tokens\"").expect("in stream");
-        let mut tap = SseTap::new(false);
+        let mut tap = SseTap::new(false, Tokenizer::Bytes, u64::MAX);
         let _ = tap.feed(Bytes::copy_from_slice(&STREAM.as_bytes()[..cut]));
         assert!(tap.usage.is_none());
         assert!(tap.mid_line());
@@ -2067,7 +2796,7 @@ mod tests {
 
     #[test]
     fn tap_passes_over_long_lines_unread() {
-        let mut tap = SseTap::new(true);
+        let mut tap = SseTap::new(true, Tokenizer::Bytes, u64::MAX);
         let long = format!(
             "data: {{\"choices\":[],\"usage\":{{\"prompt_tokens\":1,\"completion_tokens\":1}},\"pad\":\"{}\"}}\n",
             "x".repeat(2 * SSE_LINE_BYTES_MAX)
@@ -2117,14 +2846,6 @@ mod tests {
         )
         .expect("usage");
         assert_eq!((u.prompt_tokens, u.cached_tokens), (10_010, 7));
-    }
-
-    #[test]
-    fn usage_object_detection() {
-        assert!(!has_usage_object(b"{\"usage\":null}"));
-        assert!(!has_usage_object(b"{\"choices\":[]}"));
-        assert!(has_usage_object(b"{\"usage\": {\"prompt_tokens\":1}}"));
-        assert!(has_usage_object(b"{\"x\":\"usage\",\"usage\" : {}}"));
     }
 
     #[test]

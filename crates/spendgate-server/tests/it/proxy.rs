@@ -1434,9 +1434,9 @@ async fn official_openai_python_client() {
         .lines()
         .filter(|l| l.starts_with("ok   test_"))
         .count();
-    assert_eq!(ok_lines, 6, "every check ran and passed:\n{output}");
+    assert_eq!(ok_lines, 8, "every check ran and passed:\n{output}");
     assert!(
-        output.lines().any(|l| l == "6 passed, 0 failed"),
+        output.lines().any(|l| l == "8 passed, 0 failed"),
         "{output}"
     );
     assert!(g.mock.stats().requests >= 3);
@@ -1907,6 +1907,22 @@ base_url = "http://127.0.0.1:{port}/v1"
     )
 }
 
+/// The words (the mock's tokens) of a reply's content, streamed or not.
+fn content_words(r: &Reply) -> u64 {
+    let mut text = String::new();
+    if let Some(c) = r.json()["choices"][0]["message"]["content"].as_str() {
+        text.push_str(c);
+    }
+    for e in r.events() {
+        if let Ok(v) = serde_json::from_str::<Value>(&e) {
+            if let Some(c) = v["choices"][0]["delta"]["content"].as_str() {
+                text.push_str(c);
+            }
+        }
+    }
+    text.split_whitespace().count() as u64
+}
+
 /// The `usage` objects of a streamed reply's events, in order.
 fn usages(r: &Reply) -> Vec<Value> {
     r.events()
@@ -1918,9 +1934,9 @@ fn usages(r: &Reply) -> Vec<Value> {
 
 /// A stream's usage is trusted only when it covers the whole answer: sent last (no content
 /// after it), in no error event, and followed by `[DONE]` or in a final, choices-less chunk.
-/// Else the step is charged in full (`unknown`), unless a usage read costs more than the
-/// reservation: that usage is then committed, an overrun. Of several usages, the fewest cached
-/// tokens are kept.
+/// Else the step is charged in full (`unknown`), unless a usage read or the output counted
+/// costs more than the reservation: that is then committed, an overrun (a stream past its
+/// bound is also cut there). Of several usages, the fewest cached tokens are kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn untrusted_stream_usages_are_charged_in_full_or_above() {
     // One micro a prompt token, half one cached, 100 an output token: a usage past a small
@@ -1938,7 +1954,8 @@ async fn untrusted_stream_usages_are_charged_in_full_or_above() {
     enum Expect {
         /// `unknown`, charged the reservation.
         InFull,
-        /// Committed at the last usage the stream sent, above the reservation.
+        /// Past its bound: cut there, and committed above the reservation, at least what
+        /// the mock served.
         Overrun,
         /// Committed at what the mock served.
         Served,
@@ -2001,11 +2018,16 @@ async fn untrusted_stream_usages_are_charged_in_full_or_above() {
                 assert!(served <= charged, "{what}: {served} > {charged}");
             }
             Overrun => {
-                let last = usages(&r).pop().expect("a usage reached the client");
                 assert_eq!(row["state"], "committed", "{what}: {row}");
                 assert_eq!(row["overrun"], true, "{what}: {row}");
-                assert_eq!(charged, g.charge(&last), "{what}: {last}");
+                assert!(charged >= served, "{what}: {charged} < {served}");
                 assert!(charged > reserved, "{what}");
+                // Cut at the bound (1): no usage and no more than a word reached the client.
+                assert!(usages(&r).is_empty(), "{what}: {}", r.text);
+                assert!(content_words(&r) <= 1, "{what}: {}", r.text);
+                let last: Value =
+                    serde_json::from_str(r.events().last().expect("events")).expect("error event");
+                assert_eq!(last["error"]["code"], "upstream_error", "{what}");
             }
             Served => {
                 assert_eq!(row["state"], "committed", "{what}: {row}");
@@ -2229,4 +2251,267 @@ async fn the_next_call_after_done_is_admitted_at_once() {
         assert_eq!(row["state"], "committed", "{row}");
     }
     assert_eq!(g.mock.mock.stats().completed, 3);
+}
+
+// ---------------------------------------------------------------------------------------
+// Issue 18, finding 3: the proxy enforces the output bound it forwarded.
+
+/// `[models.bpe-priced]`: the mock behind the model's BPE tokenizer, at [`MODEL`]'s prices.
+fn bpe_priced_model() -> String {
+    let p = Opts::default().prices;
+    format!(
+        r#"
+[models.bpe-priced]
+upstream = "up"
+input_per_million = "{}"
+cached_input_per_million = "{}"
+output_per_million = "{}"
+tokenizer = "o200k_base"
+"#,
+        amount(p.input),
+        amount(p.cached),
+        amount(p.output)
+    )
+}
+
+/// How an upstream past its bound reports its usage.
+#[derive(Clone, Copy, Debug)]
+enum Report {
+    /// What it generated.
+    Honest,
+    /// Nothing (`no_usage`).
+    None,
+    /// The bound it was given, whatever it generated.
+    Under,
+}
+
+/// Acceptance (issue 18, finding 3): an upstream given `max_tokens: 20` that generates 516
+/// tokens, with its usage, without any, or under-reported, streamed or not, behind a model
+/// counted one token per byte or with its BPE tokenizer: the client receives at most the
+/// bound (a word a token, as the mock counts), the stream ends with an error event and the
+/// whole answer is cut to the bound (`finish_reason: "length"`), and the charge is at least
+/// what the mock served, at spendgate's prices (an overrun, counted). The upstream's
+/// connection is closed at the cut: a paced one stops generating.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_upstream_past_its_bound_is_cut_there_and_charged_what_it_served() {
+    let g = Gateway::start(Opts {
+        extra: bpe_priced_model(),
+        ..Opts::default()
+    })
+    .await;
+    let mut total = 0;
+    for model in [MODEL, "bpe-priced"] {
+        for stream in [false, true] {
+            for report in [Report::Honest, Report::None, Report::Under] {
+                let what = format!("{model} stream={stream} {report:?}");
+                let mut headers = vec![
+                    ("x-mock-completion-tokens", "20"),
+                    ("x-mock-extra-completion-tokens", "496"),
+                ];
+                match report {
+                    Report::Honest => {}
+                    Report::None => headers.push(("x-mock-fault", "no_usage")),
+                    Report::Under => headers.push(("x-mock-reported-completion-tokens", "20")),
+                }
+                let before = g.mock.stats();
+                let r = g
+                    .chat(
+                        &format!("past-{model}-{stream}-{report:?}"),
+                        json!({"model": model, "stream": stream, "max_tokens": 20,
+                            "messages": user("tell me everything")}),
+                        &headers,
+                    )
+                    .await;
+                assert_eq!(r.status, 200, "{what}: {}", r.text);
+                r.assert_no_key();
+                let after = g.mock.stats();
+                assert_eq!(
+                    after.completion_tokens - before.completion_tokens,
+                    516,
+                    "{what}: the mock sent it all before the cut"
+                );
+                let words = content_words(&r);
+                assert!(words <= 20, "{what}: {words} words reached the client");
+                if model == MODEL {
+                    // A word a token, as the mock counts: the answer up to the bound, whole.
+                    assert_eq!(words, 20, "{what}: {}", r.text);
+                } else {
+                    assert!(words >= 5, "{what}: the answer up to the bound: {words}");
+                }
+                if stream {
+                    let events = r.events();
+                    let last: Value =
+                        serde_json::from_str(events.last().expect("events")).expect("json");
+                    assert_eq!(last["error"]["code"], "upstream_error", "{what}");
+                    assert!(!r.text.contains("[DONE]"), "{what}");
+                } else {
+                    let v = r.json();
+                    assert_eq!(v["choices"][0]["finish_reason"], "length", "{what}");
+                    assert_eq!(r.header("spendgate-output-cut").as_deref(), Some("true"));
+                }
+                let row = g.reservation(&r.step()).await;
+                let charged = row["charged_micros"].as_u64().expect("charged");
+                let served = priced_delta(g.prices, &before, &after);
+                assert!(
+                    charged >= served,
+                    "{what}: charged {charged} < served {served}: {row}"
+                );
+                assert_eq!(row["state"], "committed", "{what}: {row}");
+                assert_eq!(row["overrun"], true, "{what}: {row}");
+                if !stream {
+                    assert_eq!(
+                        r.header("spendgate-charged-micros"),
+                        Some(charged.to_string()),
+                        "{what}"
+                    );
+                }
+                total += charged;
+            }
+        }
+    }
+    let global = g.global().await;
+    assert_eq!(global["used_micros"], total, "the books reconcile");
+    assert_eq!(global["reserved_micros"], 0);
+    assert_eq!(g.metric("spendgate_output_cuts_total ").await, 12);
+    assert!(g.metric("spendgate_overruns_total ").await >= 12);
+
+    // A tool call past the bound: its arguments are cut at it (a word a token), streamed or
+    // not, and the call charged at least what was served.
+    for stream in [false, true] {
+        let before = g.mock.stats();
+        let r = g
+            .chat(
+                &format!("past-tool-{stream}"),
+                json!({"model": MODEL, "stream": stream, "max_tokens": 20,
+                    "messages": user("search everything")}),
+                &[
+                    ("x-mock-fault", "tool_call"),
+                    ("x-mock-completion-tokens", "20"),
+                    ("x-mock-extra-completion-tokens", "300"),
+                ],
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        let mut args = String::new();
+        if stream {
+            for e in r.events() {
+                if let Ok(v) = serde_json::from_str::<Value>(&e) {
+                    if let Some(a) =
+                        v["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str()
+                    {
+                        args.push_str(a);
+                    }
+                }
+            }
+        } else {
+            args = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+        }
+        // `{"q":"tok0 tok1 ...`: the tool's name is a token of the bound too.
+        let words = args.split_whitespace().count() as u64;
+        assert!(
+            (15..=19).contains(&words),
+            "stream={stream}: {words}: {args}"
+        );
+        let row = g.reservation(&r.step()).await;
+        let charged = row["charged_micros"].as_u64().expect("charged");
+        let served = priced_delta(g.prices, &before, &g.mock.stats());
+        assert!(
+            charged >= served,
+            "stream={stream}: {charged} < {served}: {row}"
+        );
+        assert_eq!(row["overrun"], true, "{row}");
+    }
+
+    // A paced upstream past its bound (50 tokens a second for 20 s): cut at once, its
+    // connection closed, so it stops generating; charged at least what it served.
+    let before = g.mock.stats();
+    let started = Instant::now();
+    let r = g
+        .chat(
+            "past-paced",
+            json!({"model": MODEL, "stream": true, "max_tokens": 20,
+                "messages": user("slowly, everything")}),
+            &[
+                ("x-mock-completion-tokens", "20"),
+                ("x-mock-extra-completion-tokens", "1000"),
+                ("x-mock-tokens-per-second", "50"),
+            ],
+        )
+        .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
+    assert!(content_words(&r) <= 20, "{}", r.text);
+    let row = g.reservation(&r.step()).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stopped = g.mock.stats();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let after = g.mock.stats();
+    assert_eq!(
+        after.completion_tokens, stopped.completion_tokens,
+        "the upstream went on generating after the cut"
+    );
+    assert!(after.completion_tokens - before.completion_tokens < 200);
+    let served = priced_delta(g.prices, &before, &after);
+    let charged = row["charged_micros"].as_u64().expect("charged");
+    assert!(
+        charged >= served,
+        "charged {charged} < served {served}: {row}"
+    );
+}
+
+/// An upstream that keeps to its bound is never cut, and a trusted usage is charged as
+/// reported (a model counted one token per byte: the mock's words are never fewer tokens
+/// than it reports), or at least as reported (with a BPE tokenizer, which counts the mock's
+/// words as more tokens than the mock does).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_at_its_bound_is_neither_cut_nor_charged_more() {
+    let g = Gateway::start(Opts {
+        extra: bpe_priced_model(),
+        ..Opts::default()
+    })
+    .await;
+    for stream in [false, true] {
+        let before = g.mock.stats();
+        let r = g
+            .chat(
+                &format!("at-bound-{stream}"),
+                json!({"model": MODEL, "stream": stream, "max_tokens": 20,
+                    "messages": user("exactly twenty")}),
+                &[("x-mock-completion-tokens", "64")],
+            )
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text);
+        assert_eq!(content_words(&r), 20);
+        assert_eq!(r.header("spendgate-output-cut"), None);
+        if stream {
+            assert_eq!(r.events().last().map(String::as_str), Some("[DONE]"));
+        }
+        let row = g.reservation(&r.step()).await;
+        assert_eq!(row["state"], "committed");
+        let served = priced_delta(g.prices, &before, &g.mock.stats());
+        assert_eq!(row["charged_micros"], served, "{row}");
+    }
+    // BPE: at least the usage, never cut within the bound as the mock counts it.
+    let before = g.mock.stats();
+    let r = g
+        .chat(
+            "at-bound-bpe",
+            json!({"model": "bpe-priced", "stream": true, "max_tokens": 100,
+                "messages": user("a few words")}),
+            &[("x-mock-completion-tokens", "30")],
+        )
+        .await;
+    assert_eq!(r.events().last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(content_words(&r), 30);
+    let row = g.reservation(&r.step()).await;
+    assert_eq!(row["state"], "committed");
+    let served = priced_delta(g.prices, &before, &g.mock.stats());
+    assert!(row["charged_micros"].as_u64() >= Some(served), "{row}");
+    assert_eq!(g.metric("spendgate_output_cuts_total ").await, 0);
 }

@@ -29,7 +29,7 @@ upstream = \"bench\"
 input_per_million = \"0.15\"
 cached_input_per_million = \"0.075\"
 output_per_million = \"0.60\"
-tokenizer = \"o200k_base\"
+tokenizer = \"bytes\"
 [upstreams.bench]
 base_url = \"http://127.0.0.1:$mport/v1\"
 api_key = \"bench-upstream-key\"

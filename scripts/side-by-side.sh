@@ -79,18 +79,30 @@ timeout_ms = 100"
 path = \"$work/side.db\"
 timeout_ms = 100"
   fi
-  bench_config "$port" "$store_toml" "[models.\"mock-model\"]
+  write_config() {
+    bench_config "$port" "$store_toml" "[models.\"mock-model\"]
 upstream = \"side\"
 input_per_million = \"0.15\"
 cached_input_per_million = \"0.075\"
 output_per_million = \"0.60\"
-tokenizer = \"o200k_base\"
+tokenizer = \"bytes\"
 [upstreams.side]
 base_url = \"http://127.0.0.1:$mport/v1\"
 api_key = \"side-upstream-key\"
 timeout_s = 30" > "$work/side.toml"
+  }
+  write_config
   if [ "$store" = redis ]; then
-    RUST_LOG=warn "$BIN" store init --config "$work/side.toml" > "$work/init.log" 2>&1
+    # (the ledger id `store init` prints, pinned in the replica's config; older builds print
+    # none and need none)
+    local pin
+    pin=$(RUST_LOG=warn "$BIN" store init --config "$work/side.toml" 2> "$work/init.log" | grep '^ledger_id = ' || true)
+    if [ -n "$pin" ]; then
+      store_toml="$store_toml
+$pin
+witness_path = \"$work/side.witness\""
+      write_config
+    fi
   fi
   ./target/release/spendgate mock-upstream --listen "127.0.0.1:$mport" --latency-ms "$latency" \
     > "$work/mock.log" 2>&1 &

@@ -1266,6 +1266,7 @@ const FORWARDED_HEADERS: &[&str] = &[
     "x-mock-running-cached-tokens",
     "x-mock-tokens-per-second",
     "x-mock-stamp",
+    "x-mock-tag",
 ];
 
 /// Only spendgate's own step headers of an answer's headers.

@@ -671,6 +671,7 @@ impl Drop for StepGuard {
         };
         let how = match self.usage {
             Some(u) => Resolution::Commit(Settlement::Tokens(u)),
+            None if crate::plant::on(crate::plant::Plant::DropReleases) => Resolution::Release,
             None => self.unsure(self.seen),
         };
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
@@ -976,6 +977,9 @@ pub async fn chat_completions(
     };
     let reserved = match reserved.map(|a| a.value) {
         Ok(Ok(r)) => r,
+        Err(_) if crate::plant::on(crate::plant::Plant::ForwardUnreserved) => {
+            crate::plant::unreserved(&step_id)
+        }
         Ok(Err(r)) => {
             if own_run {
                 let _ = state.store.finish(run_id.clone()).await;

@@ -1,0 +1,232 @@
+//! The operator's view, through the admin API: every reservation, polled by state while the
+//! run goes on (an ended run's reservations are kept only a minute, and a listing returns the
+//! newest 1,000 of a state), the summary, and each scope's usage at the end.
+
+use crate::cluster::{ADMIN_TOKEN, SERVICE_TOKEN};
+use serde_json::Value;
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// Rows a listing asks for (the admin API's most).
+pub const LISTING_ROWS: usize = 1000;
+/// The states listed.
+const STATES: [&str; 5] = ["held", "committed", "released", "unknown", "expired"];
+/// An admin call's bound.
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// A reservation as last seen.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Seen {
+    pub run: String,
+    pub kind: String,
+    pub state: String,
+    pub reserved: u64,
+    pub charged: u64,
+}
+
+impl Seen {
+    pub fn terminal(&self) -> bool {
+        self.state != "held"
+    }
+}
+
+/// Every reservation seen, and what the polls found amiss.
+#[derive(Debug, Default)]
+pub struct Observed {
+    pub res: HashMap<String, Seen>,
+    /// Reservations seen in one terminal state and later in another (or charged another
+    /// amount): I2 says a reservation ends once.
+    pub flips: Vec<String>,
+    pub flip_count: u64,
+    pub polls: u64,
+    pub failed_polls: u64,
+    /// Listings that came back full: older rows of that state may have been missed.
+    pub full_listings: u64,
+}
+
+impl Observed {
+    /// Takes in one listing's rows.
+    pub fn absorb(&mut self, rows: &[Value]) {
+        for row in rows {
+            let (Some(id), Some(state)) = (
+                row.get("id").and_then(Value::as_str),
+                row.get("state").and_then(Value::as_str),
+            ) else {
+                continue;
+            };
+            let seen = Seen {
+                run: row
+                    .get("run_id")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string(),
+                kind: row
+                    .get("kind")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string(),
+                state: state.to_string(),
+                reserved: row
+                    .get("reserved_micros")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0),
+                charged: row
+                    .get("charged_micros")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0),
+            };
+            match self.res.get(id) {
+                // A terminal state is final, and so is its charge.
+                Some(old) if old.terminal() => {
+                    if old.state != seen.state || old.charged != seen.charged {
+                        self.flip_count += 1;
+                        if self.flips.len() < crate::record::EXAMPLES_MAX {
+                            self.flips.push(format!(
+                                "{id}: {} charged {} then {} charged {}",
+                                old.state, old.charged, seen.state, seen.charged
+                            ));
+                        }
+                    }
+                }
+                _ => {
+                    self.res.insert(id.to_string(), seen);
+                }
+            }
+        }
+    }
+}
+
+/// A GET of the admin API.
+pub async fn admin_get(http: &reqwest::Client, base: &str, path: &str) -> Option<Value> {
+    let r = http
+        .get(format!("{base}{path}"))
+        .bearer_auth(ADMIN_TOKEN)
+        .timeout(ADMIN_TIMEOUT)
+        .send()
+        .await
+        .ok()?;
+    if !r.status().is_success() {
+        return None;
+    }
+    r.json().await.ok()
+}
+
+/// One poll of every state's listing from `base`; false when a listing failed.
+pub async fn poll(http: &reqwest::Client, base: &str, observed: &mut Observed) -> bool {
+    let mut ok = true;
+    for state in STATES {
+        let path = format!("/admin/v1/reservations?state={state}&limit={LISTING_ROWS}");
+        match admin_get(http, base, &path).await {
+            Some(v) => {
+                let rows = v
+                    .get("reservations")
+                    .and_then(Value::as_array)
+                    .cloned()
+                    .unwrap_or_default();
+                if rows.len() >= LISTING_ROWS {
+                    observed.full_listings += 1;
+                }
+                observed.absorb(&rows);
+            }
+            None => ok = false,
+        }
+    }
+    observed.polls += 1;
+    if !ok {
+        observed.failed_polls += 1;
+    }
+    ok
+}
+
+/// A scope's usage line, as `GET /v1/usage` answers it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Line {
+    pub kind: String,
+    pub limit: u64,
+    pub used: u64,
+    pub reserved: u64,
+}
+
+/// `GET /v1/usage?session=&client_ip=` (service token): the session's, the address's and
+/// the global budget lines.
+pub async fn usage(http: &reqwest::Client, base: &str, token: &str, ip: &str) -> Option<Vec<Line>> {
+    let r = http
+        .get(format!(
+            "{base}/v1/usage?session={}&client_ip={}",
+            encode(token),
+            encode(ip)
+        ))
+        .bearer_auth(SERVICE_TOKEN)
+        .timeout(ADMIN_TIMEOUT)
+        .send()
+        .await
+        .ok()?;
+    if !r.status().is_success() {
+        return None;
+    }
+    let v: Value = r.json().await.ok()?;
+    let lines = v.get("scopes")?.as_array()?;
+    Some(
+        lines
+            .iter()
+            .map(|l| Line {
+                kind: l
+                    .get("kind")
+                    .and_then(Value::as_str)
+                    .unwrap_or("")
+                    .to_string(),
+                limit: l.get("limit_micros").and_then(Value::as_u64).unwrap_or(0),
+                used: l.get("used_micros").and_then(Value::as_u64).unwrap_or(0),
+                reserved: l
+                    .get("reserved_micros")
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0),
+            })
+            .collect(),
+    )
+}
+
+/// Percent-encodes a query value (every byte but the unreserved ones).
+fn encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn query_values_are_encoded() {
+        assert_eq!(encode("a.b-c_d~e"), "a.b-c_d~e");
+        assert_eq!(encode("a+b/c=:"), "a%2Bb%2Fc%3D%3A");
+    }
+
+    #[test]
+    fn a_terminal_state_that_changes_is_a_flip() {
+        let mut o = Observed::default();
+        let row = |state: &str, charged: u64| {
+            json!({"id": "s1", "run_id": "r1", "kind": "model:m", "state": state,
+                "reserved_micros": 10, "charged_micros": charged})
+        };
+        o.absorb(&[row("held", 0)]);
+        o.absorb(&[row("committed", 7)]);
+        o.absorb(&[row("committed", 7)]);
+        assert_eq!(o.flip_count, 0);
+        assert_eq!(o.res["s1"].charged, 7);
+        o.absorb(&[row("expired", 10)]);
+        assert_eq!(o.flip_count, 1);
+        assert_eq!(
+            o.res["s1"].state, "committed",
+            "the first terminal state stays"
+        );
+    }
+}

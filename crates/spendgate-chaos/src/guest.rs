@@ -32,6 +32,10 @@ pub struct Knobs {
     pub stream: f64,
     /// While an upstream fault window is open, a call gets that fault.
     pub upstream_fault: f64,
+    /// Served as reserved: one-byte messages (the proxy's byte count of a prompt then
+    /// differs from the upstream's by a few tokens) and every answer as long as its bound,
+    /// so that budgets are spent to within one step and any spend beyond them shows.
+    pub tight: bool,
 }
 
 impl Default for Knobs {
@@ -43,6 +47,7 @@ impl Default for Knobs {
             proxy: 0.5,
             stream: 0.5,
             upstream_fault: 0.5,
+            tight: false,
         }
     }
 }
@@ -117,7 +122,8 @@ enum Answer {
     Refused(Refusal),
     /// An error answer that broke the contract (recorded), or one not understood.
     Bad,
-    NoAnswer,
+    /// No answer: the replica was killed, the connection dropped, the call timed out.
+    Silent,
 }
 
 /// One call to one replica; records refusals and latency.
@@ -143,7 +149,7 @@ async fn call(
         Ok(r) => r,
         Err(_) => {
             ctx.rec().no_answer += 1;
-            return Answer::NoAnswer;
+            return Answer::Silent;
         }
     };
     let status = resp.status().as_u16();
@@ -152,7 +158,7 @@ async fn call(
         Ok(b) => serde_json::from_slice::<Value>(&b).unwrap_or(Value::Null),
         Err(_) => {
             ctx.rec().no_answer += 1;
-            return Answer::NoAnswer;
+            return Answer::Silent;
         }
     };
     Record::latency(&mut ctx.rec().lat_api, started.elapsed());
@@ -179,12 +185,12 @@ async fn call_again(
     what: &str,
 ) -> Answer {
     let mut last = None;
-    let mut answer = Answer::NoAnswer;
+    let mut answer = Answer::Silent;
     for _ in 0..ATTEMPTS {
         let r = ctx.pick(rng, last);
         answer = call(ctx, r, path, body, key, what).await;
         match &answer {
-            Answer::NoAnswer => last = Some(r),
+            Answer::Silent => last = Some(r),
             Answer::Refused(f) if f.code == "store_unavailable" => {
                 tokio::time::sleep(Duration::from_millis(rng.random_range(200..500))).await;
             }
@@ -303,7 +309,11 @@ async fn run(ctx: &Ctx, rng: &mut StdRng, g: usize, n: usize, s: usize) -> Next 
         let rec = ctx.rec();
         (rec.sessions[s].token.clone(), rec.sessions[s].ip.clone())
     };
-    let first = message(rng);
+    let first = if ctx.knobs.tight {
+        "y".to_string()
+    } else {
+        message(rng)
+    };
     let body = json!({"session": token, "client_ip": ip, "conversation": format!("c{g}-{n}"),
         "input_text": first});
     let key = format!("run-{g}-{n}");
@@ -313,7 +323,7 @@ async fn run(ctx: &Ctx, rng: &mut StdRng, g: usize, n: usize, s: usize) -> Next 
             None => return Next::EndRun,
         },
         Answer::Refused(r) => return next_after(&r),
-        Answer::Bad | Answer::NoAnswer => return Next::Wait(Duration::from_millis(200)),
+        Answer::Bad | Answer::Silent => return Next::Wait(Duration::from_millis(200)),
     };
     {
         let mut rec = ctx.rec();
@@ -324,7 +334,8 @@ async fn run(ctx: &Ctx, rng: &mut StdRng, g: usize, n: usize, s: usize) -> Next 
     let vanish_at = (ctx.faults.has(FaultKind::Vanish) && rng.random_bool(ctx.knobs.vanish))
         .then(|| rng.random_range(0..steps));
     let mut messages = vec![
-        json!({"role": "system", "content": "You are a careful assistant with a budget."}),
+        json!({"role": "system", "content": if ctx.knobs.tight { "x" } else {
+            "You are a careful assistant with a budget." }}),
         json!({"role": "user", "content": first}),
     ];
     let who = Who {
@@ -348,8 +359,10 @@ async fn run(ctx: &Ctx, rng: &mut StdRng, g: usize, n: usize, s: usize) -> Next 
         if next != Next::Go {
             break;
         }
-        messages.push(json!({"role": "assistant", "content": "tok0 tok1 tok2"}));
-        messages.push(json!({"role": "user", "content": message(rng)}));
+        if !ctx.knobs.tight {
+            messages.push(json!({"role": "assistant", "content": "tok0 tok1 tok2"}));
+            messages.push(json!({"role": "user", "content": message(rng)}));
+        }
         tokio::time::sleep(Duration::from_millis(rng.random_range(20..120))).await;
     }
     if next == Next::Vanished {
@@ -370,19 +383,30 @@ struct Who<'a> {
     tag_base: String,
 }
 
+/// When a call may be told to go beyond its output bound.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Over {
+    Never,
+    /// Only when no upstream fault was picked for it.
+    Unfaulted,
+    Always,
+}
+
 /// The headers that make the upstream misbehave for this call, if a fault window is open
 /// (and the dice say so), or if it is to overrun its bound.
 fn upstream_headers(
     ctx: &Ctx,
     rng: &mut StdRng,
     stream: bool,
-    overbound_ok: bool,
+    over: Over,
 ) -> Vec<(&'static str, String)> {
+    let length = if ctx.knobs.tight {
+        200
+    } else {
+        rng.random_range(8..=90u64)
+    };
     let mut h = vec![
-        (
-            "x-mock-completion-tokens",
-            rng.random_range(8..=90u64).to_string(),
-        ),
+        ("x-mock-completion-tokens", length.to_string()),
         ("x-mock-latency-ms", rng.random_range(5..=60u64).to_string()),
     ];
     if stream {
@@ -422,7 +446,7 @@ fn upstream_headers(
             _ => h.push(("x-mock-fault", "no_usage".into())),
         }
     }
-    if (overbound_ok || !faulted)
+    if (over == Over::Always || (over == Over::Unfaulted && !faulted))
         && ctx.faults.has(FaultKind::Overbound)
         && rng.random_bool(ctx.knobs.overbound)
     {
@@ -431,6 +455,11 @@ fn upstream_headers(
             "x-mock-extra-completion-tokens",
             rng.random_range(20..=150u64).to_string(),
         ));
+        // Half of them also send no usage (the finding: 516 tokens for a bound of 20, and
+        // no usage to tell).
+        if !faulted && rng.random_bool(0.5) {
+            h.push(("x-mock-fault", "no_usage".into()));
+        }
     }
     h
 }
@@ -526,6 +555,16 @@ async fn read_body(resp: reqwest::Response, stream: bool, leave_after: Option<us
     }
 }
 
+/// The output bound a call asks for (at least the run's bound when tight).
+fn asked(ctx: &Ctx, rng: &mut StdRng) -> u64 {
+    let least = if ctx.knobs.tight {
+        MAX_OUTPUT_TOKENS
+    } else {
+        16
+    };
+    rng.random_range(least..=100)
+}
+
 /// A decision-API step: reserve, call the upstream with the step id as tag, resolve.
 async fn decision_step(
     ctx: &Ctx,
@@ -536,7 +575,7 @@ async fn decision_step(
     vanish: bool,
 ) -> Next {
     let stream = rng.random_bool(ctx.knobs.stream);
-    let asked = rng.random_range(16..=100u64);
+    let asked = asked(ctx, rng);
     let mut body = json!({"model": MODEL, "messages": messages, "max_tokens": asked,
         "stream": stream});
     if stream {
@@ -560,7 +599,7 @@ async fn decision_step(
                 (step.to_string(), granted)
             }
             Answer::Refused(r) => return next_after(&r),
-            Answer::Bad | Answer::NoAnswer => return Next::EndRun,
+            Answer::Bad | Answer::Silent => return Next::EndRun,
         };
     {
         let mut rec = ctx.rec();
@@ -576,8 +615,11 @@ async fn decision_step(
     }
     body["max_tokens"] = json!(granted);
     // The backend counts what it reads; past its bound with no usage it could not tell what
-    // an upstream that also failed generated: an upstream over its bound only when sound.
-    let headers = upstream_headers(ctx, rng, stream, false);
+    // an upstream that also failed generated, nor can a backend that vanishes tell anything
+    // (its hold, the bound, is what expiry charges): an upstream over its bound only when
+    // the backend can see all of it.
+    let over = if vanish { Over::Never } else { Over::Unfaulted };
+    let headers = upstream_headers(ctx, rng, stream, over);
     let fault = headers
         .iter()
         .find(|(h, _)| *h == "x-mock-fault")
@@ -665,7 +707,7 @@ async fn proxy_step(
     let stream = rng.random_bool(ctx.knobs.stream);
     let tag = format!("{}-{k}", who.tag_base);
     let body = json!({"model": MODEL, "messages": messages,
-        "max_tokens": rng.random_range(16..=100u64), "stream": stream});
+        "max_tokens": asked(ctx, rng), "stream": stream});
     let replica = ctx.pick(rng, None);
     let mut req = ctx
         .http
@@ -678,7 +720,7 @@ async fn proxy_step(
         .header("x-mock-tag", &tag)
         .timeout(CALL_TIMEOUT)
         .json(&body);
-    for (h, v) in upstream_headers(ctx, rng, stream, true) {
+    for (h, v) in upstream_headers(ctx, rng, stream, Over::Always) {
         req = req.header(h, v);
     }
     let leave =

@@ -54,16 +54,17 @@ pub const FLOOD_CONNECTIONS_MAX: usize = 16_000;
 /// How long the end waits for the guests' last runs, the last faults and the leases, at most.
 const GUESTS_END_MAX: Duration = Duration::from_secs(60);
 const FAULTS_END_MAX: Duration = Duration::from_secs(60);
-/// The end waits the lease TTL, then until nothing is held, at most this long past the TTL.
-const LEASES_WAIT_MAX: Duration = Duration::from_secs(30);
+/// The end waits the lease TTL, then until nothing is held, by default at most this long
+/// past the TTL.
+pub const LEASES_WAIT_MAX: Duration = Duration::from_secs(30);
 /// The operator books spend against the global budget at this share of the run, leaving
 /// about `SQUEEZE_LEFT` of spending, so the global budget runs out before the load stops.
-const SQUEEZE_AT: f64 = 0.8;
+pub const SQUEEZE_AT: f64 = 0.8;
 const SQUEEZE_LEFT: Duration = Duration::from_secs(4);
 /// The least the squeeze leaves (a few steps' worth).
 const SQUEEZE_LEFT_MIN: u64 = 20_000;
 /// Time between two polls of the reservations.
-const OBSERVE_EVERY: Duration = Duration::from_secs(1);
+const OBSERVE_EVERY: Duration = Duration::from_millis(500);
 /// Time between two progress lines.
 const PROGRESS_EVERY: Duration = Duration::from_secs(10);
 
@@ -86,10 +87,16 @@ pub struct Options {
     pub flood_connections: usize,
     pub knobs: Knobs,
     pub budgets: Budgets,
-    /// Whether the operator books spend so that the global budget runs out (see `SQUEEZE_AT`).
+    /// Whether the operator books spend so that the global budget runs out, and when (a
+    /// share of the load's time).
     pub squeeze: bool,
+    pub squeeze_at: f64,
     /// Where to write the replicas' logs at the end.
     pub logs: Option<PathBuf>,
+    /// Faults of each scheduled kind (`None`: one per `schedule::SECONDS_PER_FAULT` s).
+    pub per_kind: Option<usize>,
+    /// How long the end waits, past the lease TTL, for nothing to be held.
+    pub lease_wait: Duration,
 }
 
 impl Options {
@@ -112,7 +119,10 @@ impl Options {
                 session: Micros(40_000),
             },
             squeeze: true,
+            squeeze_at: SQUEEZE_AT,
             logs: None,
+            per_kind: None,
+            lease_wait: LEASES_WAIT_MAX,
         }
     }
 
@@ -193,7 +203,13 @@ pub async fn run(opts: Options, out: &mut (dyn Write + Send)) -> Result<Outcome,
     opts.validate()?;
     raise_open_files();
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let schedule = schedule::schedule(opts.seconds, opts.seed, &opts.faults, opts.replicas);
+    let schedule = schedule::schedule(
+        opts.seconds,
+        opts.seed,
+        &opts.faults,
+        opts.replicas,
+        opts.per_kind,
+    );
     writeln!(
         out,
         "chaos run: seed {}, {} s of load, {} replicas, {} clients, faults {}{}",
@@ -254,7 +270,7 @@ pub async fn run(opts: Options, out: &mut (dyn Write + Send)) -> Result<Outcome,
     let injector = tokio::spawn(inject(ctx.clone(), cluster.clone(), opts.flood_connections));
     let squeeze = opts
         .squeeze
-        .then(|| tokio::spawn(squeeze(ctx.clone(), opts.seconds)));
+        .then(|| tokio::spawn(squeeze(ctx.clone(), opts.seconds, opts.squeeze_at)));
     let mut guests = tokio::task::JoinSet::new();
     for g in 0..opts.clients {
         guests.spawn(guest::guest(ctx.clone(), g, opts.seed));
@@ -300,13 +316,15 @@ pub async fn run(opts: Options, out: &mut (dyn Write + Send)) -> Result<Outcome,
     {
         notes.push("the fault injector did not end in time".into());
     }
-    let end = wait_for_leases(&ctx).await;
+    let end = wait_for_leases(&ctx, opts.lease_wait).await;
     observer_stop.store(true, Ordering::Relaxed);
-    let mut observed = observer.await.unwrap_or_default();
-    // The last look, once nothing moves.
-    for r in 0..ctx.bases.len() {
-        if observe::poll(&http, &ctx.bases[r], &mut observed).await {
-            break;
+    let (mut observed, mut limits) = observer.await.unwrap_or_default();
+    // The last look, once nothing moves (a failed listing halves its rows: tried again).
+    'last: for _ in 0..4 {
+        for base in &ctx.bases {
+            if observe::poll(&http, base, &mut observed, &mut limits).await {
+                break 'last;
+            }
         }
     }
     let usage = read_usage(&ctx).await;
@@ -377,8 +395,9 @@ pub async fn run(opts: Options, out: &mut (dyn Write + Send)) -> Result<Outcome,
 }
 
 /// Polls every reservation listing until told to stop; returns what it saw.
-async fn observe_loop(ctx: Arc<Ctx>, stop: Arc<AtomicBool>) -> Observed {
+async fn observe_loop(ctx: Arc<Ctx>, stop: Arc<AtomicBool>) -> (Observed, observe::Limits) {
     let mut observed = Observed::default();
+    let mut limits = observe::Limits::default();
     let mut next = 0usize;
     while !stop.load(Ordering::Relaxed) {
         let started = Instant::now();
@@ -388,13 +407,13 @@ async fn observe_loop(ctx: Arc<Ctx>, stop: Arc<AtomicBool>) -> Observed {
             if !ctx.up[next].load(Ordering::Relaxed) {
                 continue;
             }
-            if observe::poll(&ctx.http, &ctx.bases[next], &mut observed).await {
+            if observe::poll(&ctx.http, &ctx.bases[next], &mut observed, &mut limits).await {
                 break;
             }
         }
         tokio::time::sleep(OBSERVE_EVERY.saturating_sub(started.elapsed())).await;
     }
-    observed
+    (observed, limits)
 }
 
 /// Injects the scheduled faults, each at its time.
@@ -455,8 +474,8 @@ async fn inject_one(
 
 /// The operator books spend against the global budget so that about `SQUEEZE_LEFT` of
 /// spending is left: the global budget then runs out under load and faults.
-async fn squeeze(ctx: Arc<Ctx>, seconds: u64) {
-    let at = ctx.start + Duration::from_secs_f64(seconds as f64 * SQUEEZE_AT);
+async fn squeeze(ctx: Arc<Ctx>, seconds: u64, share: f64) {
+    let at = ctx.start + Duration::from_secs_f64(seconds as f64 * share.clamp(0.0, 1.0));
     tokio::time::sleep_until(at.into()).await;
     let mut global = None;
     for base in ctx.bases.iter().cycle().take(ctx.bases.len() * 3) {
@@ -524,9 +543,9 @@ async fn squeeze(ctx: Arc<Ctx>, seconds: u64) {
 }
 
 /// Waits the lease TTL, then until nothing is held (bounded); returns the last summary.
-async fn wait_for_leases(ctx: &Ctx) -> End {
+async fn wait_for_leases(ctx: &Ctx, wait: Duration) -> End {
     tokio::time::sleep(LEASE_TTL + Duration::from_secs(1)).await;
-    let until = Instant::now() + LEASES_WAIT_MAX;
+    let until = Instant::now() + wait;
     let mut end = End::default();
     loop {
         for base in &ctx.bases {

@@ -111,11 +111,33 @@ pub async fn admin_get(http: &reqwest::Client, base: &str, path: &str) -> Option
     r.json().await.ok()
 }
 
+/// Rows a listing starts with: a listing that fails (a store call past its timeout: a
+/// thousand rows take a debug build over 100 ms) asks for half as many next time, one that
+/// comes back full twice as many.
+const LISTING_ROWS_START: usize = 250;
+const LISTING_ROWS_MIN: usize = 50;
+
+/// How many rows each state's listing asks for.
+#[derive(Debug, Clone)]
+pub struct Limits([usize; 5]);
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits([LISTING_ROWS_START; 5])
+    }
+}
+
 /// One poll of every state's listing from `base`; false when a listing failed.
-pub async fn poll(http: &reqwest::Client, base: &str, observed: &mut Observed) -> bool {
+pub async fn poll(
+    http: &reqwest::Client,
+    base: &str,
+    observed: &mut Observed,
+    limits: &mut Limits,
+) -> bool {
     let mut ok = true;
-    for state in STATES {
-        let path = format!("/admin/v1/reservations?state={state}&limit={LISTING_ROWS}");
+    for (i, state) in STATES.iter().enumerate() {
+        let limit = limits.0[i];
+        let path = format!("/admin/v1/reservations?state={state}&limit={limit}");
         match admin_get(http, base, &path).await {
             Some(v) => {
                 let rows = v
@@ -123,12 +145,18 @@ pub async fn poll(http: &reqwest::Client, base: &str, observed: &mut Observed) -
                     .and_then(Value::as_array)
                     .cloned()
                     .unwrap_or_default();
-                if rows.len() >= LISTING_ROWS {
-                    observed.full_listings += 1;
+                if rows.len() >= limit {
+                    if limit >= LISTING_ROWS {
+                        observed.full_listings += 1;
+                    }
+                    limits.0[i] = (limit * 2).min(LISTING_ROWS);
                 }
                 observed.absorb(&rows);
             }
-            None => ok = false,
+            None => {
+                limits.0[i] = (limit / 2).max(LISTING_ROWS_MIN);
+                ok = false;
+            }
         }
     }
     observed.polls += 1;

@@ -221,11 +221,18 @@ fn secs(rng: &mut StdRng, lo: f64, hi: f64) -> Duration {
     Duration::from_secs_f64(rng.random_range(lo..=hi))
 }
 
-/// The schedule of a run: exclusive faults (process and capacity faults) one after another
-/// in slots spread over the run, upstream windows anywhere in the same span. Sorted by time.
-pub fn schedule(seconds: u64, seed: u64, kinds: &FaultSet, replicas: usize) -> Vec<Event> {
+/// The schedule of a run: `n` faults of each scheduled kind (`None`: [`per_kind`]),
+/// exclusive faults (process and capacity faults) one after another in slots spread over the
+/// run, upstream windows anywhere in the same span. Sorted by time.
+pub fn schedule(
+    seconds: u64,
+    seed: u64,
+    kinds: &FaultSet,
+    replicas: usize,
+    n: Option<usize>,
+) -> Vec<Event> {
     let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed_f417);
-    let n = per_kind(seconds);
+    let n = n.unwrap_or_else(|| per_kind(seconds));
     let total = seconds as f64;
     let (from, to) = (total * SPAN.0, total * SPAN.1);
     let replicas = replicas.max(1);
@@ -282,9 +289,9 @@ mod tests {
 
     #[test]
     fn the_same_seed_gives_the_same_schedule() {
-        let a = schedule(600, 7, &FaultSet::all(), 3);
-        let b = schedule(600, 7, &FaultSet::all(), 3);
-        let c = schedule(600, 8, &FaultSet::all(), 3);
+        let a = schedule(600, 7, &FaultSet::all(), 3, None);
+        let b = schedule(600, 7, &FaultSet::all(), 3, None);
+        let c = schedule(600, 8, &FaultSet::all(), 3, None);
         assert_eq!(a, b);
         assert_ne!(a, c);
     }
@@ -293,7 +300,7 @@ mod tests {
     fn exclusive_faults_never_overlap_and_end_in_the_span() {
         for seed in 0..50 {
             for seconds in [20, 90, 1200] {
-                let s = schedule(seconds, seed, &FaultSet::all(), 3);
+                let s = schedule(seconds, seed, &FaultSet::all(), 3, None);
                 let ex: Vec<&Event> = s.iter().filter(|e| e.kind.exclusive()).collect();
                 for w in ex.windows(2) {
                     assert!(w[0].end() <= w[1].at, "seed {seed}: {} then {}", w[0], w[1]);
@@ -311,7 +318,7 @@ mod tests {
 
     #[test]
     fn a_twenty_minute_run_has_at_least_five_of_each_scheduled_kind() {
-        let s = schedule(1200, 1, &FaultSet::all(), 3);
+        let s = schedule(1200, 1, &FaultSet::all(), 3, None);
         for k in FaultKind::ALL.into_iter().filter(|k| k.scheduled()) {
             assert!(s.iter().filter(|e| e.kind == k).count() >= 5, "{k}");
         }
@@ -329,6 +336,6 @@ mod tests {
         assert_eq!(s, FaultSet::of(&[FaultKind::Kill, FaultKind::Http5xx]));
         assert_eq!(s.to_string(), "kill,5xx");
         assert!(FaultSet::parse("kill,nope").is_err());
-        assert_eq!(schedule(90, 1, &FaultSet::none(), 3), Vec::new());
+        assert_eq!(schedule(90, 1, &FaultSet::none(), 3, None), Vec::new());
     }
 }

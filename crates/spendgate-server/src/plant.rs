@@ -11,8 +11,10 @@
 //! The plants (the ledger's own are in `spendgate_redis::plant`):
 //! - `drop-releases` (proxy, `StepGuard`'s drop): a client gone mid-stream releases its step
 //!   instead of charging it in full; the upstream served it. Caught by `lost`.
-//! - `forward-unreserved` (proxy): a step whose reservation failed on a store error is
-//!   forwarded anyway, unreserved. Caught by `overspend`.
+//! - `client-bound` (proxy): the forwarded output bound is the client's `max_tokens`, not
+//!   the one reserved (the clamp is computed, then not written back): the upstream may
+//!   generate past what was held, and the overruns spend past the budgets. Caught by
+//!   `overspend`.
 //! - `made-up-code` (error shape): a spent budget is refused with the code `quota_exceeded`,
 //!   which no contract names. Caught by `codes`.
 //! - `shared-capacity`: every class of caller shares the public routes' capacity (no
@@ -22,7 +24,7 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Plant {
     DropReleases,
-    ForwardUnreserved,
+    ClientBound,
     MadeUpCode,
     SharedCapacity,
 }
@@ -30,7 +32,7 @@ pub enum Plant {
 impl Plant {
     pub const ALL: [Plant; 4] = [
         Plant::DropReleases,
-        Plant::ForwardUnreserved,
+        Plant::ClientBound,
         Plant::MadeUpCode,
         Plant::SharedCapacity,
     ];
@@ -38,7 +40,7 @@ impl Plant {
     pub fn name(self) -> &'static str {
         match self {
             Plant::DropReleases => "drop-releases",
-            Plant::ForwardUnreserved => "forward-unreserved",
+            Plant::ClientBound => "client-bound",
             Plant::MadeUpCode => "made-up-code",
             Plant::SharedCapacity => "shared-capacity",
         }
@@ -114,13 +116,12 @@ pub fn code(code: &'static str) -> &'static str {
     }
 }
 
-/// `forward-unreserved`: what the proxy goes on with when a step's reservation failed.
-pub fn unreserved(step_id: &spendgate_core::ReservationId) -> spendgate_core::StepReserved {
-    spendgate_core::StepReserved {
-        step_id: step_id.clone(),
-        reserved: spendgate_core::Micros(0),
-        max_output_tokens: None,
-        shrunk: false,
-        dry_run: None,
+/// `client-bound`: the output bound the proxy forwards (`out`, the one reserved), or the
+/// client's own when planted.
+pub fn forwarded_bound(out: u64, requested: Option<u64>) -> u64 {
+    if on(Plant::ClientBound) {
+        requested.unwrap_or(out)
+    } else {
+        out
     }
 }

@@ -977,9 +977,6 @@ pub async fn chat_completions(
     };
     let reserved = match reserved.map(|a| a.value) {
         Ok(Ok(r)) => r,
-        Err(_) if crate::plant::on(crate::plant::Plant::ForwardUnreserved) => {
-            crate::plant::unreserved(&step_id)
-        }
         Ok(Err(r)) => {
             if own_run {
                 let _ = state.store.finish(run_id.clone()).await;
@@ -1015,6 +1012,7 @@ pub async fn chat_completions(
         // that ignores the other alias would generate past the bound reserved.
         o.remove("max_tokens");
         o.remove("max_completion_tokens");
+        let out = crate::plant::forwarded_bound(out, requested);
         o.insert(model.output_bound_field.name().to_string(), json!(out));
         if let Some(name) = &model.upstream_model {
             o.insert("model".into(), json!(name));

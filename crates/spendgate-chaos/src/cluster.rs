@@ -32,6 +32,8 @@ pub const MAX_OUTPUT_TOKENS: u64 = 64;
 pub const RUN_MAX_SECONDS: u64 = 60;
 /// How long a replica or Redis may take to come up.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// Attempts to start a replica at the beginning (each on a new port).
+const START_ATTEMPTS: usize = 3;
 /// The line a replica prints when a planted bug is switched on (`spendgate_server::plant`).
 const PLANT_BANNER: &str = "PLANTED BUG ACTIVE";
 
@@ -189,15 +191,19 @@ impl Cluster {
         let mock = MockUpstream::new(MockConfig::default());
         let mock_task = tokio::spawn(mock.clone().serve(listener));
 
+        let redis_url = redis.url();
+        let write_config = move |i: usize, port: u16, dir: &Path| -> Result<PathBuf, ChaosError> {
+            let config = dir.join(format!("replica-{i}.toml"));
+            std::fs::write(&config, config_text(port, &redis_url, mock_port, budgets))
+                .map_err(|e| ChaosError::Setup(format!("writing {}: {e}", config.display())))?;
+            Ok(config)
+        };
         let mut replicas = Vec::new();
         for i in 0..n {
             let port = free_port();
-            let config = dir.path().join(format!("replica-{i}.toml"));
-            std::fs::write(&config, config_text(port, &redis.url(), mock_port, budgets))
-                .map_err(|e| ChaosError::Setup(format!("writing {}: {e}", config.display())))?;
             replicas.push(Mutex::new(Replica {
                 port,
-                config,
+                config: write_config(i, port, dir.path())?,
                 child: None,
                 dead: Vec::new(),
             }));
@@ -214,7 +220,24 @@ impl Cluster {
         };
         cluster.init_ledger()?;
         for i in 0..n {
-            cluster.start_replica(i).await?;
+            // A free port may be taken by another process before the replica binds it: a
+            // replica that does not come up is tried again on another port.
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                match cluster.start_replica(i).await {
+                    Ok(()) => break,
+                    Err(e) if attempt >= START_ATTEMPTS => return Err(e),
+                    Err(_) => {
+                        cluster.kill_replica(i);
+                        let port = free_port();
+                        let config = write_config(i, port, cluster._dir.path())?;
+                        let mut r = lock(&cluster.replicas[i]);
+                        r.port = port;
+                        r.config = config;
+                    }
+                }
+            }
         }
         Ok(cluster)
     }

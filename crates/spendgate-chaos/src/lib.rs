@@ -438,7 +438,12 @@ async fn inject_one(
             cluster.kill_replica(e.replica);
             ctx.up[e.replica].store(false, Ordering::Relaxed);
             tokio::time::sleep(e.len).await;
-            cluster.start_replica(e.replica).await?;
+            if cluster.start_replica(e.replica).await.is_err() {
+                // Once more (a port in use a moment longer); a second failure is reported.
+                cluster.kill_replica(e.replica);
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                cluster.start_replica(e.replica).await?;
+            }
             ctx.up[e.replica].store(true, Ordering::Relaxed);
         }
         FaultKind::Pause => {

@@ -44,6 +44,26 @@ struct Cli {
     /// Write the replicas' and Redis's logs and the table here.
     #[arg(long)]
     logs: Option<PathBuf>,
+    /// Faults of each scheduled kind (default: one per 120 s of load, at least one).
+    #[arg(long)]
+    per_kind: Option<usize>,
+    /// Chance that a run's backend vanishes after one of its decision steps.
+    #[arg(long, default_value_t = 0.05)]
+    vanish: f64,
+    /// Chance that a guest leaves a proxied stream after its first chunk.
+    #[arg(long, default_value_t = 0.1)]
+    disconnect: f64,
+    /// Chance that the upstream generates beyond the bound it was given.
+    #[arg(long, default_value_t = 0.05)]
+    overbound: f64,
+    /// Serve every call as reserved (one-byte messages, answers as long as their bound), so
+    /// budgets are spent to within one step.
+    #[arg(long)]
+    tight: bool,
+    /// When the operator books spend so that the global budget runs out, as a share of the
+    /// load's time; `none` for never.
+    #[arg(long, default_value = "0.8")]
+    squeeze_at: String,
 }
 
 #[tokio::main]
@@ -70,6 +90,33 @@ async fn main() -> ExitCode {
     opts.flood_connections = cli.flood_connections;
     opts.plant = cli.plant;
     opts.logs = cli.logs;
+    opts.per_kind = cli.per_kind;
+    for (name, p) in [
+        ("vanish", cli.vanish),
+        ("disconnect", cli.disconnect),
+        ("overbound", cli.overbound),
+    ] {
+        if !(0.0..=1.0).contains(&p) {
+            eprintln!("spendgate-chaos: --{name} is a chance, 0 to 1");
+            return ExitCode::from(2);
+        }
+    }
+    opts.knobs.vanish = cli.vanish;
+    opts.knobs.disconnect = cli.disconnect;
+    opts.knobs.overbound = cli.overbound;
+    opts.knobs.tight = cli.tight;
+    match cli.squeeze_at.as_str() {
+        "none" => opts.squeeze = false,
+        s => {
+            match s.parse::<f64>() {
+                Ok(at) if (0.0..=1.0).contains(&at) => opts.squeeze_at = at,
+                _ => {
+                    eprintln!("spendgate-chaos: --squeeze-at is a share of the load's time (0 to 1), or none");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+    }
     let mut out = std::io::stdout();
     match run(opts, &mut out).await {
         Ok(o) if o.totals.violations == 0 => ExitCode::SUCCESS,

@@ -115,7 +115,7 @@ pub async fn admin_get(http: &reqwest::Client, base: &str, path: &str) -> Option
 /// thousand rows take a debug build over 100 ms) asks for half as many next time, one that
 /// comes back full twice as many.
 const LISTING_ROWS_START: usize = 250;
-const LISTING_ROWS_MIN: usize = 50;
+const LISTING_ROWS_MIN: usize = 100;
 
 /// How many rows each state's listing asks for.
 #[derive(Debug, Clone)]

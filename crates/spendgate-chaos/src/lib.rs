@@ -318,8 +318,10 @@ pub async fn run(opts: Options, out: &mut (dyn Write + Send)) -> Result<Outcome,
     }
     let end = wait_for_leases(&ctx, opts.lease_wait).await;
     observer_stop.store(true, Ordering::Relaxed);
-    let (mut observed, mut limits) = observer.await.unwrap_or_default();
-    // The last look, once nothing moves (a failed listing halves its rows: tried again).
+    let (mut observed, _) = observer.await.unwrap_or_default();
+    // The last look, once nothing moves, at the most rows (a failed listing halves its
+    // rows: tried again).
+    let mut limits = observe::Limits::most();
     'last: for _ in 0..4 {
         for base in &ctx.bases {
             if observe::poll(&http, base, &mut observed, &mut limits).await {

@@ -127,6 +127,13 @@ impl Default for Limits {
     }
 }
 
+impl Limits {
+    /// Every listing at its most rows (the last look, once nothing moves).
+    pub fn most() -> Self {
+        Limits([LISTING_ROWS; 5])
+    }
+}
+
 /// One poll of every state's listing from `base`; false when a listing failed.
 pub async fn poll(
     http: &reqwest::Client,

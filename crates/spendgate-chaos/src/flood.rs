@@ -1,6 +1,6 @@
-//! The slow-body flood (issue 18, finding 4): one address opens many connections to a
-//! replica's public `POST /v1/sessions`, each sending its headers and one byte of its body,
-//! and holds them. Meanwhile the operator's backend calls the same replica (service-token
+//! The slow-body flood (issue 18, finding 4): one address keeps many connections to a
+//! replica's public `POST /v1/sessions` open, each sending its headers and one byte of its
+//! body, and opens a new one whenever the server ends one. Meanwhile the operator's backend calls the same replica (service-token
 //! session creation, `/healthz`) and another address creates a session: none of them may
 //! be refused for capacity.
 
@@ -18,14 +18,17 @@ pub const FLOOD_FROM: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 66));
 pub const OTHER_FROM: IpAddr = IpAddr::V4(Ipv4Addr::new(127, 0, 0, 77));
 /// Connections being opened at once (the rest wait their turn).
 const OPENING_AT_ONCE: usize = 512;
+/// A flood connection is opened again at most this often (the server's body deadline).
+const REOPEN_EVERY: Duration = Duration::from_secs(10);
 /// A probe's bound: past it, the call counts as not served.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time between two rounds of probes.
 const PROBE_EVERY: Duration = Duration::from_millis(250);
 
-/// Opens `n` connections from [`FLOOD_FROM`] to `target`, each sending a session creation's
-/// head and one byte of a longer body, and holds each until `hold` has passed or the server
-/// closes it. Returns (opened, failed to open).
+/// Keeps `n` slow-body requests open from [`FLOOD_FROM`] to `target` for `hold`: each of `n`
+/// connections sends a session creation's head and one byte of a longer body and waits; when
+/// the server answers or closes it, another takes its place, [`REOPEN_EVERY`] after the one
+/// before, as an attacker repeating the flood every body deadline does. Returns (connections opened, connects that failed).
 pub async fn flood(target: SocketAddr, n: usize, hold: Duration) -> (u64, u64) {
     let until = tokio::time::Instant::now() + hold;
     let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(OPENING_AT_ONCE));
@@ -33,53 +36,54 @@ pub async fn flood(target: SocketAddr, n: usize, hold: Duration) -> (u64, u64) {
     for _ in 0..n {
         let gate = gate.clone();
         tasks.spawn(async move {
-            let stream = {
-                let Ok(_permit) = gate.acquire().await else {
-                    return false;
-                };
-                if tokio::time::Instant::now() >= until {
-                    return false;
+            let (mut opened, mut failed) = (0u64, 0u64);
+            while tokio::time::Instant::now() < until {
+                let started = tokio::time::Instant::now();
+                match slow_body(target, until, &gate).await {
+                    Some(()) => opened += 1,
+                    None => failed += 1,
                 }
-                let Ok(socket) = tokio::net::TcpSocket::new_v4() else {
-                    return false;
-                };
-                if socket.bind(SocketAddr::new(FLOOD_FROM, 0)).is_err() {
-                    return false;
-                }
-                match tokio::time::timeout_at(until, socket.connect(target)).await {
-                    Ok(Ok(s)) => s,
-                    _ => return false,
-                }
-            };
-            let mut stream = stream;
-            let head = "POST /v1/sessions HTTP/1.1\r\nhost: spendgate\r\n\
-                        content-type: application/json\r\ncontent-length: 64\r\n\r\n{";
-            if stream.write_all(head.as_bytes()).await.is_err() {
-                return true;
+                tokio::time::sleep_until((started + REOPEN_EVERY).min(until)).await;
             }
-            // Hold until the deadline, or until the server answers or closes.
-            let mut buf = [0u8; 1024];
-            let _ = tokio::time::timeout_at(until, async {
-                loop {
-                    match stream.read(&mut buf).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(_) => {}
-                    }
-                }
-            })
-            .await;
-            true
+            (opened, failed)
         });
     }
     let (mut opened, mut failed) = (0, 0);
     while let Some(r) = tasks.join_next().await {
-        if matches!(r, Ok(true)) {
-            opened += 1;
-        } else {
-            failed += 1;
+        if let Ok((o, f)) = r {
+            opened += o;
+            failed += f;
         }
     }
     (opened, failed)
+}
+
+/// One slow-body request, held until `until` or until the server answers or closes it;
+/// `None` when the connection could not be made.
+async fn slow_body(
+    target: SocketAddr,
+    until: tokio::time::Instant,
+    gate: &tokio::sync::Semaphore,
+) -> Option<()> {
+    let mut stream = {
+        let _permit = gate.acquire().await.ok()?;
+        let socket = tokio::net::TcpSocket::new_v4().ok()?;
+        // Closed with a reset: thousands of flood sockets leave no TIME_WAIT behind.
+        socket.set_zero_linger().ok()?;
+        socket.bind(SocketAddr::new(FLOOD_FROM, 0)).ok()?;
+        tokio::time::timeout_at(until, socket.connect(target))
+            .await
+            .ok()?
+            .ok()?
+    };
+    let head = "POST /v1/sessions HTTP/1.1\r\nhost: spendgate\r\n\
+                content-type: application/json\r\ncontent-length: 64\r\n\r\n{";
+    if stream.write_all(head.as_bytes()).await.is_ok() {
+        // Held until the deadline, or until the server answers (anything) or closes.
+        let mut buf = [0u8; 1024];
+        let _ = tokio::time::timeout_at(until, stream.read(&mut buf)).await;
+    }
+    Some(())
 }
 
 /// What a probe's answer says about capacity: `None` when served (or refused for a reason

@@ -201,9 +201,10 @@ impl fmt::Display for Event {
     }
 }
 
-/// How long a flood holds its connections: past the server's 10 s body deadline, so that
-/// a server that holds a request slot per slow body shows it.
-pub const FLOOD_HOLD: Duration = Duration::from_secs(12);
+/// How long a flood lasts: twice the server's 10 s body deadline, so that a server that
+/// holds a request slot per slow body shows it once the flood is at its height (it takes
+/// the server's accept queue a few seconds to let thousands of connections in).
+pub const FLOOD_HOLD: Duration = Duration::from_secs(20);
 /// Faults begin after this share of the run and end before this one (the load goes on
 /// around them; the last part lets the system settle before the load stops).
 const SPAN: (f64, f64) = (0.08, 0.85);
@@ -245,27 +246,38 @@ pub fn schedule(
         .flat_map(|k| std::iter::repeat_n(k, n))
         .collect();
     exclusive.shuffle(&mut rng);
+    // Each exclusive fault takes its length and a gap; what is left of the span is spread
+    // before them at random (all of them scaled down if they do not fit).
+    let lens: Vec<Duration> = exclusive
+        .iter()
+        .map(|kind| match kind {
+            FaultKind::Kill => secs(&mut rng, 2.0, 4.0),
+            FaultKind::Pause => secs(&mut rng, 0.5, 2.5),
+            FaultKind::Restart => secs(&mut rng, 0.3, 1.0),
+            _ => FLOOD_HOLD,
+        })
+        .collect();
+    let gap = GAP.as_secs_f64();
+    let need: f64 = lens.iter().map(|l| l.as_secs_f64() + gap).sum();
+    let span = to - from;
+    let scale = if need > span { span / need } else { 1.0 };
+    let slack = (span - need * scale).max(0.0);
+    let weights: Vec<f64> = (0..=lens.len())
+        .map(|_| rng.random_range(0.0..1.0))
+        .collect();
+    let total: f64 = weights.iter().sum::<f64>().max(f64::MIN_POSITIVE);
     let mut events = Vec::new();
-    if !exclusive.is_empty() {
-        let slot = (to - from) / exclusive.len() as f64;
-        for (i, kind) in exclusive.into_iter().enumerate() {
-            let room = (slot - GAP.as_secs_f64()).max(0.3);
-            let len = match kind {
-                FaultKind::Kill => secs(&mut rng, 2.0, 4.0),
-                FaultKind::Pause => secs(&mut rng, 0.5, 2.5),
-                FaultKind::Restart => secs(&mut rng, 0.3, 1.0),
-                _ => FLOOD_HOLD,
-            };
-            let len = len.min(Duration::from_secs_f64(room));
-            let slack = (room - len.as_secs_f64()).max(0.0);
-            let at = from + slot * i as f64 + rng.random_range(0.0..=slack);
-            events.push(Event {
-                at: Duration::from_secs_f64(at),
-                kind,
-                len,
-                replica: rng.random_range(0..replicas),
-            });
-        }
+    let mut cursor = from;
+    for ((kind, len), w) in exclusive.into_iter().zip(lens).zip(&weights) {
+        cursor += slack * w / total;
+        let len = Duration::from_secs_f64(len.as_secs_f64() * scale);
+        events.push(Event {
+            at: Duration::from_secs_f64(cursor),
+            kind,
+            len,
+            replica: rng.random_range(0..replicas),
+        });
+        cursor += len.as_secs_f64() + gap * scale;
     }
     for kind in kinds.0.iter().copied().filter(|k| k.upstream()) {
         for _ in 0..n {

@@ -582,37 +582,10 @@ async fn decision_step(
         body["stream_options"] = json!({"include_usage": true});
     }
     let prompt = spendgate_mock_upstream::prompt_tokens_of(&body);
-    let step_body = json!({"kind": "model", "model": MODEL, "prompt_tokens": prompt,
-        "max_output_tokens": asked});
-    let path = format!("/v1/runs/{}/steps", who.run);
-    let key = format!("{}-s{k}", who.run);
-    let (step, granted) =
-        match call_again(ctx, rng, &path, Some(&step_body), Some(&key), "step").await {
-            Answer::Ok(v) => {
-                let Some(step) = v.get("step_id").and_then(Value::as_str) else {
-                    return Next::EndRun;
-                };
-                let granted = v
-                    .get("max_output_tokens")
-                    .and_then(Value::as_u64)
-                    .unwrap_or(MAX_OUTPUT_TOKENS);
-                (step.to_string(), granted)
-            }
-            Answer::Refused(r) => return next_after(&r),
-            Answer::Bad | Answer::Silent => return Next::EndRun,
-        };
-    {
-        let mut rec = ctx.rec();
-        rec.admit("decision step");
-        rec.tags.insert(
-            step.clone(),
-            TagInfo {
-                run: who.run.to_string(),
-                route: Route::Decision,
-                step: Some(step.clone()),
-            },
-        );
-    }
+    let (step, granted) = match reserve(ctx, rng, who, k, prompt, asked).await {
+        Ok(s) => s,
+        Err(next) => return next,
+    };
     body["max_tokens"] = json!(granted);
     // The backend counts what it reads; past its bound with no usage it could not tell what
     // an upstream that also failed generated, nor can a backend that vanishes tell anything
@@ -620,52 +593,101 @@ async fn decision_step(
     // the backend can see all of it.
     let over = if vanish { Over::Never } else { Over::Unfaulted };
     let headers = upstream_headers(ctx, rng, stream, over);
-    let fault = headers
+    let released_on_500 = headers
         .iter()
-        .find(|(h, _)| *h == "x-mock-fault")
-        .map(|(_, v)| v.clone());
+        .any(|(h, v)| *h == "x-mock-fault" && v == "http_500");
+    let beat = heartbeat(ctx, who.run);
+    let (status, read) = call_upstream(ctx, &step, &body, &headers, stream).await;
+    beat.abort();
+    if vanish {
+        return Next::Vanished;
+    }
+    let (what, usage) = match (status, read.usage) {
+        (Some(200), Some((p, c, cached))) => ("commit", Some((p, c, cached))),
+        // No usage: charged in full, unless more arrived than the bound (then what arrived).
+        (Some(200), None) if read.counted > granted => ("commit", Some((prompt, read.counted, 0))),
+        // The upstream said it did no work.
+        (Some(500), _) if released_on_500 => ("release", None),
+        _ => ("unknown", None),
+    };
+    let body = match usage {
+        Some((p, c, cached)) => json!({"usage": {"prompt_tokens": p, "completion_tokens": c,
+            "cached_tokens": cached}}),
+        None => json!({}),
+    };
+    let path = format!("/v1/steps/{step}/{what}");
+    match call_again(ctx, rng, &path, Some(&body), None, what).await {
+        Answer::Refused(r) => next_after(&r),
+        _ => Next::Go,
+    }
+}
+
+/// Reserves a model step of `prompt` tokens asking `asked` out (an idempotency key, so a
+/// repeat on another replica returns the same step): its id and the bound granted.
+async fn reserve(
+    ctx: &Ctx,
+    rng: &mut StdRng,
+    who: &Who<'_>,
+    k: usize,
+    prompt: u64,
+    asked: u64,
+) -> Result<(String, u64), Next> {
+    let body = json!({"kind": "model", "model": MODEL, "prompt_tokens": prompt,
+        "max_output_tokens": asked});
+    let path = format!("/v1/runs/{}/steps", who.run);
+    let key = format!("{}-s{k}", who.run);
+    let (step, granted) = match call_again(ctx, rng, &path, Some(&body), Some(&key), "step").await {
+        Answer::Ok(v) => {
+            let step = v
+                .get("step_id")
+                .and_then(Value::as_str)
+                .ok_or(Next::EndRun)?
+                .to_string();
+            let granted = v
+                .get("max_output_tokens")
+                .and_then(Value::as_u64)
+                .unwrap_or(MAX_OUTPUT_TOKENS);
+            (step, granted)
+        }
+        Answer::Refused(r) => return Err(next_after(&r)),
+        Answer::Bad | Answer::Silent => return Err(Next::EndRun),
+    };
+    let mut rec = ctx.rec();
+    rec.admit("decision step");
+    rec.tags.insert(
+        step.clone(),
+        TagInfo {
+            run: who.run.to_string(),
+            route: Route::Decision,
+            step: Some(step.clone()),
+        },
+    );
+    Ok((step, granted))
+}
+
+/// The backend's own call to the upstream, tagged with the step id: its status (`None`:
+/// no answer within the upstream timeout) and what it read.
+async fn call_upstream(
+    ctx: &Ctx,
+    step: &str,
+    body: &Value,
+    headers: &[(&'static str, String)],
+    stream: bool,
+) -> (Option<u16>, Read) {
     let mut req = ctx
         .upstream_http
         .post(format!("{}/v1/chat/completions", ctx.mock_base))
-        .header("x-mock-tag", &step)
-        .json(&body);
-    for (h, v) in &headers {
+        .header("x-mock-tag", step)
+        .json(body);
+    for (h, v) in headers {
         req = req.header(*h, v);
     }
-    let beat = heartbeat(ctx, who.run);
-    let head = tokio::time::timeout(UPSTREAM_TIMEOUT, req.send()).await;
-    let (status, read) = match head {
+    match tokio::time::timeout(UPSTREAM_TIMEOUT, req.send()).await {
         Ok(Ok(resp)) => {
             let status = resp.status().as_u16();
             (Some(status), read_body(resp, stream, None).await)
         }
         _ => (None, Read::default()),
-    };
-    beat.abort();
-    if vanish {
-        return Next::Vanished;
-    }
-    let (what, resolution) = match (status, read.usage) {
-        (Some(200), Some((p, c, cached))) => (
-            "commit",
-            Some(json!({"usage": {"prompt_tokens": p, "completion_tokens": c,
-                "cached_tokens": cached}})),
-        ),
-        // No usage: charged in full, unless more arrived than the bound (then what arrived).
-        (Some(200), None) if read.counted > granted => (
-            "commit",
-            Some(json!({"usage": {"prompt_tokens": prompt, "completion_tokens": read.counted}})),
-        ),
-        (Some(200), None) => ("unknown", None),
-        // The upstream said it did no work.
-        (Some(500), _) if fault.as_deref() == Some("http_500") => ("release", None),
-        _ => ("unknown", None),
-    };
-    let path = format!("/v1/steps/{step}/{what}");
-    let body = resolution.unwrap_or_else(|| json!({}));
-    match call_again(ctx, rng, &path, Some(&body), None, what).await {
-        Answer::Refused(r) => next_after(&r),
-        _ => Next::Go,
     }
 }
 

@@ -198,7 +198,7 @@ fn raise_open_files() {
 }
 
 /// Runs the chaos run described by `opts`, printing its schedule, progress and table to
-/// `out`.
+/// `out`: start, load under faults, wind down, gather the evidence, check.
 pub async fn run(opts: Options, out: &mut (dyn Write + Send)) -> Result<Outcome, ChaosError> {
     opts.validate()?;
     raise_open_files();
@@ -210,147 +210,24 @@ pub async fn run(opts: Options, out: &mut (dyn Write + Send)) -> Result<Outcome,
         opts.replicas,
         opts.per_kind,
     );
-    writeln!(
-        out,
-        "chaos run: seed {}, {} s of load, {} replicas, {} clients, faults {}{}",
-        opts.seed,
-        opts.seconds,
-        opts.replicas,
-        opts.clients,
-        opts.faults,
-        opts.plant
-            .as_ref()
-            .map(|p| format!(", PLANTED BUG {p}"))
-            .unwrap_or_default()
-    )?;
+    writeln!(out, "{}", title(&opts, " of load"))?;
     writeln!(out, "schedule ({} faults):", schedule.len())?;
     for e in &schedule {
         writeln!(out, "  {e}")?;
     }
     out.flush()?;
 
-    let cluster = Arc::new(
-        Cluster::start(
-            &opts.spendgate,
-            opts.redis_server.clone(),
-            opts.replicas,
-            &opts.budgets,
-            opts.plant.clone(),
-        )
-        .await?,
-    );
-    let http = reqwest::Client::builder()
-        .pool_max_idle_per_host(256)
-        .connect_timeout(Duration::from_secs(2))
-        .build()
-        .map_err(|e| ChaosError::Setup(format!("http client: {e}")))?;
-    let upstream_http = reqwest::Client::builder()
-        .pool_max_idle_per_host(256)
-        .connect_timeout(Duration::from_secs(2))
-        .timeout(Duration::from_secs(20))
-        .build()
-        .map_err(|e| ChaosError::Setup(format!("http client: {e}")))?;
-    let ctx = Arc::new(Ctx {
-        bases: cluster.bases(),
-        up: (0..opts.replicas).map(|_| AtomicBool::new(true)).collect(),
-        mock_base: format!("http://127.0.0.1:{}", cluster.mock_port),
-        http: http.clone(),
-        upstream_http,
-        schedule: schedule.clone(),
-        faults: opts.faults.clone(),
-        knobs: opts.knobs.clone(),
-        start: Instant::now(),
-        stop: AtomicBool::new(false),
-        record: Mutex::new(Record::default()),
-        next_ip: AtomicUsize::new(opts.clients),
-    });
-
-    let observer_stop = Arc::new(AtomicBool::new(false));
-    let observer = tokio::spawn(observe_loop(ctx.clone(), observer_stop.clone()));
-    let injector = tokio::spawn(inject(ctx.clone(), cluster.clone(), opts.flood_connections));
-    let squeeze = opts
-        .squeeze
-        .then(|| tokio::spawn(squeeze(ctx.clone(), opts.seconds, opts.squeeze_at)));
-    let mut guests = tokio::task::JoinSet::new();
-    for g in 0..opts.clients {
-        guests.spawn(guest::guest(ctx.clone(), g, opts.seed));
-    }
-
-    // The load.
-    let load_end = ctx.start + Duration::from_secs(opts.seconds);
-    while Instant::now() < load_end {
-        let next = (Instant::now() + PROGRESS_EVERY).min(load_end);
-        tokio::time::sleep_until(next.into()).await;
-        let rec = lock(&ctx.record);
-        writeln!(
-            out,
-            "  t={:>6.1}s  admitted {:?}  refused {}  no answer {}",
-            ctx.start.elapsed().as_secs_f64(),
-            rec.admitted,
-            rec.refused.values().sum::<u64>(),
-            rec.no_answer
-        )?;
-        drop(rec);
-        out.flush()?;
-    }
-
-    // The end: the guests finish their runs, the faults end, the leases run out.
-    ctx.stop.store(true, Ordering::Relaxed);
+    let (cluster, ctx) = start(&opts, &schedule).await?;
+    let tasks = Tasks::spawn(&ctx, &cluster, &opts);
+    load(&ctx, opts.seconds, out).await?;
     let mut notes = Vec::new();
-    let guests_done = tokio::time::timeout(GUESTS_END_MAX, async {
-        while guests.join_next().await.is_some() {}
-    })
-    .await;
-    if guests_done.is_err() {
-        notes.push(format!(
-            "guests still busy {GUESTS_END_MAX:?} after the load stopped: aborted"
-        ));
-        guests.abort_all();
-    }
-    if let Some(s) = squeeze {
-        let _ = s.await;
-    }
-    if tokio::time::timeout(FAULTS_END_MAX, injector)
-        .await
-        .is_err()
-    {
-        notes.push("the fault injector did not end in time".into());
-    }
-    let end = wait_for_leases(&ctx, opts.lease_wait).await;
-    observer_stop.store(true, Ordering::Relaxed);
-    let (mut observed, _) = observer.await.unwrap_or_default();
-    // The last look, once nothing moves, at the most rows (a failed listing halves its
-    // rows: tried again).
-    let mut limits = observe::Limits::most();
-    'last: for _ in 0..4 {
-        for base in &ctx.bases {
-            if observe::poll(&http, base, &mut observed, &mut limits).await {
-                break 'last;
-            }
-        }
-    }
+    let (end, mut observed) = wind_down(&ctx, tasks, opts.lease_wait, &mut notes).await;
+    last_look(&ctx, &mut observed).await;
     let usage = read_usage(&ctx).await;
     let served = cluster.mock.served();
 
     let rec = lock(&ctx.record);
-    if observed.full_listings > 0 {
-        notes.push(format!(
-            "{} reservation listings came back full ({} rows): older rows may have been missed",
-            observed.full_listings,
-            observe::LISTING_ROWS
-        ));
-    }
-    if observed.failed_polls > 0 {
-        notes.push(format!(
-            "{} of {} reservation polls failed (a replica or Redis down)",
-            observed.failed_polls, observed.polls
-        ));
-    }
-    if rec.squeeze_unknown {
-        notes.push(
-            "the global squeeze's outcome is unknown: the global books were not checked".into(),
-        );
-    }
+    notes.extend(evidence_notes(&observed, &rec));
     let (mut checks, spend) = checks::run_checks(&Inputs {
         served: &served,
         record: &rec,
@@ -365,19 +242,7 @@ pub async fn run(opts: Options, out: &mut (dyn Write + Send)) -> Result<Outcome,
             h.examples.push(e.clone());
         }
     }
-    let title = format!(
-        "chaos run: seed {}, {} s, {} replicas, {} clients, faults {}{}",
-        opts.seed,
-        opts.seconds,
-        opts.replicas,
-        opts.clients,
-        opts.faults,
-        opts.plant
-            .as_ref()
-            .map(|p| format!(", PLANTED BUG {p}"))
-            .unwrap_or_default()
-    );
-    let table = report::table(&title, &rec, &spend, &checks, &notes);
+    let table = report::table(&title(&opts, ""), &rec, &spend, &checks, &notes);
     drop(rec);
     write!(out, "{table}")?;
     out.flush()?;
@@ -394,6 +259,184 @@ pub async fn run(opts: Options, out: &mut (dyn Write + Send)) -> Result<Outcome,
         totals,
         table,
     })
+}
+
+/// The run's title line.
+fn title(opts: &Options, of_load: &str) -> String {
+    format!(
+        "chaos run: seed {}, {} s{of_load}, {} replicas, {} clients, faults {}{}",
+        opts.seed,
+        opts.seconds,
+        opts.replicas,
+        opts.clients,
+        opts.faults,
+        opts.plant
+            .as_ref()
+            .map(|p| format!(", PLANTED BUG {p}"))
+            .unwrap_or_default()
+    )
+}
+
+/// Redis, the replicas and the mock up; what the guests share.
+async fn start(opts: &Options, schedule: &[Event]) -> Result<(Arc<Cluster>, Arc<Ctx>), ChaosError> {
+    let cluster = Arc::new(
+        Cluster::start(
+            &opts.spendgate,
+            opts.redis_server.clone(),
+            opts.replicas,
+            &opts.budgets,
+            opts.plant.clone(),
+        )
+        .await?,
+    );
+    let client = |total: Option<Duration>| {
+        let b = reqwest::Client::builder()
+            .pool_max_idle_per_host(256)
+            .connect_timeout(Duration::from_secs(2));
+        let b = match total {
+            Some(t) => b.timeout(t),
+            None => b,
+        };
+        b.build()
+            .map_err(|e| ChaosError::Setup(format!("http client: {e}")))
+    };
+    let ctx = Arc::new(Ctx {
+        bases: cluster.bases(),
+        up: (0..opts.replicas).map(|_| AtomicBool::new(true)).collect(),
+        mock_base: format!("http://127.0.0.1:{}", cluster.mock_port),
+        http: client(None)?,
+        upstream_http: client(Some(Duration::from_secs(20)))?,
+        schedule: schedule.to_vec(),
+        faults: opts.faults.clone(),
+        knobs: opts.knobs.clone(),
+        start: Instant::now(),
+        stop: AtomicBool::new(false),
+        record: Mutex::new(Record::default()),
+        next_ip: AtomicUsize::new(opts.clients),
+    });
+    Ok((cluster, ctx))
+}
+
+/// The tasks of a run besides the driver's own.
+struct Tasks {
+    observer: tokio::task::JoinHandle<(Observed, observe::Limits)>,
+    observer_stop: Arc<AtomicBool>,
+    injector: tokio::task::JoinHandle<()>,
+    squeeze: Option<tokio::task::JoinHandle<()>>,
+    guests: tokio::task::JoinSet<()>,
+}
+
+impl Tasks {
+    fn spawn(ctx: &Arc<Ctx>, cluster: &Arc<Cluster>, opts: &Options) -> Tasks {
+        let observer_stop = Arc::new(AtomicBool::new(false));
+        let mut guests = tokio::task::JoinSet::new();
+        for g in 0..opts.clients {
+            guests.spawn(guest::guest(ctx.clone(), g, opts.seed));
+        }
+        Tasks {
+            observer: tokio::spawn(observe_loop(ctx.clone(), observer_stop.clone())),
+            observer_stop,
+            injector: tokio::spawn(inject(ctx.clone(), cluster.clone(), opts.flood_connections)),
+            squeeze: opts
+                .squeeze
+                .then(|| tokio::spawn(squeeze(ctx.clone(), opts.seconds, opts.squeeze_at))),
+            guests,
+        }
+    }
+}
+
+/// The load's time, with a progress line every [`PROGRESS_EVERY`].
+async fn load(ctx: &Ctx, seconds: u64, out: &mut (dyn Write + Send)) -> Result<(), ChaosError> {
+    let load_end = ctx.start + Duration::from_secs(seconds);
+    while Instant::now() < load_end {
+        let next = (Instant::now() + PROGRESS_EVERY).min(load_end);
+        tokio::time::sleep_until(next.into()).await;
+        let line = {
+            let rec = lock(&ctx.record);
+            format!(
+                "  t={:>6.1}s  admitted {:?}  refused {}  no answer {}",
+                ctx.start.elapsed().as_secs_f64(),
+                rec.admitted,
+                rec.refused.values().sum::<u64>(),
+                rec.no_answer
+            )
+        };
+        writeln!(out, "{line}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// The end: the guests finish their runs, the last faults end, the leases run out (all
+/// bounded); returns the last summary and what the observer saw.
+async fn wind_down(
+    ctx: &Ctx,
+    mut tasks: Tasks,
+    lease_wait: Duration,
+    notes: &mut Vec<String>,
+) -> (End, Observed) {
+    ctx.stop.store(true, Ordering::Relaxed);
+    let guests_done = tokio::time::timeout(GUESTS_END_MAX, async {
+        while tasks.guests.join_next().await.is_some() {}
+    })
+    .await;
+    if guests_done.is_err() {
+        notes.push(format!(
+            "guests still busy {GUESTS_END_MAX:?} after the load stopped: aborted"
+        ));
+        tasks.guests.abort_all();
+    }
+    if let Some(s) = tasks.squeeze {
+        let _ = s.await;
+    }
+    if tokio::time::timeout(FAULTS_END_MAX, tasks.injector)
+        .await
+        .is_err()
+    {
+        notes.push("the fault injector did not end in time".into());
+    }
+    let end = wait_for_leases(ctx, lease_wait).await;
+    tasks.observer_stop.store(true, Ordering::Relaxed);
+    let (observed, _) = tasks.observer.await.unwrap_or_default();
+    (end, observed)
+}
+
+/// The last look at the reservations, once nothing moves, at the most rows (a failed
+/// listing halves its rows: tried again).
+async fn last_look(ctx: &Ctx, observed: &mut Observed) {
+    let mut limits = observe::Limits::most();
+    for _ in 0..4 {
+        for base in &ctx.bases {
+            if observe::poll(&ctx.http, base, observed, &mut limits).await {
+                return;
+            }
+        }
+    }
+}
+
+/// What the report should say about how whole the evidence is.
+fn evidence_notes(observed: &Observed, rec: &Record) -> Vec<String> {
+    let mut notes = Vec::new();
+    if observed.full_listings > 0 {
+        notes.push(format!(
+            "{} reservation listings came back full ({} rows): older rows may have been missed",
+            observed.full_listings,
+            observe::LISTING_ROWS
+        ));
+    }
+    if observed.failed_polls > 0 {
+        notes.push(format!(
+            "{} of {} reservation polls failed (a replica or Redis down, or a listing past \
+             the store's timeout)",
+            observed.failed_polls, observed.polls
+        ));
+    }
+    if rec.squeeze_unknown {
+        notes.push(
+            "the global squeeze's outcome is unknown: the global books were not checked".into(),
+        );
+    }
+    notes
 }
 
 /// Polls every reservation listing until told to stop; returns what it saw.

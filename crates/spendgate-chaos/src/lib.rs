@@ -404,7 +404,7 @@ async fn wind_down(
 /// The last look at the reservations, once nothing moves, at the most rows (a failed
 /// listing halves its rows: tried again).
 async fn last_look(ctx: &Ctx, observed: &mut Observed) {
-    let mut limits = observe::Limits::most();
+    let mut limits = observe::Limits::default().most();
     for _ in 0..4 {
         for base in &ctx.bases {
             if observe::poll(&ctx.http, base, observed, &mut limits).await {
@@ -417,11 +417,12 @@ async fn last_look(ctx: &Ctx, observed: &mut Observed) {
 /// What the report should say about how whole the evidence is.
 fn evidence_notes(observed: &Observed, rec: &Record) -> Vec<String> {
     let mut notes = Vec::new();
-    if observed.full_listings > 0 {
+    if observed.gaps > 0 {
         notes.push(format!(
-            "{} reservation listings came back full ({} rows): older rows may have been missed",
-            observed.full_listings,
-            observe::LISTING_ROWS
+            "{} reservation listings came back full with their oldest row newer than the \
+             state's previous listing: rows between may have been missed (books may fail \
+             for it)",
+            observed.gaps
         ));
     }
     if observed.failed_polls > 0 {

@@ -40,8 +40,9 @@ pub struct Observed {
     pub flip_count: u64,
     pub polls: u64,
     pub failed_polls: u64,
-    /// Listings that came back full: older rows of that state may have been missed.
-    pub full_listings: u64,
+    /// Listings that came back full and whose oldest row is newer than the previous
+    /// listing of that state: rows between the two may have been missed.
+    pub gaps: u64,
 }
 
 impl Observed {
@@ -117,21 +118,47 @@ pub async fn admin_get(http: &reqwest::Client, base: &str, path: &str) -> Option
 const LISTING_ROWS_START: usize = 250;
 const LISTING_ROWS_MIN: usize = 100;
 
-/// How many rows each state's listing asks for.
+/// How many rows each state's listing asks for, and when each state was last listed
+/// (seconds since the epoch, the store's clock being this machine's).
 #[derive(Debug, Clone)]
-pub struct Limits([usize; 5]);
+pub struct Limits {
+    rows: [usize; 5],
+    listed_at: [Option<u64>; 5],
+}
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits([LISTING_ROWS_START; 5])
+        Limits {
+            rows: [LISTING_ROWS_START; 5],
+            listed_at: [None; 5],
+        }
     }
 }
 
 impl Limits {
     /// Every listing at its most rows (the last look, once nothing moves).
-    pub fn most() -> Self {
-        Limits([LISTING_ROWS; 5])
+    pub fn most(mut self) -> Self {
+        self.rows = [LISTING_ROWS; 5];
+        self
     }
+}
+
+fn now_s() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// Seconds since the epoch of `YYYY-MM-DDTHH:MM:SSZ` (how the admin API writes times).
+fn epoch_s(t: &str) -> Option<u64> {
+    let num = |r: std::ops::Range<usize>| t.get(r)?.parse::<u32>().ok();
+    if t.len() != 20 || !t.ends_with('Z') {
+        return None;
+    }
+    let days =
+        spendgate_core::window::days_from_civil(i64::from(num(0..4)?), num(5..7)?, num(8..10)?);
+    let secs = u64::from(num(11..13)? * 3600 + num(14..16)? * 60 + num(17..19)?);
+    u64::try_from(days).ok().map(|d| d * 86_400 + secs)
 }
 
 /// One poll of every state's listing from `base`; false when a listing failed.
@@ -143,8 +170,9 @@ pub async fn poll(
 ) -> bool {
     let mut ok = true;
     for (i, state) in STATES.iter().enumerate() {
-        let limit = limits.0[i];
+        let limit = limits.rows[i];
         let path = format!("/admin/v1/reservations?state={state}&limit={limit}");
+        let asked_at = now_s();
         match admin_get(http, base, &path).await {
             Some(v) => {
                 let rows = v
@@ -153,15 +181,26 @@ pub async fn poll(
                     .cloned()
                     .unwrap_or_default();
                 if rows.len() >= limit {
-                    if limit >= LISTING_ROWS {
-                        observed.full_listings += 1;
+                    // Full: the rows before the oldest listed were not. Missed only if that
+                    // oldest row is newer than the previous listing (one second of margin:
+                    // the times are whole seconds).
+                    let oldest = rows
+                        .iter()
+                        .filter_map(|r| r.get("created").and_then(Value::as_str))
+                        .filter_map(epoch_s)
+                        .min();
+                    let covered = matches!((oldest, limits.listed_at[i]),
+                        (Some(o), Some(prev)) if o + 1 < prev);
+                    if !covered && limits.listed_at[i].is_some() {
+                        observed.gaps += 1;
                     }
-                    limits.0[i] = (limit * 2).min(LISTING_ROWS);
+                    limits.rows[i] = (limit * 2).min(LISTING_ROWS);
                 }
+                limits.listed_at[i] = Some(asked_at);
                 observed.absorb(&rows);
             }
             None => {
-                limits.0[i] = (limit / 2).max(LISTING_ROWS_MIN);
+                limits.rows[i] = (limit / 2).max(LISTING_ROWS_MIN);
                 ok = false;
             }
         }
@@ -238,6 +277,14 @@ fn encode(s: &str) -> String {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn admin_times_read_as_epoch_seconds() {
+        let t =
+            spendgate_core::window::rfc3339(spendgate_core::UnixMs(1_764_777_600_000 + 3_723_000));
+        assert_eq!(epoch_s(&t), Some(1_764_777_600 + 3_723));
+        assert_eq!(epoch_s("2026-12-03T17:00:00"), None);
+    }
 
     #[test]
     fn query_values_are_encoded() {

@@ -39,12 +39,17 @@ fn newest(path: &Path) -> Option<SystemTime> {
         .max()
 }
 
+/// How to build the binary these tests need.
+const BUILD: &str = "build it with `cargo build -p spendgate-server -p spendgate-chaos` (the \
+    workspace's tests build it; `cargo build` or `cargo test -p spendgate-server` alone builds \
+    it without the planted bugs)";
+
 /// The `spendgate` binary next to this test's, refused when it is older than its sources
-/// (`cargo test -p spendgate-chaos` alone does not build it; `cargo test --workspace` does).
+/// (`cargo test -p spendgate-chaos` alone does not build it; `cargo test --workspace` does)
+/// or built without the planted-bug switches.
 pub fn spendgate() -> PathBuf {
-    let bin = spendgate_testkit::workspace_bin("spendgate").unwrap_or_else(|e| {
-        panic!("{e}: build it with `cargo build -p spendgate-server -p spendgate-chaos`")
-    });
+    let bin =
+        spendgate_testkit::workspace_bin("spendgate").unwrap_or_else(|e| panic!("{e}: {BUILD}"));
     let built = std::fs::metadata(&bin)
         .and_then(|m| m.modified())
         .expect("the binary's time");
@@ -53,12 +58,18 @@ pub fn spendgate() -> PathBuf {
         if let Some(t) = newest(&crates.join(s)) {
             assert!(
                 t <= built,
-                "{} is older than crates/{s}: rebuild it with `cargo build -p spendgate-server \
-                 -p spendgate-chaos` (the workspace's tests build it)",
+                "{} is older than crates/{s}: {BUILD}",
                 bin.display()
             );
         }
     }
+    let image = std::fs::read(&bin).expect("the binary");
+    let banner = b"PLANTED BUG ACTIVE";
+    assert!(
+        image.windows(banner.len()).any(|w| w == banner),
+        "{} has no planted-bug switches: {BUILD}",
+        bin.display()
+    );
     bin
 }
 

@@ -122,9 +122,19 @@
 //! - `max_tokens_seen`: for each accepted request, the smaller of `max_tokens` /
 //!   `max_completion_tokens` it carried, or 0 when it carried neither; the last 1024 values.
 //! - `last_request`: the last request body that parsed as JSON.
+//!
+//! # Per-request ground truth
+//! A request with the header `x-mock-tag: T` (1 to 128 bytes of ASCII) has what was served
+//! for it recorded under `T` ([`Served`]): the prompt, cached and completion tokens counted as
+//! above, the output bound it carried, the status of the answer's head, whether it finished,
+//! its fault mode, and how many requests carried `T`. `GET /mock/served` (and
+//! [`MockUpstream::served`]) lists the newest [`SERVED_TAGS_MAX`] tags, oldest first, with the
+//! number of older ones dropped (`evicted`). The chaos run (`crates/spendgate-chaos`)
+//! compares what a gateway charged for each reservation against this record.
 
 #![forbid(unsafe_code)]
 
+mod served;
 mod stream;
 mod tokens;
 
@@ -143,6 +153,7 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+pub use served::{Served, ServedTags, SERVED_TAGS_MAX, TAG_BYTES_MAX, TAG_HEADER};
 pub use tokens::prompt_tokens_of;
 
 /// Largest request body accepted, in bytes.
@@ -266,6 +277,7 @@ struct Counters {
     by_fault: BTreeMap<String, u64>,
     max_tokens_seen: VecDeque<u64>,
     last_request: Option<Value>,
+    served: served::ServedLog,
 }
 
 impl MockUpstream {
@@ -286,13 +298,14 @@ impl MockUpstream {
     }
 
     /// The routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /mock/stats`,
-    /// `POST /mock/reset`.
+    /// `POST /mock/reset`, `GET /mock/served`.
     pub fn router(&self) -> Router {
         Router::new()
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/models", get(models))
             .route("/mock/stats", get(stats_handler))
             .route("/mock/reset", post(reset_handler))
+            .route("/mock/served", get(served_handler))
             .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
             .with_state(self.clone())
     }
@@ -312,7 +325,12 @@ impl MockUpstream {
         }
     }
 
-    /// Zero the counters.
+    /// What was served for each tagged request ([`TAG_HEADER`]), oldest first.
+    pub fn served(&self) -> ServedTags {
+        self.counters().served.snapshot()
+    }
+
+    /// Zero the counters (and forget every tag).
     pub fn reset(&self) {
         *self.counters() = Counters::default();
     }
@@ -365,22 +383,55 @@ impl MockUpstream {
     }
 
     /// Count the prompt side of an answer whose generation started.
-    pub(crate) fn count_prompt(&self, prompt_tokens: u64, cached_tokens: u64) {
+    pub(crate) fn count_prompt(&self, plan: &Plan) {
+        let (prompt_tokens, cached_tokens) = (plan.prompt_tokens, plan.cached_tokens);
         let mut c = self.counters();
         c.prompt_tokens = c.prompt_tokens.saturating_add(prompt_tokens);
         c.cached_tokens = c.cached_tokens.saturating_add(cached_tokens);
+        if let Some(tag) = &plan.tag {
+            c.served.update(tag, |s| {
+                s.prompt_tokens = s.prompt_tokens.saturating_add(prompt_tokens);
+                s.cached_tokens = s.cached_tokens.saturating_add(cached_tokens);
+            });
+        }
     }
 
     /// Count completion tokens that were generated and sent.
-    pub(crate) fn count_completion(&self, tokens: u64) {
+    pub(crate) fn count_completion(&self, plan: &Plan, tokens: u64) {
         let mut c = self.counters();
         c.completion_tokens = c.completion_tokens.saturating_add(tokens);
+        if let Some(tag) = &plan.tag {
+            c.served.update(tag, |s| {
+                s.completion_tokens = s.completion_tokens.saturating_add(tokens);
+            });
+        }
     }
 
     /// Count an answer that finished.
-    pub(crate) fn count_completed(&self) {
+    pub(crate) fn count_completed(&self, plan: &Plan) {
         let mut c = self.counters();
         c.completed = c.completed.saturating_add(1);
+        if let Some(tag) = &plan.tag {
+            c.served.update(tag, |s| s.finished = true);
+        }
+    }
+
+    /// A tagged request was planned: its record is opened.
+    fn open_tag(&self, plan: &Plan) {
+        if let Some(tag) = &plan.tag {
+            let mut c = self.counters();
+            c.served
+                .open(tag, plan.fault.name(), plan.stream, plan.max_tokens);
+        }
+    }
+
+    /// The head of a tagged request's answer is ready.
+    fn tag_status(&self, tag: Option<&str>, status: u16) {
+        if let Some(tag) = tag {
+            self.counters()
+                .served
+                .update(tag, |s| s.status = Some(status));
+        }
     }
 }
 
@@ -478,6 +529,8 @@ pub(crate) struct Plan {
     pub(crate) running_cached: Option<u64>,
     /// The most completion tokens a usage reports ([`REPORTED_COMPLETION_TOKENS_HEADER`]).
     pub(crate) reported_cap: u64,
+    /// The request's [`TAG_HEADER`]: what is served for it is recorded under it.
+    pub(crate) tag: Option<Arc<str>>,
 }
 
 impl Plan {
@@ -621,6 +674,7 @@ fn plan_request(
     let running_usage = header_u64(headers, RUNNING_USAGE_HEADER)?.unwrap_or(0) != 0;
     let running_cached = header_u64(headers, RUNNING_CACHED_TOKENS_HEADER)?;
     let reported_cap = header_u64(headers, REPORTED_COMPLETION_TOKENS_HEADER)?.unwrap_or(u64::MAX);
+    let tag = served::tag_of(headers)?;
 
     let prompt_tokens = prompt_tokens_of(body);
     let clamped = max_tokens.map_or(length, |m| length.min(m));
@@ -658,6 +712,7 @@ fn plan_request(
         running_cached: running_usage
             .then(|| running_cached.map_or(cached_tokens, |c| c.min(prompt_tokens))),
         reported_cap,
+        tag,
     })
 }
 
@@ -729,6 +784,7 @@ async fn chat_completions(
     drop(body);
     mock.count_fault(plan.fault.name());
     mock.record_max_tokens(plan.max_tokens);
+    mock.open_tag(&plan);
     tracing::debug!(
         id = %plan.id,
         fault = plan.fault.name(),
@@ -743,7 +799,9 @@ async fn chat_completions(
     }
 
     let odd_headers = plan.fault == Fault::OddHeaders;
-    let mut response = answer(mock, plan).await;
+    let tag = plan.tag.clone();
+    let mut response = answer(mock.clone(), plan).await;
+    mock.tag_status(tag.as_deref(), response.status().as_u16());
     if odd_headers {
         let headers = response.headers_mut();
         for (k, v) in ODD_HEADERS {
@@ -787,8 +845,8 @@ async fn answer(mock: MockUpstream, plan: Plan) -> Response {
             response
         }
         Fault::Http504 => {
-            mock.count_prompt(plan.prompt_tokens, plan.cached_tokens);
-            mock.count_completion(plan.completion_tokens);
+            mock.count_prompt(&plan);
+            mock.count_completion(&plan, plan.completion_tokens);
             error_response(
                 StatusCode::GATEWAY_TIMEOUT,
                 "server_error",
@@ -797,12 +855,12 @@ async fn answer(mock: MockUpstream, plan: Plan) -> Response {
             )
         }
         Fault::Hang => {
-            mock.count_prompt(plan.prompt_tokens, plan.cached_tokens);
+            mock.count_prompt(&plan);
             tokio::time::sleep(MAX_WAIT).await;
             aborted_response()
         }
         Fault::DropMidStream if !plan.stream => {
-            mock.count_prompt(plan.prompt_tokens, plan.cached_tokens);
+            mock.count_prompt(&plan);
             aborted_response()
         }
         _ if plan.stream => stream::response(mock, plan),
@@ -855,9 +913,9 @@ async fn complete_response(mock: MockUpstream, plan: Plan) -> Response {
             obj.insert("usage".to_owned(), plan.usage());
         }
     }
-    mock.count_prompt(plan.prompt_tokens, plan.cached_tokens);
-    mock.count_completion(plan.completion_tokens);
-    mock.count_completed();
+    mock.count_prompt(&plan);
+    mock.count_completion(&plan, plan.completion_tokens);
+    mock.count_completed(&plan);
     (StatusCode::OK, Json(body)).into_response()
 }
 
@@ -875,6 +933,10 @@ async fn models() -> Json<Value> {
 
 async fn stats_handler(State(mock): State<MockUpstream>) -> Json<MockStats> {
     Json(mock.stats())
+}
+
+async fn served_handler(State(mock): State<MockUpstream>) -> Json<ServedTags> {
+    Json(mock.served())
 }
 
 async fn reset_handler(State(mock): State<MockUpstream>) -> Json<Value> {

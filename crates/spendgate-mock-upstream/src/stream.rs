@@ -97,7 +97,7 @@ impl Generator {
             Phase::Trailing => {
                 self.phase = Phase::Done;
                 let (from, to) = (self.next_token, self.next_token.saturating_add(1));
-                self.mock.count_completion(1);
+                self.mock.count_completion(&self.plan, 1);
                 self.next_token = to;
                 Some(Ok(
                     self.chunk(json!({"content": tokens::words(from, to)}), None)
@@ -122,7 +122,7 @@ impl Generator {
             }
             Phase::Done => {
                 self.phase = Phase::Linger;
-                self.mock.count_completed();
+                self.mock.count_completed(&self.plan);
                 Some(Ok(Bytes::from_static(b"data: [DONE]\n\n")))
             }
             Phase::Linger => {
@@ -178,10 +178,9 @@ impl Generator {
         self.next_token = to;
         let bytes = self.chunk(delta, None);
         if first {
-            self.mock
-                .count_prompt(self.plan.prompt_tokens, self.plan.cached_tokens);
+            self.mock.count_prompt(&self.plan);
         }
-        self.mock.count_completion(to - from);
+        self.mock.count_completion(&self.plan, to - from);
         self.chunks_sent = self.chunks_sent.saturating_add(1);
         let content_done = to >= total;
         let cut = content_done || self.chunks_sent >= CHUNKS_BEFORE_DROP;
@@ -200,7 +199,7 @@ impl Generator {
     /// What follows the usage chunk (or the finish chunk, when there is none).
     fn after_usage(&mut self) -> Phase {
         if self.plan.fault == Fault::NoDone {
-            self.mock.count_completed();
+            self.mock.count_completed(&self.plan);
             Phase::End
         } else {
             Phase::Done

@@ -921,3 +921,112 @@ async fn odd_headers_fault() {
         assert!(!errored && text.contains("tok15"), "{text}");
     }
 }
+
+/// `x-mock-tag`: each tagged request's served tokens are recorded under its tag, as the
+/// aggregate stats count them: a whole answer, a stream the client left early (only what was
+/// emitted), an error that did no work, and a refused tag.
+#[tokio::test]
+async fn tagged_requests_record_what_was_served() {
+    let m = Mock::start(MockConfig {
+        tokens_per_second: 200,
+        ..MockConfig::default()
+    })
+    .await;
+    let whole = json_with(
+        &m,
+        &json!({"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}),
+        &[("x-mock-tag", "whole"), ("x-mock-tokens-per-second", "0")],
+    )
+    .await;
+    let usage = &whole["usage"];
+    // A stream the client drops after its first chunk.
+    let r = m
+        .client
+        .post(m.url("/v1/chat/completions"))
+        .header("x-mock-tag", "left")
+        .header("x-mock-completion-tokens", "400")
+        .json(&body(true))
+        .send()
+        .await
+        .expect("send");
+    let mut s = r.bytes_stream();
+    let _ = s.next().await;
+    drop(s);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = m
+        .client
+        .post(m.url("/v1/chat/completions"))
+        .header("x-mock-tag", "failed")
+        .header("x-mock-fault", "http_500")
+        .json(&body(false))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 500);
+    let long = "x".repeat(129);
+    let r = m
+        .client
+        .post(m.url("/v1/chat/completions"))
+        .header("x-mock-tag", long)
+        .json(&body(false))
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 400);
+
+    let v: Value = m
+        .client
+        .get(m.url("/mock/served"))
+        .send()
+        .await
+        .expect("served")
+        .json()
+        .await
+        .expect("json");
+    let served: spendgate_mock_upstream::ServedTags = serde_json::from_value(v).expect("shape");
+    assert_eq!(served.evicted, 0);
+    let tags: Vec<&str> = served.served.iter().map(|s| s.tag.as_str()).collect();
+    assert_eq!(tags, ["whole", "left", "failed"]);
+    let [whole, left, failed] = &served.served[..] else {
+        panic!("three records");
+    };
+    assert_eq!(
+        (whole.prompt_tokens, whole.completion_tokens, whole.finished),
+        (
+            usage["prompt_tokens"].as_u64().expect("prompt"),
+            usage["completion_tokens"].as_u64().expect("completion"),
+            true
+        )
+    );
+    assert_eq!(
+        (whole.max_tokens, whole.status, whole.requests),
+        (Some(6), Some(200), 1)
+    );
+    assert!(
+        left.stream && !left.finished && left.prompt_tokens > 0,
+        "{left:?}"
+    );
+    assert!(
+        left.completion_tokens > 0 && left.completion_tokens < 400,
+        "only what was emitted: {left:?}"
+    );
+    assert_eq!(
+        (
+            failed.status,
+            failed.prompt_tokens,
+            failed.completion_tokens,
+            failed.fault.as_str()
+        ),
+        (Some(500), 0, 0, "http_500")
+    );
+    // The aggregate counts are the sums of the tagged ones (every request here was tagged).
+    let stats = m.mock.stats();
+    assert_eq!(
+        stats.completion_tokens,
+        served
+            .served
+            .iter()
+            .map(|s| s.completion_tokens)
+            .sum::<u64>()
+    );
+}

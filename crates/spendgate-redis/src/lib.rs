@@ -76,6 +76,7 @@
 //! most 256 expiries, 1024 idle rates and 1024 stale counters per call (the core: `SWEEP_EXPIRIES_MAX` expiries and all the rest);
 //! listings return at most 100 000 entries.
 
+pub mod plant;
 mod protocol;
 pub mod witness;
 
@@ -329,13 +330,11 @@ struct Library {
 }
 
 fn library() -> Library {
-    let digest = Sha256::digest(SCRIPT_BODY.as_bytes());
+    let body = plant::script(SCRIPT_BODY);
+    let digest = Sha256::digest(body.as_bytes());
     let name = format!("spendgate_{}", hex::encode(&digest[..8]));
     Library {
-        code: format!(
-            "#!lua name={name}\n{}",
-            SCRIPT_BODY.replace("SPENDGATE_FN", &name)
-        ),
+        code: format!("#!lua name={name}\n{}", body.replace("SPENDGATE_FN", &name)),
         read: format!("{name}_ro"),
         write: name,
     }

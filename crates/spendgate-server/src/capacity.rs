@@ -269,7 +269,11 @@ pub fn refusal(full: Full) -> Response {
 /// The middleware: classify, take the slots or refuse, bound the body's rate, and keep the
 /// slots until the answer has been sent.
 pub async fn admit(State(state): State<Shared>, req: Request, next: Next) -> Response {
-    let class = classify(&state, req.uri().path(), req.headers());
+    let class = if crate::plant::on(crate::plant::Plant::SharedCapacity) {
+        Class::Public
+    } else {
+        classify(&state, req.uri().path(), req.headers())
+    };
     if class == Class::Public
         && req
             .extensions()
@@ -278,7 +282,8 @@ pub async fn admit(State(state): State<Shared>, req: Request, next: Next) -> Res
     {
         return refusal(Full::Connections);
     }
-    let prefixes = if class.per_address() {
+    let prefixes = if class.per_address() && !crate::plant::on(crate::plant::Plant::SharedCapacity)
+    {
         address_prefixes(&state, &req)
     } else {
         Vec::new()

@@ -105,7 +105,7 @@ impl From<&Refusal> for ApiError {
         };
         ApiError {
             status,
-            code: r.code.name(),
+            code: crate::plant::code(r.code.name()),
             message: r.message.clone(),
             scope: r.scope,
             retry_after_s: retry,

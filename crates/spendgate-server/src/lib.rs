@@ -14,6 +14,7 @@ pub mod listener;
 pub mod metrics;
 pub mod ops;
 pub mod pace;
+pub mod plant;
 pub mod proxy;
 pub mod tokens;
 
@@ -178,6 +179,7 @@ pub fn install_crypto() {
 
 /// Builds the shared state: tokens, session keys (an ephemeral one when none is configured).
 pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, ServerError> {
+    plant::announce().map_err(ServerError::Config)?;
     let mut keys: Vec<Vec<u8>> = config
         .sessions
         .keys

@@ -106,6 +106,9 @@ pub struct PeerBound {
 
 impl PeerBound {
     pub fn of(config: &crate::config::Config) -> PeerBound {
+        if crate::plant::on(crate::plant::Plant::SharedCapacity) {
+            return PeerBound::none();
+        }
         PeerBound {
             max: config.server.capacity.address_connections_max,
             trusted: config.server.trusted_proxies.clone(),

@@ -696,7 +696,11 @@ impl Drop for StepGuard {
         let Some((step, run)) = self.take() else {
             return;
         };
-        let how = self.settlement(self.usage, self.seen, self.output);
+        let how = if self.usage.is_none() && crate::plant::on(crate::plant::Plant::DropReleases) {
+            Resolution::Release
+        } else {
+            self.settlement(self.usage, self.seen, self.output)
+        };
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
             handle.spawn(Self::settle(self.state.clone(), step, run, how));
         }
@@ -1293,6 +1297,7 @@ pub async fn chat_completions(
         // that ignores the other alias would generate past the bound reserved.
         o.remove("max_tokens");
         o.remove("max_completion_tokens");
+        let out = crate::plant::forwarded_bound(out, requested);
         o.insert(model.output_bound_field.name().to_string(), json!(out));
         if let Some(name) = &model.upstream_model {
             o.insert("model".into(), json!(name));
@@ -1576,6 +1581,7 @@ const FORWARDED_HEADERS: &[&str] = &[
     "x-mock-running-cached-tokens",
     "x-mock-tokens-per-second",
     "x-mock-stamp",
+    "x-mock-tag",
 ];
 
 /// Only spendgate's own step headers of an answer's headers.

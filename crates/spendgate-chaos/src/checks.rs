@@ -105,6 +105,19 @@ fn beyond_bound(price: &ModelPrice, s: &Served) -> u64 {
     }
 }
 
+/// What a reservation owes for what was served: its whole cost, except that output generated
+/// past the bound the request carried by an upstream that then answered an error status
+/// (`http_504`: the work done, no answer delivered) counts at the bound. No gateway sees
+/// output that never reached it; spendgate charges such a call in full at the bound it
+/// forwarded (its reservation), which is what an upstream honouring the bound costs.
+fn owed(price: &ModelPrice, s: &Served) -> u64 {
+    if s.status.is_some_and(|st| st >= 400) {
+        cost(price, s).saturating_sub(beyond_bound(price, s))
+    } else {
+        cost(price, s)
+    }
+}
+
 /// The charge a reservation ends with: what it was charged once terminal; while still held,
 /// what its expiry will charge (a reservation left open is the `open` check's).
 fn charge_of(r: &Seen) -> u64 {
@@ -231,7 +244,7 @@ fn lost(i: &Inputs<'_>) -> Check {
         .collect();
     let mut unnamed_served: BTreeMap<&str, (u64, u64)> = BTreeMap::new();
     for s in &i.served.served {
-        let served = cost(&i.price, s);
+        let served = owed(&i.price, s);
         if served == 0 {
             continue;
         }
@@ -588,6 +601,30 @@ mod tests {
         let (rec, obs, mut usage, served) = world();
         usage.global.as_mut().expect("global").reserved = 5;
         assert_eq!(check(&rec, &obs, &usage, &served)["open"], 1);
+    }
+
+    #[test]
+    fn output_beyond_the_bound_never_delivered_is_owed_at_the_bound() {
+        let p = price();
+        let delivered = Served {
+            tag: "t".into(),
+            requests: 1,
+            prompt_tokens: 10,
+            completion_tokens: 100,
+            max_tokens: Some(16),
+            status: Some(200),
+            finished: true,
+            fault: "none".into(),
+            ..Served::default()
+        };
+        assert_eq!(owed(&p, &delivered), cost(&p, &delivered));
+        let undelivered = Served {
+            status: Some(504),
+            finished: false,
+            fault: "http_504".into(),
+            ..delivered.clone()
+        };
+        assert_eq!(owed(&p, &undelivered), 10 * 10 + 16 * 30);
     }
 
     #[test]

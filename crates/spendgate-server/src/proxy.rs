@@ -7,7 +7,9 @@
 //! what the upstream had sent is read and counted for at most [`CUT_DRAIN_MAX`], the
 //! connection is closed and the client's stream ends with an error event); a whole answer
 //! past it is cut to it (`finish_reason: "length"`, header `spendgate-output-cut: true`).
-//! No charge is below the output counted ([`settlement`]).
+//! A client that goes away mid-stream leaves the same drain behind it, in the background:
+//! what the upstream had sent is counted before the step is resolved. No charge is below the
+//! output counted ([`settlement`]).
 //!
 //! Terminal states:
 //! - upstream answered with usage (streamed or not) → `committed` at the observed usage (its
@@ -1988,7 +1990,7 @@ type Stop = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
 /// Longest the proxy goes on reading a stream it cut at the output bound, to count what the
 /// upstream had sent already (and may bill), before it closes the connection.
-pub const CUT_DRAIN_MAX: Duration = Duration::from_millis(500);
+pub const CUT_DRAIN_MAX: Duration = Duration::from_millis(2000);
 /// Most bytes read from a stream after it was cut at the output bound.
 pub const CUT_DRAIN_BYTES_MAX: usize = 4 * 1024 * 1024;
 
@@ -2069,7 +2071,7 @@ fn relay<U>(
 where
     U: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static,
 {
-    struct S<B> {
+    struct S<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static> {
         /// The upstream's body; dropped (its connection closed) when the stream is cut.
         upstream: Option<B>,
         guard: Option<StepGuard>,
@@ -2078,15 +2080,38 @@ where
         idle: Duration,
         started: Instant,
     }
-    impl<B> Drop for S<B> {
-        /// The client went away (or the body was dropped) mid-stream: the step is resolved
-        /// by its guard ([`StepGuard`]'s `Drop`) from what the tap read and counted.
+    impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static> Drop for S<B> {
+        /// The client went away (or the body was dropped) mid-stream: what the upstream had
+        /// sent already (and may bill) is read and counted in the background ([`drain`],
+        /// bounded like a cut's), then the step is resolved by its guard ([`StepGuard`]'s
+        /// `Drop`) from what the tap read and counted (SPEC I1b: an upstream that wrote its
+        /// whole answer before the client left is charged for all of it).
         fn drop(&mut self) {
-            if let Some(g) = self.guard.as_mut() {
-                g.usage = self.tap.final_usage();
-                g.seen = self.tap.usage;
-                g.output = self.tap.output.tally();
-            }
+            let Some(mut guard) = self.guard.take() else {
+                return;
+            };
+            let mut tap = std::mem::replace(&mut self.tap, SseTap::new(false, Tokenizer::Bytes, 0));
+            let mut stop: Stop =
+                std::mem::replace(&mut self.stop, Box::pin(std::future::pending()));
+            let upstream = self.upstream.take();
+            let Ok(handle) = tokio::runtime::Handle::try_current() else {
+                guard.usage = tap.final_usage();
+                guard.seen = tap.usage;
+                guard.output = tap.output.tally();
+                return;
+            };
+            handle.spawn(async move {
+                let mut upstream = upstream;
+                let end = drain(upstream.as_mut(), &mut tap, &mut stop).await;
+                guard.usage = match end {
+                    DrainEnd::Whole => tap.end_usage(),
+                    DrainEnd::Cut => tap.final_usage(),
+                };
+                guard.seen = tap.usage;
+                guard.output = tap.output.tally();
+                drop(upstream);
+                drop(guard);
+            });
         }
     }
     let s = S {
@@ -2099,11 +2124,14 @@ where
     };
     futures::stream::unfold(s, |mut s| async move {
         loop {
-            let mut guard = s.guard.take()?;
+            // The guard stays in `s` while the upstream is awaited, so that a client going
+            // away (the body dropped) finds it there ([`S`]'s `Drop`).
+            s.guard.as_ref()?;
             let upstream = s.upstream.as_mut()?;
             let next = tokio::select! {
                 next = tokio::time::timeout(s.idle, upstream.next()) => next,
                 _ = &mut s.stop => {
+                    let guard = s.guard.take()?;
                     // The run's time is up (or it ended): the upstream connection is dropped
                     // with the stream, and the step is charged in full unless its usage was
                     // read whole.
@@ -2123,6 +2151,7 @@ where
             match next {
                 Ok(Some(Ok(chunk))) => {
                     let out = s.tap.feed(chunk);
+                    let mut guard = s.guard.take()?;
                     guard.usage = s.tap.final_usage();
                     guard.seen = s.tap.usage;
                     if s.tap.over {
@@ -2151,6 +2180,7 @@ where
                 Ok(None) => {
                     // The stream ended: commit from a usage chunk read whole, else charge in
                     // full (or above, see `settlement`).
+                    let guard = s.guard.take()?;
                     let tail = s.tap.finish();
                     if s.tap.over {
                         let event =
@@ -2166,6 +2196,7 @@ where
                     return Some((Ok(tail), s));
                 }
                 Ok(Some(Err(_))) | Err(_) => {
+                    let guard = s.guard.take()?;
                     guard.state.metrics.upstream_call(s.started.elapsed());
                     // Lost mid-stream: trust a usage chunk that was read whole, else unknown
                     // (or above, see `settlement`).

@@ -1383,6 +1383,59 @@ async fn client_gone_mid_stream_is_charged_in_full() {
     }
 }
 
+/// A client that goes away after the first event of a stream whose upstream writes its whole
+/// answer at once, far past the bound and without usage (finding 3 of issue 18, seen by the
+/// chaos run): what the upstream had sent is still read and counted after the client left,
+/// and the step is charged at least what the upstream served, not only its reservation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn client_gone_from_a_stream_past_its_bound_is_charged_what_was_served() {
+    let g = Gateway::start(Opts::default()).await;
+    let before = g.mock.stats();
+    let r = g
+        .request(
+            "c-gone-past",
+            &json!({"model": MODEL, "stream": true, "max_tokens": 100,
+                "messages": user("tell me everything")}),
+        )
+        .header("x-mock-tokens-per-second", "2000")
+        .header("x-mock-completion-tokens", "100")
+        .header("x-mock-extra-completion-tokens", "800")
+        .header("x-mock-fault", "no_usage")
+        .send()
+        .await
+        .expect("send");
+    assert_eq!(r.status().as_u16(), 200);
+    let step = r
+        .headers()
+        .get("spendgate-step")
+        .and_then(|v| v.to_str().ok())
+        .expect("step")
+        .to_string();
+    let mut body = Box::pin(r.bytes_stream());
+    let first = tokio::time::timeout(Duration::from_secs(5), body.next())
+        .await
+        .expect("first chunk in time");
+    assert!(matches!(first, Some(Ok(_))));
+    drop(body);
+    let row = g.reservation(&step).await;
+    let after = g.mock.stats();
+    assert_eq!(
+        after.completion_tokens - before.completion_tokens,
+        900,
+        "the mock served its whole answer: the bound (100) and 800 past it"
+    );
+    let served = priced_delta(g.prices, &before, &after);
+    let charged = row["charged_micros"].as_u64().expect("charged");
+    assert!(
+        charged >= served,
+        "charged {charged} < served {served}: {row}"
+    );
+    assert!(
+        charged > row["reserved_micros"].as_u64().expect("reserved"),
+        "charged above the reservation: {row}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // Real clients.
 

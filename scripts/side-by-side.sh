@@ -42,7 +42,7 @@ for c in "${cases[@]}"; do
 done
 REDIS_SERVER=${SPENDGATE_REDIS_SERVER:-redis-server}
 BIN=${SPENDGATE_BENCH_BIN:-./target/release/spendgate}
-cargo build --release -q -p spendgate-server --bins
+cargo build --release -q -p spendgate-server -p spendgate-bench -p spendgate-mock-upstream --bins
 . scripts/bench-lib.sh
 dir=$(mktemp -d)
 pids=()
@@ -104,7 +104,7 @@ witness_path = \"$work/side.witness\""
       write_config
     fi
   fi
-  ./target/release/spendgate mock-upstream --listen "127.0.0.1:$mport" --latency-ms "$latency" \
+  ./target/release/mock-upstream --listen "127.0.0.1:$mport" --latency-ms "$latency" \
     > "$work/mock.log" 2>&1 &
   pids+=($!)
   RUST_LOG=warn "$BIN" serve --config "$work/side.toml" > "$work/server.log" 2>&1 &

@@ -6,17 +6,17 @@ pub mod alerts;
 pub mod api;
 pub mod capacity;
 pub mod challenge;
-pub mod config;
 pub mod drift;
 pub mod error;
 pub mod identity;
 pub mod listener;
 pub mod metrics;
 pub mod ops;
-pub mod pace;
 pub mod plant;
 pub mod proxy;
-pub mod tokens;
+
+pub use spendgate_config as config;
+pub use spendgate_tokens as tokens;
 
 use crate::api::{AppState, Shared};
 use crate::config::{Config, StoreKind};

@@ -29,9 +29,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
-/// Connections served at once by one process (most `server.connections_max` may be; the
-/// open files limit is raised for this many).
-pub const CONNECTIONS_MAX: usize = 16_384;
+/// Connections served at once by one process (see [`spendgate_config::CONNECTIONS_MAX`]).
+pub use spendgate_config::CONNECTIONS_MAX;
 
 /// Longest time from accepting a connection on a reserved slot until its request's head
 /// has arrived (and, kept alive, between its requests): a reserved slot is for the

@@ -18,8 +18,10 @@ pub const PERMITS: u32 = 2;
 pub static RUNS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(PERMITS as usize);
 
 /// The sources the `spendgate` binary is built from.
-const SOURCES: [&str; 6] = [
+const SOURCES: [&str; 8] = [
     "spendgate-server/src",
+    "spendgate-config/src",
+    "spendgate-tokens/src",
     "spendgate-core/src",
     "spendgate-store/src",
     "spendgate-redis/src",

@@ -27,6 +27,8 @@
 //!
 //! Every loop is bounded in count and time; only loopback targets are accepted.
 
+#![warn(clippy::too_many_lines)]
+
 use clap::Parser;
 use futures::StreamExt;
 use hdrhistogram::Histogram;
@@ -304,7 +306,7 @@ async fn phase(ctx: &Arc<Ctx>, measure: Measure, seconds: u64, only: Option<Path
     let handle = tokio::runtime::Handle::current();
     let pacer = {
         let (ctx, hists) = (ctx.clone(), hists.clone());
-        spendgate_server::pace::paced(total, interval, 0u64, move |dropped, k, at| {
+        spendgate_bench::pace::paced(total, interval, 0u64, move |dropped, k, at| {
             let Ok(permit) = in_flight.clone().try_acquire_owned() else {
                 *dropped += 1;
                 return;
@@ -386,7 +388,7 @@ async fn main() -> anyhow::Result<()> {
         args.rate > 0 && args.rate <= 100_000,
         "--rate must be 1..=100000"
     );
-    spendgate_server::install_crypto();
+    spendgate_bench::install_crypto();
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(1024)
         .timeout(Duration::from_secs(10))
@@ -427,6 +429,13 @@ async fn main() -> anyhow::Result<()> {
         results.push((measure, measured(&ctx, measure).await));
     }
 
+    print_open_loop(&ctx, &results);
+    Ok(())
+}
+
+/// The open loop's tables: each path's latency, and what spendgate adds.
+fn print_open_loop(ctx: &Ctx, results: &[(Measure, Phase)]) {
+    let args = &ctx.args;
     println!(
         "Open loop, {} requests/s on each path ({}), {} s per phase after {} s warm-up; \
          latency from each request's scheduled instant; paced streams: {} tokens at {} tokens/s.",
@@ -444,7 +453,7 @@ async fn main() -> anyhow::Result<()> {
     println!();
     println!("| path | measure | samples | errors | dropped | p50 ms | p99 ms | max ms |");
     println!("|---|---|---|---|---|---|---|---|");
-    for (measure, p) in &results {
+    for (measure, p) in results {
         let measure = measure.name();
         for (name, path) in [
             ("mock directly", Path::Direct),
@@ -465,7 +474,7 @@ async fn main() -> anyhow::Result<()> {
     println!();
     println!("| added by spendgate (admission on the sqlite store + forward + commit) | p50 ms | p99 ms |");
     println!("|---|---|---|");
-    for (measure, p) in &results {
+    for (measure, p) in results {
         let (d, x) = (&p.hists[0], &p.hists[1]);
         let added = |q: f64| ms(x.value_at_quantile(q)) - ms(d.value_at_quantile(q));
         println!(
@@ -479,7 +488,6 @@ async fn main() -> anyhow::Result<()> {
         println!();
         println!("first error: {e}");
     }
-    Ok(())
 }
 
 /// What the closed loop saw.
@@ -495,6 +503,80 @@ struct Tally {
     at_503: Vec<u64>,
 }
 
+/// One closed-loop client: calls one after the other until `end`, each counted in `tally`.
+async fn closed_client(
+    ctx: &Ctx,
+    c: u64,
+    (start, end): (Instant, Instant),
+    tally: &Mutex<Tally>,
+    latency: &Mutex<Histogram<u64>>,
+) {
+    for k in 0..CALLS_PER_CLIENT_MAX {
+        let sent = Instant::now();
+        if sent >= end {
+            break;
+        }
+        let body = ctx.body(Measure::Whole);
+        let answer = ctx
+            .http
+            .post(format!("{}/v1/chat/completions", ctx.args.proxy))
+            .bearer_auth(&ctx.args.service_token)
+            .header("spendgate-session", &ctx.session)
+            .header("spendgate-client-ip", "10.0.0.1")
+            .header(
+                "spendgate-conversation",
+                format!("side-{}", (c * 7919 + k) % ctx.args.conversations.max(1)),
+            )
+            .json(&body)
+            .send()
+            .await;
+        let outcome = match answer {
+            Err(e) => Err(format!("send: {e}")),
+            Ok(r) => {
+                let status = r.status().as_u16();
+                match r.bytes().await {
+                    Err(e) => Err(format!("body: {e}")),
+                    Ok(b) => Ok((status, b)),
+                }
+            }
+        };
+        let took = sent.elapsed();
+        let Ok(mut t) = tally.lock() else { return };
+        t.calls += 1;
+        match outcome {
+            Err(e) => {
+                t.errors += 1;
+                drop(t);
+                ctx.error(Path::Proxy, e);
+            }
+            Ok((200, _)) => {
+                t.ok += 1;
+                drop(t);
+                if let Ok(mut h) = latency.lock() {
+                    let _ = h.record(took.as_nanos().max(1) as u64);
+                }
+            }
+            Ok((status, body)) => {
+                let code = serde_json::from_slice::<Value>(&body)
+                    .ok()
+                    .and_then(|v| v["error"]["code"].as_str().map(str::to_string))
+                    .unwrap_or_else(|| "(no code)".into());
+                *t.refused.entry((status, code)).or_default() += 1;
+                if status == 503 {
+                    let ms =
+                        u64::try_from(sent.duration_since(start).as_millis()).unwrap_or(u64::MAX);
+                    t.at_503.push(ms);
+                }
+                drop(t);
+                ctx.error(
+                    Path::Proxy,
+                    format!("{status}: {}", String::from_utf8_lossy(&body)),
+                );
+            }
+        }
+    }
+}
+
 /// `--clients` clients, each sending one call after the other until `--seconds` have passed.
 async fn closed_loop(ctx: &Arc<Ctx>) {
     let args = &ctx.args;
@@ -506,70 +588,7 @@ async fn closed_loop(ctx: &Arc<Ctx>) {
     for c in 0..args.clients {
         let (ctx, tally, latency) = (ctx.clone(), tally.clone(), latency.clone());
         tasks.push(tokio::spawn(async move {
-            for k in 0..CALLS_PER_CLIENT_MAX {
-                let sent = Instant::now();
-                if sent >= end {
-                    break;
-                }
-                let body = ctx.body(Measure::Whole);
-                let answer = ctx
-                    .http
-                    .post(format!("{}/v1/chat/completions", ctx.args.proxy))
-                    .bearer_auth(&ctx.args.service_token)
-                    .header("spendgate-session", &ctx.session)
-                    .header("spendgate-client-ip", "10.0.0.1")
-                    .header(
-                        "spendgate-conversation",
-                        format!("side-{}", (c * 7919 + k) % ctx.args.conversations.max(1)),
-                    )
-                    .json(&body)
-                    .send()
-                    .await;
-                let outcome = match answer {
-                    Err(e) => Err(format!("send: {e}")),
-                    Ok(r) => {
-                        let status = r.status().as_u16();
-                        match r.bytes().await {
-                            Err(e) => Err(format!("body: {e}")),
-                            Ok(b) => Ok((status, b)),
-                        }
-                    }
-                };
-                let took = sent.elapsed();
-                let Ok(mut t) = tally.lock() else { return };
-                t.calls += 1;
-                match outcome {
-                    Err(e) => {
-                        t.errors += 1;
-                        drop(t);
-                        ctx.error(Path::Proxy, e);
-                    }
-                    Ok((200, _)) => {
-                        t.ok += 1;
-                        drop(t);
-                        if let Ok(mut h) = latency.lock() {
-                            let _ = h.record(took.as_nanos().max(1) as u64);
-                        }
-                    }
-                    Ok((status, body)) => {
-                        let code = serde_json::from_slice::<Value>(&body)
-                            .ok()
-                            .and_then(|v| v["error"]["code"].as_str().map(str::to_string))
-                            .unwrap_or_else(|| "(no code)".into());
-                        *t.refused.entry((status, code)).or_default() += 1;
-                        if status == 503 {
-                            let ms = u64::try_from(sent.duration_since(start).as_millis())
-                                .unwrap_or(u64::MAX);
-                            t.at_503.push(ms);
-                        }
-                        drop(t);
-                        ctx.error(
-                            Path::Proxy,
-                            format!("{status}: {}", String::from_utf8_lossy(&body)),
-                        );
-                    }
-                }
-            }
+            closed_client(&ctx, c, (start, end), &tally, &latency).await;
         }));
     }
     for t in tasks {
@@ -580,6 +599,12 @@ async fn closed_loop(ctx: &Arc<Ctx>) {
         Err(_) => Tally::default(),
     };
     let h = latency.lock().map(|h| h.clone()).unwrap_or_else(|_| hist());
+    print_closed_loop(ctx, &t, &h);
+}
+
+/// The closed loop's table and its last line, `calls=N ok=N refused=N status_503=N errors=N`.
+fn print_closed_loop(ctx: &Ctx, t: &Tally, h: &Histogram<u64>) {
+    let args = &ctx.args;
     let refused: u64 = t.refused.values().sum();
     let status_503: u64 = t
         .refused

@@ -8,17 +8,19 @@
 //! One invocation measures, against the same server in the same run:
 //! 1. `/healthz` open-loop at `--rate` (the latency baseline), then reserve+commit pairs
 //!    open-loop at `--rate`: p50/p99 of the reserve and of the pair. Requests are started by
-//!    a pacing thread (see `spendgate_server::pace`).
+//!    a pacing thread (see `spendgate_bench::pace`).
 //! 2. `/healthz` closed-loop throughput (the baseline: what the HTTP stack alone does);
 //! 3. reserve+commit pair closed-loop throughput. The closed loops come last: they saturate
 //!    the server and the disk, and the writeback they leave would sit in the open loop's tail.
 //!
 //! Every loop is bounded in count and time.
 
+#![warn(clippy::too_many_lines)]
+
 use clap::Parser;
 use hdrhistogram::Histogram;
 use serde_json::{json, Value};
-use spendgate_server::pace::paced;
+use spendgate_bench::pace::paced;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -121,7 +123,7 @@ async fn setup(args: &Args) -> anyhow::Result<Ctx> {
         args.runs
     );
     let bases = args.base.clone();
-    spendgate_server::install_crypto();
+    spendgate_bench::install_crypto();
     let http = reqwest::Client::builder()
         .pool_max_idle_per_host(1024)
         .timeout(Duration::from_secs(10))
@@ -284,20 +286,9 @@ async fn closed_loop(ctx: Arc<Ctx>, which: &'static str, concurrency: usize) -> 
     done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64().max(ctx.args.seconds as f64)
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
-    let ctx = Arc::new(setup(&args).await?);
-    // Warm up connections.
-    for i in 0..ctx.slots.len() {
-        let _ = pair(&ctx, i).await;
-    }
-
-    // Open loop.
-    let total = args.rate * args.seconds;
-    let interval = Duration::from_nanos(1_000_000_000 / args.rate.max(1));
-    // Baseline: `/healthz` at the same rate. Both open loops are started by a pacing thread
-    // (see `spendgate_server::pace`), each call on its own task.
+/// The open loop's baseline: `/healthz` at the rate of the pairs, each call on its own task
+/// started by the pacing thread. Its latency.
+async fn open_healthz(ctx: &Arc<Ctx>, total: u64, interval: Duration) -> Histogram<u64> {
     let handle = tokio::runtime::Handle::current();
     let healthz_h = Arc::new(std::sync::Mutex::new(hist()));
     {
@@ -320,6 +311,18 @@ async fn main() -> anyhow::Result<()> {
         // Every call holds a sender; the channel closes when the last one ends.
         while done_rx.recv().await.is_some() {}
     }
+    let h = healthz_h.lock().map(|h| h.clone());
+    h.unwrap_or_else(|_| hist())
+}
+
+/// The open loop of reserve+commit pairs: the reserve latency, the pair latency from each
+/// pair's scheduled instant, the pairs dropped (past `IN_FLIGHT_MAX`) and when it started.
+async fn open_pairs(
+    ctx: &Arc<Ctx>,
+    total: u64,
+    interval: Duration,
+) -> (Histogram<u64>, Histogram<u64>, u64, Instant) {
+    let handle = tokio::runtime::Handle::current();
     let reserve_h = Arc::new(std::sync::Mutex::new(hist()));
     let pair_h = Arc::new(std::sync::Mutex::new(hist()));
     let in_flight = Arc::new(tokio::sync::Semaphore::new(IN_FLIGHT_MAX));
@@ -354,6 +357,28 @@ async fn main() -> anyhow::Result<()> {
         while done_rx.recv().await.is_some() {}
         dropped
     };
+    let lock = |h: &std::sync::Mutex<Histogram<u64>>| {
+        h.lock().map(|h| h.clone()).unwrap_or_else(|_| hist())
+    };
+    (lock(&reserve_h), lock(&pair_h), dropped, start)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let ctx = Arc::new(setup(&args).await?);
+    // Warm up connections.
+    for i in 0..ctx.slots.len() {
+        let _ = pair(&ctx, i).await;
+    }
+
+    // Open loop.
+    let total = args.rate * args.seconds;
+    let interval = Duration::from_nanos(1_000_000_000 / args.rate.max(1));
+    // Baseline: `/healthz` at the same rate. Both open loops are started by a pacing thread
+    // (see `spendgate_bench::pace`), each call on its own task.
+    let healthz_h = open_healthz(&ctx, total, interval).await;
+    let (reserve_h, pair_h, dropped, start) = open_pairs(&ctx, total, interval).await;
     let elapsed = start.elapsed().as_secs_f64();
     // (the closed loops below count theirs apart: the open loop's row is its own)
     let open_errors = ctx.errors.swap(0, Ordering::Relaxed);
@@ -371,15 +396,7 @@ async fn main() -> anyhow::Result<()> {
     }
     let healthz_rps = closed.iter().map(|x| x.1).fold(0.0, f64::max);
     let pairs_rps = closed.iter().map(|x| x.2).fold(0.0, f64::max);
-    let rh = reserve_h
-        .lock()
-        .map(|h| h.clone())
-        .unwrap_or_else(|_| hist());
-    let ph = pair_h.lock().map(|h| h.clone()).unwrap_or_else(|_| hist());
-    let hh = healthz_h
-        .lock()
-        .map(|h| h.clone())
-        .unwrap_or_else(|_| hist());
+    let (rh, ph, hh) = (reserve_h, pair_h, healthz_h);
     let ms = |us: u64| us as f64 / 1000.0;
     println!("| measure | value |");
     println!("|---|---|");

@@ -1,7 +1,10 @@
 //! Prompt token counting: the model's BPE tokenizer, or one token per byte (a hard upper
-//! bound for every BPE model).
+//! bound for every BPE model). Used by the decision API (a step's `prompt_text`) and by the
+//! proxy (prompts, and the incremental count of an upstream's output); no HTTP here.
 
-use crate::config::Tokenizer;
+#![warn(clippy::too_many_lines)]
+
+pub use spendgate_config::Tokenizer;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::LazyLock;
 use tokio::sync::Semaphore;

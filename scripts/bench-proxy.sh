@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 RATE=${1:-200}
 SECONDS_EACH=${2:-10}
 shift $(( $# < 2 ? $# : 2 ))
-cargo build --release -q -p spendgate-server -p spendgate-bench -p spendgate-mock-upstream --bins
+cargo build --release -q -p spendgate -p spendgate-bench -p spendgate-mock-upstream --bins
 dir=$(mktemp -d)
 . scripts/bench-lib.sh
 port=$(free_port)

@@ -42,7 +42,7 @@ for c in "${cases[@]}"; do
 done
 REDIS_SERVER=${SPENDGATE_REDIS_SERVER:-redis-server}
 BIN=${SPENDGATE_BENCH_BIN:-./target/release/spendgate}
-cargo build --release -q -p spendgate-server -p spendgate-bench -p spendgate-mock-upstream --bins
+cargo build --release -q -p spendgate -p spendgate-bench -p spendgate-mock-upstream --bins
 . scripts/bench-lib.sh
 dir=$(mktemp -d)
 pids=()

@@ -116,8 +116,8 @@ witness_path = \"$work/side.witness\""
     --direct "http://127.0.0.1:$mport" --service-token "$BENCH_TOKEN" \
     --clients "$CLIENTS" --seconds "$SECONDS_EACH")
   echo "$out"
-  # The proxy's store calls by latency (the server's own histogram): how many a bound of
-  # 100 ms, 250 ms, ... would have cut.
+  # Every store call by latency (the server's own histogram: the proxy's calls and the lease
+  # sweeper's alike): how many a bound of 100 ms, 250 ms, ... would have cut.
   curl -fs "http://127.0.0.1:$port/metrics" | python3 -c '
 import sys
 b = {}

@@ -1,6 +1,6 @@
 //! Key paths, locations in the file, and the errors that name them.
 
-use crate::ConfigError;
+use crate::error::ConfigError;
 use std::fmt;
 use std::ops::Range;
 use toml::de::{DeTable, DeValue};

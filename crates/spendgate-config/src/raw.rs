@@ -1,7 +1,11 @@
 //! Stage one: the file as written (serde structs that mirror it, SPEC defaults).
 
+use crate::bounds::{
+    ADDRESS_REQUESTS_MAX_DEFAULT, ADMIN_REQUESTS_MAX_DEFAULT, BODY_GRACE_MS_DEFAULT,
+    BODY_MIN_BYTES_PER_S_DEFAULT, HEALTH_REQUESTS_MAX_DEFAULT, PUBLIC_REQUESTS_MAX_DEFAULT,
+    SERVICE_REQUESTS_MAX_DEFAULT, SLOW_GRACE_MS_DEFAULT,
+};
 use crate::text::amount_text;
-use crate::*;
 use serde::de::{self, Visitor};
 use serde::Deserialize;
 use spendgate_core::RunBounds;
@@ -64,7 +68,7 @@ impl Default for RawServer {
             health_requests_max: HEALTH_REQUESTS_MAX_DEFAULT,
             address_requests_max: ADDRESS_REQUESTS_MAX_DEFAULT,
             address_connections_max: None,
-            connections_max: crate::CONNECTIONS_MAX as u64,
+            connections_max: crate::bounds::CONNECTIONS_MAX as u64,
             connections_reserved: None,
             body_min_bytes_per_s: BODY_MIN_BYTES_PER_S_DEFAULT,
             body_grace_ms: BODY_GRACE_MS_DEFAULT,

@@ -2,7 +2,7 @@
 
 use crate::diagnostics::{toml_key, toml_str};
 use crate::text::{amount_text, shown_url, MASK};
-use crate::*;
+use crate::types::{Config, Secret, StoreKind, UnsetEnv};
 use spendgate_core::{Rate, ReservationMode};
 use std::fmt;
 

@@ -1,6 +1,6 @@
 //! Admin API (admin token) and the operator dashboard page.
 
-use crate::auth::require_admin;
+use crate::auth::AdminAuth;
 use crate::body::Body;
 use crate::error::{ApiError, ApiResult};
 use crate::state::Shared;
@@ -18,8 +18,7 @@ pub const ADMIN_ROWS_MAX: usize = 1000;
 /// Longest adjustment or cutoff reason.
 pub const REASON_BYTES_MAX: usize = 500;
 
-pub async fn summary(State(state): State<Shared>, headers: HeaderMap) -> ApiResult<Response> {
-    require_admin(&state, &headers)?;
+pub async fn summary(_auth: AdminAuth, State(state): State<Shared>) -> ApiResult<Response> {
     let s = state.store.summary().await?;
     let global = state.store.usage(vec![(ScopeKey::global(), 1)]).await?;
     let policy = crate::drift::PolicyView::of(&state.replica, state.store.replicas().await?);
@@ -51,11 +50,10 @@ pub struct ScopesQuery {
 }
 
 pub async fn scopes(
+    _auth: AdminAuth,
     State(state): State<Shared>,
-    headers: HeaderMap,
     Query(q): Query<ScopesQuery>,
 ) -> ApiResult<Response> {
-    require_admin(&state, &headers)?;
     let kind = match q.kind.as_deref() {
         None | Some("") => None,
         Some(k) => Some(
@@ -91,11 +89,10 @@ pub struct ReservationsQuery {
 }
 
 pub async fn reservations(
+    _auth: AdminAuth,
     State(state): State<Shared>,
-    headers: HeaderMap,
     Query(q): Query<ReservationsQuery>,
 ) -> ApiResult<Response> {
-    require_admin(&state, &headers)?;
     let st = match q.state.as_deref() {
         None | Some("") => None,
         Some(s) => Some(
@@ -140,11 +137,10 @@ pub struct CutoffBody {
 }
 
 pub async fn cutoff(
+    _auth: AdminAuth,
     State(state): State<Shared>,
-    headers: HeaderMap,
     body: Body<CutoffBody>,
 ) -> ApiResult<Response> {
-    require_admin(&state, &headers)?;
     let b = body.value;
     if b.reason.len() > REASON_BYTES_MAX {
         return Err(ApiError::invalid(format!(
@@ -170,11 +166,11 @@ pub struct AdjustBody {
 }
 
 pub async fn adjust(
+    _auth: AdminAuth,
     State(state): State<Shared>,
     headers: HeaderMap,
     body: Body<AdjustBody>,
 ) -> ApiResult<Response> {
-    require_admin(&state, &headers)?;
     let (b, raw) = (body.value, body.raw);
     let mut scope = ScopeKey::parse(&b.scope).ok_or_else(|| {
         ApiError::invalid(format!(

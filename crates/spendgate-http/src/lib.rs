@@ -33,6 +33,7 @@ pub mod idempotency;
 pub mod identity;
 pub mod ids;
 pub mod listener;
+pub mod metered;
 pub mod metrics;
 pub mod plant;
 pub mod ratelimit;

@@ -4,7 +4,7 @@ use spendgate_core::{ScopeKind, Summary, UsageLine};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Distinct label sets kept per counter family (codes × scopes × kinds is far below this).
@@ -20,7 +20,8 @@ pub struct Metrics {
     /// Every error answer by status and code (store outages, bad input and the framework's
     /// own refusals included; an upstream's error passed through as code "upstream").
     error_answers: Mutex<BTreeMap<(u16, &'static str), u64>>,
-    store_calls: Timing,
+    /// Every store call, timed by the store's decorator ([`crate::metered::Metered`]).
+    store_calls: Arc<Timing>,
     upstream_calls: Timing,
     proxy_overheads: Timing,
     unknown_outcomes: AtomicU64,
@@ -75,6 +76,16 @@ impl Timing {
     }
 }
 
+/// Where the store's decorator records each call's time (`spendgate_store_call_seconds`).
+#[derive(Clone)]
+pub struct StoreTiming(Arc<Timing>);
+
+impl StoreTiming {
+    pub fn record(&self, d: Duration) {
+        self.0.record(d);
+    }
+}
+
 fn bump<K: Ord>(m: &Mutex<BTreeMap<K, u64>>, k: K) {
     let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
     if g.len() < LABEL_SETS_MAX || g.contains_key(&k) {
@@ -115,8 +126,10 @@ impl Metrics {
     pub fn output_cut(&self) {
         self.output_cuts.fetch_add(1, Ordering::Relaxed);
     }
-    pub fn store_call(&self, d: Duration) {
-        self.store_calls.record(d);
+    /// The histogram of store calls, for the store's decorator ([`crate::metered::Metered`])
+    /// to record into.
+    pub fn store_timing(&self) -> StoreTiming {
+        StoreTiming(self.store_calls.clone())
     }
     /// Time a proxied call spent in spendgate rather than upstream: before forwarding
     /// (identity, bounds, admission) and, when not streaming, after the answer (commit).
@@ -313,9 +326,9 @@ mod tests {
     #[test]
     fn timings_render_as_histograms_in_seconds() {
         let m = Metrics::default();
-        m.store_call(Duration::from_micros(1_500));
-        m.store_call(Duration::from_micros(500));
-        m.store_call(Duration::from_secs(60));
+        m.store_timing().record(Duration::from_micros(1_500));
+        m.store_timing().record(Duration::from_micros(500));
+        m.store_timing().record(Duration::from_secs(60));
         m.proxy_overhead(Duration::from_millis(3));
         let out = m.render(None, &[]);
         for line in [

@@ -33,24 +33,6 @@ async fn limit_headers(req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-/// Service and admin routes check their token before the body is read: a caller without
-/// credentials holds no request slot while it sends one. (The handlers check again.)
-async fn credentials_first(
-    axum::extract::State(state): axum::extract::State<Shared>,
-    req: Request,
-    next: Next,
-) -> Response {
-    let checked = if req.uri().path().starts_with("/admin/") {
-        auth::require_admin(&state, req.headers())
-    } else {
-        auth::require_service(&state, req.headers())
-    };
-    match checked {
-        Ok(()) => next.run(req).await,
-        Err(e) => e.into_response(),
-    }
-}
-
 /// Counts every error answer by status and code (`spendgate_error_answers_total`): store
 /// outages, overload and input errors as well as the refusals counted by what they refused.
 async fn count_errors(
@@ -233,7 +215,7 @@ pub fn router(state: Shared, extra: Router<Shared>) -> Router {
         )
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
-            credentials_first,
+            auth::credentials_first,
         ));
     let decision = Router::new()
         .route(

@@ -1,7 +1,7 @@
 //! Runs: `POST /v1/runs`, heartbeat and finish (SPEC §6).
 
 use crate::answer::{grant, ledger_answer};
-use crate::auth::require_service;
+use crate::auth::ServiceAuth;
 use crate::body::{Body, Empty};
 use crate::client::{check_conversation, ip_scopes, parse_ip};
 use crate::clock::now_unix;
@@ -16,7 +16,6 @@ use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use spendgate_core::{rfc3339, RunBounds, RunId, RunRequest};
-use std::time::Instant;
 
 // ---------------------------------------------------------------------------------------
 // Runs and steps
@@ -32,11 +31,11 @@ pub struct CreateRunBody {
 }
 
 pub async fn create_run(
+    _auth: ServiceAuth,
     State(state): State<Shared>,
     headers: HeaderMap,
     body: Body<CreateRunBody>,
 ) -> ApiResult<Response> {
-    require_service(&state, &headers)?;
     let b = &body.value;
     let session = state.keys.verify(&b.session, now_unix())?;
     let ip = parse_ip(&b.client_ip)?;
@@ -62,10 +61,7 @@ pub async fn create_run(
     let idem = idempotency(&headers, &format!("run:{}", req.session), &body.raw)?;
     // (a first answer under a key always changes the ledger: it is remembered)
     let keyed = idem.is_some();
-    let started = Instant::now();
-    let applied = state.store.admit_run(req, idem).await;
-    state.metrics.store_call(started.elapsed());
-    let applied = applied?;
+    let applied = state.store.admit_run(req, idem).await?;
     let rate_left = applied.value.as_ref().ok().and_then(|a| a.rate_left);
     let changed = applied.changed;
     let dry_run = applied.value.as_ref().ok().and_then(|a| a.dry_run.clone());
@@ -106,12 +102,11 @@ fn bounds_json(b: &RunBounds) -> Value {
 }
 
 pub async fn heartbeat(
+    _auth: ServiceAuth,
     State(state): State<Shared>,
     Path(run_id): Path<String>,
-    headers: HeaderMap,
     _b: Body<Empty>,
 ) -> ApiResult<Response> {
-    require_service(&state, &headers)?;
     check_id_path("run", &run_id)?;
     let applied = state.store.heartbeat(RunId(run_id)).await?;
     let h = applied.value;
@@ -120,12 +115,11 @@ pub async fn heartbeat(
 }
 
 pub async fn finish(
+    _auth: ServiceAuth,
     State(state): State<Shared>,
     Path(run_id): Path<String>,
-    headers: HeaderMap,
     _b: Body<Empty>,
 ) -> ApiResult<Response> {
-    require_service(&state, &headers)?;
     check_id_path("run", &run_id)?;
     let applied = state.store.finish(RunId(run_id)).await?;
     let f = applied.value;

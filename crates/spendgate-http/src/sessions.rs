@@ -1,6 +1,6 @@
 //! `POST /v1/sessions`: a guest session, behind its creation rates and the challenge.
 
-use crate::auth::{bearer, require_service};
+use crate::auth::{bearer, ServiceAuth};
 use crate::body::Body;
 use crate::challenge;
 use crate::client::{client_ip_of, cookie_name, ip_scopes, parse_ip};
@@ -16,7 +16,6 @@ use serde_json::{json, Value};
 use spendgate_config::ChallengeMode;
 use spendgate_core::{rfc3339, Refusal, UnixMs};
 use std::net::SocketAddr;
-use std::time::Instant;
 
 // ---------------------------------------------------------------------------------------
 // Sessions
@@ -46,7 +45,7 @@ pub async fn create_session(
                      token); a guest's address is the connection's",
                 ));
             }
-            require_service(&state, &headers)?;
+            ServiceAuth::check(&state, &headers)?;
             parse_ip(given)?
         }
     };
@@ -60,10 +59,7 @@ pub async fn create_session(
         // Ask first, applying nothing: a creation that its rate would refuse is refused
         // before a challenge is checked (no verifier call, no solution used up), and whether
         // one is needed follows this client's own prefixes and the global bucket.
-        let started = Instant::now();
-        let asked = state.store.create_session(ips.clone(), true).await;
-        state.metrics.store_call(started.elapsed());
-        let asked = asked?;
+        let asked = state.store.create_session(ips.clone(), true).await?;
         let pressure = match &asked.value {
             Ok(g) => g.pressure,
             Err(r) => return Err(refused(r, asked.seq)),
@@ -75,10 +71,7 @@ pub async fn create_session(
         };
         challenge::check(&state, ip, answer, needed).await?;
     }
-    let started = Instant::now();
-    let applied = state.store.create_session(ips, false).await;
-    state.metrics.store_call(started.elapsed());
-    let applied = applied?;
+    let applied = state.store.create_session(ips, false).await?;
     if let Err(r) = &applied.value {
         return Err(refused(r, applied.seq));
     }

@@ -6,6 +6,7 @@ use crate::capacity::Capacity;
 use crate::drift::Replica;
 use crate::error::ServerError;
 use crate::identity::{self, SessionKeys};
+use crate::metered::Metered;
 use crate::metrics::Metrics;
 use crate::plant;
 use crate::tls::install_crypto;
@@ -47,7 +48,8 @@ pub struct AppState {
 /// The state as handlers take it.
 pub type Shared = Arc<AppState>;
 
-/// Builds the shared state: tokens, session keys (an ephemeral one when none is configured).
+/// Builds the shared state: tokens, session keys (an ephemeral one when none is configured),
+/// and `store` timed by [`Metered`] into the metrics.
 pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, ServerError> {
     plant::announce().map_err(ServerError::Config)?;
     let mut keys: Vec<Vec<u8>> = config
@@ -110,17 +112,18 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
         .map(|u| u.expose().to_string());
     let alerts = Alerts::start(http.clone(), webhook);
     let capacity = Capacity::new(&config.server.capacity);
+    let metrics = Metrics::default();
     let replica = Replica::of(&config);
     Ok(Arc::new(AppState {
         replica,
         alerts,
         upstreams,
         config: Arc::new(config),
-        store,
+        store: Metered::wrap(store, metrics.store_timing()),
         keys,
         service_tokens,
         admin_tokens,
-        metrics: Metrics::default(),
+        metrics,
         http,
         capacity,
     }))

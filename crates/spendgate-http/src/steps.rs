@@ -1,7 +1,7 @@
 //! Steps: `POST /v1/runs/{run_id}/steps`, commit, release and unknown (SPEC §6).
 
 use crate::answer::{grant, ledger_answer};
-use crate::auth::require_service;
+use crate::auth::ServiceAuth;
 use crate::body::{Body, Empty};
 use crate::error::{ApiError, ApiResult};
 use crate::idempotency::idempotency;
@@ -18,7 +18,6 @@ use spendgate_core::{
     Applied, Micros, ReservationId, Resolution, Resolved, RunId, Settlement, StepKind, StepRequest,
     TokenUsage,
 };
-use std::time::Instant;
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]
@@ -107,12 +106,12 @@ pub async fn step_kind(config: &Config, body: &StepBody) -> ApiResult<StepKind> 
 }
 
 pub async fn create_step(
+    _auth: ServiceAuth,
     State(state): State<Shared>,
     Path(run_id): Path<String>,
     headers: HeaderMap,
     body: Body<StepBody>,
 ) -> ApiResult<Response> {
-    require_service(&state, &headers)?;
     check_id_path("run", &run_id)?;
     let kind = step_kind(&state.config, &body.value).await?;
     let req = StepRequest {
@@ -122,10 +121,7 @@ pub async fn create_step(
     };
     let idem = idempotency(&headers, &format!("step:{run_id}"), &body.raw)?;
     let keyed = idem.is_some();
-    let started = Instant::now();
-    let applied = state.store.reserve_step(req, idem).await;
-    state.metrics.store_call(started.elapsed());
-    let applied = applied?;
+    let applied = state.store.reserve_step(req, idem).await?;
     let shrunk = matches!(&applied.value, Ok(s) if s.shrunk);
     let changed = applied.changed;
     let dry_run = applied.value.as_ref().ok().and_then(|s| s.dry_run.clone());
@@ -203,12 +199,11 @@ fn resolved_response(state: &AppState, step: &str, applied: Applied<Resolved>) -
 }
 
 pub async fn commit_step(
+    _auth: ServiceAuth,
     State(state): State<Shared>,
     Path(step_id): Path<String>,
-    headers: HeaderMap,
     body: Body<CommitBody>,
 ) -> ApiResult<Response> {
-    require_service(&state, &headers)?;
     check_id_path("step", &step_id)?;
     let b = &body.value;
     let settlement = match (&b.usage, b.units, b.result_bytes) {
@@ -229,40 +224,36 @@ pub async fn commit_step(
 }
 
 async fn resolve(state: &AppState, step_id: String, how: Resolution) -> ApiResult<Response> {
-    let started = Instant::now();
     let applied = state
         .store
         .resolve(ReservationId(step_id.clone()), how)
-        .await;
-    state.metrics.store_call(started.elapsed());
-    Ok(resolved_response(state, &step_id, applied?))
+        .await?;
+    Ok(resolved_response(state, &step_id, applied))
 }
 
 pub async fn release_step(
+    _auth: ServiceAuth,
     state: State<Shared>,
     step: Path<String>,
-    headers: HeaderMap,
     _b: Body<Empty>,
 ) -> ApiResult<Response> {
-    resolve_route(state, step, headers, Resolution::Release).await
+    resolve_route(state, step, Resolution::Release).await
 }
 
 pub async fn unknown_step(
+    _auth: ServiceAuth,
     state: State<Shared>,
     step: Path<String>,
-    headers: HeaderMap,
     _b: Body<Empty>,
 ) -> ApiResult<Response> {
-    resolve_route(state, step, headers, Resolution::Unknown).await
+    resolve_route(state, step, Resolution::Unknown).await
 }
 
 async fn resolve_route(
     State(state): State<Shared>,
     Path(step_id): Path<String>,
-    headers: HeaderMap,
     how: Resolution,
 ) -> ApiResult<Response> {
-    require_service(&state, &headers)?;
     check_id_path("step", &step_id)?;
     resolve(&state, step_id, how).await
 }

@@ -1,6 +1,6 @@
 //! `GET /v1/usage`: a caller's spend by scope and window.
 
-use crate::auth::{bearer, require_service};
+use crate::auth::{bearer, ServiceAuth};
 use crate::client::{
     check_conversation, client_ip_of, guest_conversation, ip_scopes, parse_ip, session_from_cookie,
 };
@@ -56,7 +56,7 @@ pub async fn usage(
 ) -> ApiResult<Response> {
     let service = bearer(&headers).is_some();
     let (token, ip) = if service {
-        require_service(&state, &headers)?;
+        ServiceAuth::check(&state, &headers)?;
         let token = q
             .session
             .clone()

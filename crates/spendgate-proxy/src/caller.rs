@@ -3,7 +3,7 @@
 
 use axum::http::{header, HeaderMap};
 use spendgate_core::IpScope;
-use spendgate_http::auth::require_service;
+use spendgate_http::auth::ServiceAuth;
 use spendgate_http::client::{
     check_conversation, client_ip_of, guest_conversation, ip_scopes, parse_ip, session_from_cookie,
 };
@@ -35,7 +35,7 @@ pub(crate) fn caller(state: &AppState, peer: SocketAddr, headers: &HeaderMap) ->
     let run = header_str(headers, "spendgate-run").map(str::to_string);
     let retry = matches!(header_str(headers, "spendgate-retry"), Some("1" | "true"));
     if headers.contains_key(header::AUTHORIZATION) {
-        require_service(state, headers)?;
+        ServiceAuth::check(state, headers)?;
         let token = header_str(headers, "spendgate-session")
             .ok_or_else(|| ApiError::invalid("Spendgate-Session header is required"))?;
         let session = state.keys.verify(token, now_unix())?;

@@ -21,53 +21,36 @@ use std::time::Duration;
 /// How long the demo waits for its own mock upstream.
 const MOCK_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The demo's config: small budgets so that refusals are easy to see.
+/// The demo's config: small budgets so that refusals are easy to see (`demo.toml`, its
+/// placeholders filled in).
 fn demo_config(listen: &str, db: &str, admin: &str, service: &str, key: &str) -> String {
-    format!(
-        r#"
-[server]
-listen = "{listen}"
-service_tokens = ["{service}"]
-admin_tokens = ["{admin}"]
-browser_direct = true
-
-[sessions]
-keys = ["{key}"]
-secure_cookie = false
-
-[store]
-kind = "sqlite"
-path = "{db}"
-
-[limits.global]
-budgets = [{{ amount = "1.00", window = "day" }}]
-
-[limits.session]
-rate = "60/minute"
-burst = 10
-budgets = [{{ amount = "0.02", window = "day" }}]
-
-[run]
-max_context_tokens = 4000
-max_output_tokens = 256
-
-# The mock's answers are words of its own tokens ("tok17" is one, where o200k_base counts
-# two): counted one per byte, at least one per word, they keep to the output bound they
-# are given, as a real model's answers do with its own tokenizer.
-[models."demo-mini"]
-upstream = "{MOCK_UPSTREAM}"
-input_per_million = "0.15"
-cached_input_per_million = "0.075"
-output_per_million = "0.60"
-tokenizer = "bytes"
-
-[models."demo-large"]
-upstream = "{MOCK_UPSTREAM}"
-input_per_million = "2.50"
-output_per_million = "10.00"
-tokenizer = "bytes"
-"#
-    )
+    let values = [
+        ("{listen}", listen),
+        ("{db}", db),
+        ("{admin}", admin),
+        ("{service}", service),
+        ("{key}", key),
+        ("{MOCK_UPSTREAM}", MOCK_UPSTREAM),
+    ];
+    // One pass: a value is never read again as a placeholder.
+    let mut out = String::new();
+    let mut rest = include_str!("demo.toml");
+    while let Some(i) = rest.find('{') {
+        out.push_str(&rest[..i]);
+        rest = &rest[i..];
+        match values.iter().find(|(k, _)| rest.starts_with(k)) {
+            Some((k, v)) => {
+                out.push_str(v);
+                rest = &rest[k.len()..];
+            }
+            None => {
+                out.push('{');
+                rest = &rest[1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 fn random_hex(bytes: usize) -> String {

@@ -18,8 +18,9 @@ pub const PERMITS: u32 = 2;
 pub static RUNS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(PERMITS as usize);
 
 /// The sources the `spendgate` binary is built from.
-const SOURCES: [&str; 10] = [
+const SOURCES: [&str; 11] = [
     "spendgate/src",
+    "spendgate-ops/src",
     "spendgate-http/src",
     "spendgate-proxy/src",
     "spendgate-config/src",

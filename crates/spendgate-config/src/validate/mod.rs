@@ -1,9 +1,11 @@
-//! Stage two: validation, from the raw file to [`Config`](crate::Config).
+//! Stage two: validation, from the raw file to [`Config`](crate::types::Config).
 
+use crate::bounds::{LIST_LEN_MAX, NAME_BYTES_MAX, RATE_COUNT_MAX, RATE_WINDOW_US_MAX};
 use crate::diagnostics::{line_col, span_of, toml_str, KeyPath};
-use crate::raw::*;
+use crate::error::ConfigError;
+use crate::raw::{RawAmount, RawConfig};
 use crate::text::{masked_problem, MASK};
-use crate::*;
+use crate::types::{Config, Secret, StoreKind, UnsetEnv};
 use spendgate_core::{parse_amount, Micros, Policy, Rate, ReservationMode};
 use std::fmt;
 use toml::de::DeTable;

@@ -1,10 +1,18 @@
 //! Validation of `[limits]`, `[run]`, `[upstreams]`, `[models]`, `[tools]` and `[alerts]`.
 
 use super::{Resolved, Validator, R};
+use crate::bounds::{
+    BURST_MAX, CONCURRENCY_MAX, MOCK_UPSTREAM, RUN_BYTES_MAX, RUN_COUNT_MAX, RUN_SECONDS_MAX,
+    RUN_TOKENS_MAX, TABLE_LEN_MAX, THRESHOLD_PERMILLE_MAX, UPSTREAM_TIMEOUT_S_MAX,
+};
 use crate::diagnostics::{toml_str, KeyPath};
-use crate::raw::*;
+use crate::raw::{
+    RawAlerts, RawAmount, RawCount, RawModel, RawRun, RawScope, RawTool, RawUpstream,
+};
 use crate::text::amount_text;
-use crate::*;
+use crate::types::{
+    AlertsConfig, ModelConfig, OutputBoundField, Secret, Tokenizer, UpstreamConfig,
+};
 use spendgate_core::{
     Budget, Micros, ModelPrice, RunBounds, ScopeKind, ScopePolicy, ToolPrice, Window,
 };

@@ -1,9 +1,18 @@
 //! Validation of `[server]`, `[store]`, `[sessions]` and `[identity]`.
 
 use super::{Resolved, Validator, R};
+use crate::bounds::{
+    ADDRESS_CONNECTIONS_MAX_DEFAULT, BODY_GRACE_MS_MAX, BODY_GRACE_MS_MIN,
+    BODY_MIN_BYTES_PER_S_FLOOR, BODY_MIN_BYTES_PER_S_MAX, CHALLENGE_BITS_MAX, CLASS_REQUESTS_MAX,
+    CONNECTIONS_RESERVED_DEFAULT, IPV6_WIDER_MAX, LEASE_TTL_S_MAX, SESSION_KEY_BYTES_MIN,
+    SESSION_TTL_S_MAX, SLOW_GRACE_MS_MAX, STORE_TIMEOUT_MS_MAX, TRUSTED_PROXIES_MAX,
+};
 use crate::diagnostics::{toml_str, KeyPath};
-use crate::raw::*;
-use crate::*;
+use crate::raw::{RawIdentity, RawServer, RawSessions, RawStore};
+use crate::types::{
+    CapacityConfig, ChallengeMode, IdentityConfig, Secret, ServerConfig, SessionsConfig,
+    StoreConfig, StoreKind,
+};
 use spendgate_core::Rate;
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -97,7 +106,7 @@ impl Validator<'_, '_> {
             &p.key("connections_max"),
             raw.connections_max,
             2,
-            crate::CONNECTIONS_MAX as u64,
+            crate::bounds::CONNECTIONS_MAX as u64,
         )?;
         // (at most half: the other half at least serves everyone)
         let connections_reserved = match raw.connections_reserved {

@@ -1,6 +1,11 @@
-//! `spendgate report` and `spendgate tune`: operator tools that read a running gateway through
-//! its admin API (so they work the same on every store, and never open the sqlite file a
-//! server holds).
+//! spendgate-ops: the operator's commands beside `serve`. `spendgate report` and
+//! `spendgate tune` read a running gateway through its admin API (so they work the same on
+//! every store, and never open the sqlite file a server holds); [`store`] says what
+//! `spendgate store init` did.
+
+#![warn(clippy::too_many_lines)]
+
+pub mod store;
 
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -46,6 +51,8 @@ impl TuneSample {
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpsError {
+    #[error("{0}")]
+    Usage(String),
     #[error("admin API: {0}")]
     Http(String),
     #[error("admin API answered {status}: {body}")]
@@ -73,35 +80,39 @@ pub async fn admin_get(
 }
 
 /// `spendgate report`: spend by scope and window, from a running gateway's admin API.
+/// An HTTP client for the admin API (TLS from the process's installed crypto provider).
+fn client() -> Result<reqwest::Client, OpsError> {
+    reqwest::Client::builder()
+        .timeout(std::time::Duration::from_secs(30))
+        .build()
+        .map_err(|e| OpsError::Http(e.to_string()))
+}
+
+/// `spendgate report`: spend by scope and window, from a running gateway's admin API.
 pub async fn report(
     url: &str,
     token: &str,
     kind: Option<String>,
     top: usize,
-) -> anyhow::Result<()> {
-    spendgate_http::install_crypto();
-    let http = reqwest::Client::builder()
-        .timeout(std::time::Duration::from_secs(30))
-        .build()?;
+) -> Result<String, OpsError> {
+    let http = client()?;
     let path = format!(
         "/admin/v1/scopes?top={top}{}",
         kind.map(|k| format!("&kind={k}")).unwrap_or_default()
     );
     let v = admin_get(&http, url, token, &path).await?;
-    print!("{}", render_report(&v));
-    Ok(())
+    Ok(render_report(&v))
 }
 
 /// `spendgate tune`: usage percentiles per run and suggested bounds, sampled for
 /// `watch_seconds` (0: one look).
-pub async fn tune(url: &str, token: &str, watch_seconds: u64) -> anyhow::Result<()> {
-    spendgate_http::install_crypto();
+pub async fn tune(url: &str, token: &str, watch_seconds: u64) -> Result<String, OpsError> {
     if watch_seconds > TUNE_WATCH_MAX_S {
-        anyhow::bail!("--watch-seconds is at most {TUNE_WATCH_MAX_S}");
+        return Err(OpsError::Usage(format!(
+            "--watch-seconds is at most {TUNE_WATCH_MAX_S}"
+        )));
     }
-    let http = reqwest::Client::builder()
-        .timeout(std::time::Duration::from_secs(30))
-        .build()?;
+    let http = client()?;
     let path = format!("/admin/v1/reservations?limit={TUNE_ROWS_MAX}");
     let until = std::time::Instant::now() + std::time::Duration::from_secs(watch_seconds);
     let mut sample = TuneSample::default();
@@ -113,8 +124,7 @@ pub async fn tune(url: &str, token: &str, watch_seconds: u64) -> anyhow::Result<
         }
         tokio::time::sleep(left.min(TUNE_POLL_EVERY)).await;
     }
-    print!("{}", render_tune(&sample.listing()));
-    Ok(())
+    Ok(render_tune(&sample.listing()))
 }
 
 fn units(micros: u64) -> String {

@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=$1; B=$2; ROUNDS=${3:-3}; RATE=${4:-1000}; SECONDS_EACH=${5:-5}; STORE=${6:-sqlite}
-cargo build --release -q -p spendgate-server --bin spendgate-load
+cargo build --release -q -p spendgate-bench --bin spendgate-load
 . scripts/bench-lib.sh
 dir=$(mktemp -d)
 rpid=

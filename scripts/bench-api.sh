@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${1:-1000}
 SECONDS_EACH=${2:-5}
-cargo build --release -q -p spendgate-server --bins
+cargo build --release -q -p spendgate -p spendgate-bench --bins
 dir=$(mktemp -d)
 . scripts/bench-lib.sh
 port=$(free_port)

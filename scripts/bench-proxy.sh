@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 RATE=${1:-200}
 SECONDS_EACH=${2:-10}
 shift $(( $# < 2 ? $# : 2 ))
-cargo build --release -q -p spendgate-server --bins
+cargo build --release -q -p spendgate -p spendgate-bench -p spendgate-mock-upstream --bins
 dir=$(mktemp -d)
 . scripts/bench-lib.sh
 port=$(free_port)
@@ -34,7 +34,7 @@ tokenizer = \"bytes\"
 base_url = \"http://127.0.0.1:$mport/v1\"
 api_key = \"bench-upstream-key\"
 timeout_s = 30" > "$dir/bench.toml"
-./target/release/spendgate mock-upstream --listen "127.0.0.1:$mport" > "$dir/mock.log" 2>&1 &
+./target/release/mock-upstream --listen "127.0.0.1:$mport" > "$dir/mock.log" 2>&1 &
 mpid=$!
 RUST_LOG=warn ${SPENDGATE_BENCH_BIN:-./target/release/spendgate} serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
 pid=$!

@@ -29,5 +29,5 @@ if [ -z "${SPENDGATE_CHAOS_REDIS:-}" ] && ! command -v redis-server >/dev/null 2
   echo "chaos.sh: redis-server is needed (apt-get install redis-server)" >&2
   exit 2
 fi
-cargo build --locked "${build[@]}" -p spendgate-server -p spendgate-chaos --bins
+cargo build --locked "${build[@]}" -p spendgate -p spendgate-chaos --bins
 exec "$dir/spendgate-chaos" --spendgate "$dir/spendgate" "$@"

@@ -42,7 +42,7 @@ for c in "${cases[@]}"; do
 done
 REDIS_SERVER=${SPENDGATE_REDIS_SERVER:-redis-server}
 BIN=${SPENDGATE_BENCH_BIN:-./target/release/spendgate}
-cargo build --release -q -p spendgate-server --bins
+cargo build --release -q -p spendgate -p spendgate-bench -p spendgate-mock-upstream --bins
 . scripts/bench-lib.sh
 dir=$(mktemp -d)
 pids=()
@@ -104,7 +104,7 @@ witness_path = \"$work/side.witness\""
       write_config
     fi
   fi
-  ./target/release/spendgate mock-upstream --listen "127.0.0.1:$mport" --latency-ms "$latency" \
+  ./target/release/mock-upstream --listen "127.0.0.1:$mport" --latency-ms "$latency" \
     > "$work/mock.log" 2>&1 &
   pids+=($!)
   RUST_LOG=warn "$BIN" serve --config "$work/side.toml" > "$work/server.log" 2>&1 &
@@ -116,8 +116,8 @@ witness_path = \"$work/side.witness\""
     --direct "http://127.0.0.1:$mport" --service-token "$BENCH_TOKEN" \
     --clients "$CLIENTS" --seconds "$SECONDS_EACH")
   echo "$out"
-  # The proxy's store calls by latency (the server's own histogram): how many a bound of
-  # 100 ms, 250 ms, ... would have cut.
+  # Every store call by latency (the server's own histogram: the proxy's calls and the lease
+  # sweeper's alike): how many a bound of 100 ms, 250 ms, ... would have cut.
   curl -fs "http://127.0.0.1:$port/metrics" | python3 -c '
 import sys
 b = {}

@@ -34,7 +34,7 @@ pub const RUN_MAX_SECONDS: u64 = 60;
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// Attempts to start a replica at the beginning (each on a new port).
 const START_ATTEMPTS: usize = 3;
-/// The line a replica prints when a planted bug is switched on (`spendgate_server::plant`).
+/// The line a replica prints when a planted bug is switched on (`spendgate_http::plant`).
 const PLANT_BANNER: &str = "PLANTED BUG ACTIVE";
 
 /// The budgets of a run, all `lifetime` windows (a run may cross midnight).
@@ -330,7 +330,7 @@ impl Cluster {
             return Err(ChaosError::Setup(format!(
                 "replica {i} did not announce its planted bug: {} was built without the \
                  `planted-bugs` feature (a workspace build has it: `cargo build -p \
-                 spendgate-server -p spendgate-chaos`)",
+                 spendgate -p spendgate-chaos`)",
                 self.spendgate.display()
             )));
         }
@@ -407,7 +407,7 @@ mod tests {
             &b,
             "ledger_id = \"lg-0123456789abcdef0123456789abcdef\"\n",
         );
-        let cfg = spendgate_server::config::load(&text, &|_| None).expect("valid config");
+        let cfg = spendgate_config::load(&text, &|_| None).expect("valid config");
         let m = &cfg.models[MODEL];
         assert_eq!(m.price.input_per_million.0, 10_000_000);
         assert_eq!(m.price.output_per_million.0, 30_000_000);

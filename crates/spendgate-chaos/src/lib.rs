@@ -144,7 +144,7 @@ impl Options {
         }
         if !self.spendgate.is_file() {
             return bad(format!(
-                "no spendgate binary at {} (build it: cargo build -p spendgate-server -p \
+                "no spendgate binary at {} (build it: cargo build -p spendgate -p \
                  spendgate-chaos)",
                 self.spendgate.display()
             ));

@@ -1,4 +1,5 @@
-//! `spendgate mock-upstream`: an OpenAI-compatible server for tests, demos and benchmarks.
+//! The mock upstream (the `mock-upstream` binary, or `spendgate mock-upstream`): an
+//! OpenAI-compatible server for tests, demos and benchmarks.
 //!
 //! It answers `POST /v1/chat/completions` deterministically, can misbehave on demand, and
 //! counts what it served so that tests can compare spendgate's books with the upstream's

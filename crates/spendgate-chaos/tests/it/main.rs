@@ -18,13 +18,18 @@ pub const PERMITS: u32 = 2;
 pub static RUNS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(PERMITS as usize);
 
 /// The sources the `spendgate` binary is built from.
-const SOURCES: [&str; 6] = [
-    "spendgate-server/src",
+const SOURCES: [&str; 11] = [
+    "spendgate/src",
+    "spendgate-ops/src",
+    "spendgate-http/src",
+    "spendgate-proxy/src",
+    "spendgate-config/src",
+    "spendgate-tokens/src",
     "spendgate-core/src",
     "spendgate-store/src",
     "spendgate-redis/src",
     "spendgate-mock-upstream/src",
-    "spendgate-server/Cargo.toml",
+    "spendgate/Cargo.toml",
 ];
 
 fn newest(path: &Path) -> Option<SystemTime> {
@@ -40,8 +45,8 @@ fn newest(path: &Path) -> Option<SystemTime> {
 }
 
 /// How to build the binary these tests need.
-const BUILD: &str = "build it with `cargo build -p spendgate-server -p spendgate-chaos` (the \
-    workspace's tests build it; `cargo build` or `cargo test -p spendgate-server` alone builds \
+const BUILD: &str = "build it with `cargo build -p spendgate -p spendgate-chaos` (the \
+    workspace's tests build it; `cargo build -p spendgate` or `cargo test -p spendgate` alone builds \
     it without the planted bugs)";
 
 /// The `spendgate` binary next to this test's, refused when it is older than its sources

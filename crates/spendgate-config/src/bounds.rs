@@ -1,0 +1,97 @@
+//! Named bounds of the config: defaults and the ranges keys are checked against.
+
+/// Connections served at once by one process (most `server.connections_max` may be; the
+/// open files limit is raised for this many).
+pub const CONNECTIONS_MAX: usize = 16_384;
+
+/// `[server]` capacity defaults (see `spendgate_http::capacity`): requests in flight per class of
+/// caller, per client address prefix, connections per peer, and the minimum body rate.
+pub const PUBLIC_REQUESTS_MAX_DEFAULT: u64 = 4_096;
+pub const SERVICE_REQUESTS_MAX_DEFAULT: u64 = 4_096;
+pub const ADMIN_REQUESTS_MAX_DEFAULT: u64 = 64;
+pub const HEALTH_REQUESTS_MAX_DEFAULT: u64 = 256;
+pub const ADDRESS_REQUESTS_MAX_DEFAULT: u64 = 64;
+pub const ADDRESS_CONNECTIONS_MAX_DEFAULT: u64 = 256;
+/// Connections kept for callers that are not public (a valid service or admin token, or a
+/// health route) once the others are all taken (a sixteenth of `connections_max` at most
+/// when not given).
+pub const CONNECTIONS_RESERVED_DEFAULT: u64 = 1_024;
+pub const BODY_MIN_BYTES_PER_S_DEFAULT: u64 = 4_096;
+pub const BODY_GRACE_MS_DEFAULT: u64 = 2_000;
+/// Largest bound of one class's (or one address's) requests in flight.
+pub const CLASS_REQUESTS_MAX: u64 = 65_536;
+/// `server.body_min_bytes_per_s` range: below the floor a body could hold its request for
+/// hours (4 MiB at 256 bytes a second is about 4.5 hours, already long).
+pub const BODY_MIN_BYTES_PER_S_FLOOR: u64 = 256;
+pub const BODY_MIN_BYTES_PER_S_MAX: u64 = 16 * 1024 * 1024;
+/// `server.body_grace_ms` range (below the decision API's request timeout, 15 s, so that a
+/// stalled body is answered 408 by its rate, not 504).
+pub const BODY_GRACE_MS_MIN: u64 = 100;
+pub const BODY_GRACE_MS_MAX: u64 = 10_000;
+
+/// Service and admin tokens shorter than this draw a warning at start and in check-config.
+pub const TOKEN_BYTES_ADVISED: usize = 16;
+
+/// Largest config file accepted.
+pub const CONFIG_BYTES_MAX: usize = 1 << 20;
+/// The built-in mock upstream's name: models may name it without an `[upstreams.mock]` table
+/// (and no such table may be configured).
+pub const MOCK_UPSTREAM: &str = "mock";
+/// `store.timeout_ms` range.
+/// (below `API_REQUEST_TIMEOUT`, 15 s: a store call must fail closed with 503
+/// `store_unavailable` before the request itself times out)
+pub const STORE_TIMEOUT_MS_MAX: u64 = 5_000;
+/// `store.slow_grace_ms` range (the store crate's `SLOW_GRACE_MAX`): `timeout_ms` plus it stays
+/// below `API_REQUEST_TIMEOUT` too.
+pub const SLOW_GRACE_MS_MAX: u64 = 5_000;
+/// `store.slow_grace_ms` by default: a store call slower than `timeout_ms` under ordinary load
+/// is waited for this much longer while the store is not known to be failing. Under the
+/// side-by-side load (`scripts/side-by-side.sh`, 2 cores shared with other builds) up to 74
+/// admissions a case took longer than 100 ms, the slowest 267 ms; about 4x that. A store that
+/// stopped answering costs the calls in flight then `timeout_ms` + this, later ones
+/// `timeout_ms`.
+pub const SLOW_GRACE_MS_DEFAULT: u64 = 1_000;
+const _: () = assert!(SLOW_GRACE_MS_MAX as u128 == spendgate_store::SLOW_GRACE_MAX.as_millis());
+/// `store.lease_ttl_s` range.
+pub const LEASE_TTL_S_MAX: u64 = 3_600;
+/// `sessions.ttl_s` range: browsers cap a cookie's `Max-Age` at 400 days.
+pub const SESSION_TTL_S_MAX: u64 = 400 * 86_400;
+/// `upstreams.NAME.timeout_s` range.
+pub const UPSTREAM_TIMEOUT_S_MAX: u64 = 3_600;
+/// `sessions.challenge_bits` range.
+pub const CHALLENGE_BITS_MAX: u64 = 32;
+/// Shortest session (HMAC) key accepted.
+pub const SESSION_KEY_BYTES_MIN: usize = 16;
+/// Longest token, key or budget list.
+pub const LIST_LEN_MAX: usize = 64;
+/// Longest `server.trusted_proxies` list.
+pub const TRUSTED_PROXIES_MAX: usize = 1_024;
+/// Most entries in `[models]`, `[tools]` or `[upstreams]`.
+pub const TABLE_LEN_MAX: usize = 4_096;
+/// Longest model, tool or upstream name.
+pub const NAME_BYTES_MAX: usize = 200;
+/// Largest `burst` and `concurrency`.
+pub const BURST_MAX: u64 = 1_000_000;
+/// Most requests a rate may allow per period.
+pub const RATE_COUNT_MAX: u64 = 1_000_000_000;
+/// Longest burst window of a rate (`interval × burst`): half of 2^53 µs (about 142 years),
+/// so the Redis script's sums stay exact.
+pub const RATE_WINDOW_US_MAX: u64 = spendgate_core::MICROS_MAX.0 / 2;
+pub const CONCURRENCY_MAX: u64 = 1_000_000;
+/// Largest alert threshold, as a fraction times 1000 (10 = 1000% of a budget).
+pub const THRESHOLD_PERMILLE_MAX: u32 = 10_000;
+/// Most wider IPv6 prefixes: with the client's own prefix, what the ledger limits one request
+/// by (a longer list would pass here and refuse every IPv6 client).
+pub const IPV6_WIDER_MAX: usize = spendgate_core::IP_SCOPES_MAX - 1;
+/// Run bounds ranges.
+pub const RUN_BYTES_MAX: u64 = 1 << 30;
+pub const RUN_TOKENS_MAX: u64 = 100_000_000;
+pub const RUN_COUNT_MAX: u64 = 100_000;
+pub const RUN_SECONDS_MAX: u64 = 86_400;
+
+const _: () = assert!(LEASE_TTL_S_MAX * 1000 <= u32::MAX as u64);
+const _: () = assert!(RUN_COUNT_MAX <= u32::MAX as u64);
+const _: () = assert!(CONCURRENCY_MAX <= u32::MAX as u64);
+const _: () = assert!(CHALLENGE_BITS_MAX <= u8::MAX as u64);
+// 4^IPV6_WIDER_MAX must fit a u64 factor.
+const _: () = assert!(2 * IPV6_WIDER_MAX < 64);

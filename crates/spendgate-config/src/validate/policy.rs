@@ -1,0 +1,432 @@
+//! Validation of `[limits]`, `[run]`, `[upstreams]`, `[models]`, `[tools]` and `[alerts]`.
+
+use super::{Resolved, Validator, R};
+use crate::bounds::{
+    BURST_MAX, CONCURRENCY_MAX, MOCK_UPSTREAM, RUN_BYTES_MAX, RUN_COUNT_MAX, RUN_SECONDS_MAX,
+    RUN_TOKENS_MAX, TABLE_LEN_MAX, THRESHOLD_PERMILLE_MAX, UPSTREAM_TIMEOUT_S_MAX,
+};
+use crate::diagnostics::{toml_str, KeyPath};
+use crate::raw::{
+    RawAlerts, RawAmount, RawCount, RawModel, RawRun, RawScope, RawTool, RawUpstream,
+};
+use crate::text::amount_text;
+use crate::types::{
+    AlertsConfig, ModelConfig, OutputBoundField, Secret, Tokenizer, UpstreamConfig,
+};
+use spendgate_core::{
+    Budget, Micros, ModelPrice, RunBounds, ScopeKind, ScopePolicy, ToolPrice, Window,
+};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+impl Validator<'_, '_> {
+    pub(crate) fn scope(
+        &self,
+        name: &str,
+        raw: &RawScope,
+        default: &ScopePolicy,
+        all_dry: bool,
+    ) -> R<ScopePolicy> {
+        let p = KeyPath::of(&["limits", name]);
+        let mut rate = match &raw.rate {
+            None => default.rate,
+            Some(text) => self.rate(&p.key("rate"), text)?.map(|mut r| {
+                // A `rate` without `burst` keeps the scope's default burst (at most the new
+                // count): a new rate alone must not let one guest start `count` runs at once.
+                if let Some(d) = default.rate {
+                    r.burst = d.burst.min(r.count).max(1);
+                }
+                r
+            }),
+        };
+        if let Some(r) = &rate {
+            self.rate_fits(&p.key("rate"), r)?;
+        }
+        if let Some(burst) = raw.burst {
+            let burst = self.range(&p.key("burst"), burst, 1, BURST_MAX)?;
+            match rate.as_mut() {
+                Some(r) => {
+                    r.burst = burst;
+                    self.rate_fits(&p.key("burst"), r)?;
+                }
+                None => {
+                    return Err(self.err(
+                        &p.key("burst"),
+                        "is set but this scope has no rate (rate = \"off\")",
+                    ))
+                }
+            }
+        }
+        let concurrency = match raw.concurrency {
+            None => default.concurrency,
+            Some(RawCount::Off) => None,
+            Some(RawCount::N(n)) => {
+                let n = self.range(&p.key("concurrency"), n, 1, CONCURRENCY_MAX)?;
+                Some(u32::try_from(n).unwrap_or(u32::MAX))
+            }
+        };
+        let budgets = match &raw.budgets {
+            None => default.budgets.clone(),
+            Some(list) => {
+                let bp = p.key("budgets");
+                self.list_len(&bp, list.len(), 4)?;
+                let mut out: Vec<Budget> = Vec::new();
+                for (i, b) in list.iter().enumerate() {
+                    let amount = self.amount(&bp.idx(i).key("amount"), &b.amount)?;
+                    let wp = bp.idx(i).key("window");
+                    let window = Window::parse(b.window.trim()).ok_or_else(|| {
+                        self.err(
+                            &wp,
+                            format!(
+                                "{} is not one of hour, day, month, lifetime",
+                                toml_str(&b.window)
+                            ),
+                        )
+                    })?;
+                    if out.iter().any(|o| o.window == window) {
+                        return Err(self.err(
+                            &wp,
+                            format!("a second {} budget; one per window", window.name()),
+                        ));
+                    }
+                    out.push(Budget { amount, window });
+                }
+                out
+            }
+        };
+        Ok(ScopePolicy {
+            budgets,
+            rate,
+            concurrency,
+            dry_run: all_dry || raw.dry_run.unwrap_or(default.dry_run),
+        })
+    }
+
+    pub(crate) fn run(&self, raw: &RawRun) -> R<RunBounds> {
+        let p = KeyPath::of(&["run"]);
+        let count = |key: &str, v: u64, min: u64| -> R<u32> {
+            let v = self.range(&p.key(key), v, min, RUN_COUNT_MAX)?;
+            Ok(u32::try_from(v).unwrap_or(u32::MAX))
+        };
+        let max_cost = self.amount(&p.key("max_cost"), &raw.max_cost)?;
+        if max_cost == Micros::ZERO {
+            return Err(self.err(
+                &p.key("max_cost"),
+                "must be more than 0: no run could do anything",
+            ));
+        }
+        let bounds = RunBounds {
+            max_input_bytes: self.range(
+                &p.key("max_input_bytes"),
+                raw.max_input_bytes,
+                1,
+                RUN_BYTES_MAX,
+            )?,
+            max_context_tokens: self.range(
+                &p.key("max_context_tokens"),
+                raw.max_context_tokens,
+                1,
+                RUN_TOKENS_MAX,
+            )?,
+            max_output_tokens: self.range(
+                &p.key("max_output_tokens"),
+                raw.max_output_tokens,
+                1,
+                RUN_TOKENS_MAX,
+            )?,
+            max_tool_result_bytes: self.range(
+                &p.key("max_tool_result_bytes"),
+                raw.max_tool_result_bytes,
+                0,
+                RUN_BYTES_MAX,
+            )?,
+            max_model_rounds: count("max_model_rounds", raw.max_model_rounds, 1)?,
+            max_tool_calls: count("max_tool_calls", raw.max_tool_calls, 0)?,
+            max_retries: count("max_retries", raw.max_retries, 0)?,
+            max_seconds: self.range(&p.key("max_seconds"), raw.max_seconds, 1, RUN_SECONDS_MAX)?,
+            max_cost,
+            shrink_to_fit: raw.shrink_to_fit,
+            min_output_tokens: self.range(
+                &p.key("min_output_tokens"),
+                raw.min_output_tokens,
+                1,
+                RUN_TOKENS_MAX,
+            )?,
+        };
+        if bounds.min_output_tokens > bounds.max_output_tokens {
+            return Err(self.err(
+                &p.key("min_output_tokens"),
+                format!(
+                    "{} is more than max_output_tokens ({})",
+                    bounds.min_output_tokens, bounds.max_output_tokens
+                ),
+            ));
+        }
+        Ok(bounds)
+    }
+
+    pub(crate) fn upstreams(
+        &mut self,
+        raw: &BTreeMap<String, RawUpstream>,
+    ) -> R<BTreeMap<String, UpstreamConfig>> {
+        let table = KeyPath::of(&["upstreams"]);
+        self.list_len(&table, raw.len(), TABLE_LEN_MAX)?;
+        let mut out = BTreeMap::new();
+        for (name, u) in raw {
+            let p = table.key(name);
+            self.name(&p, "upstream", name)?;
+            if name == MOCK_UPSTREAM {
+                return Err(self.err(
+                    &p,
+                    "the name \"mock\" is reserved for the built-in mock upstream",
+                ));
+            }
+            let base_url = u
+                .base_url
+                .as_deref()
+                .ok_or_else(|| self.err(&p.key("base_url"), "required key is missing"))?;
+            self.http_url(&p.key("base_url"), base_url, true)?;
+            let base_url = base_url.trim_end_matches('/').to_string();
+            let api_key = match &u.api_key {
+                None => Secret::literal(""),
+                Some(text) => match self.secret(&p.key("api_key"), text)? {
+                    Resolved::Set(s) => s,
+                    Resolved::Unset(var) => Secret::from_env(&var, ""),
+                },
+            };
+            let timeout_s = self.range(
+                &p.key("timeout_s"),
+                u.timeout_s.unwrap_or(60),
+                1,
+                UPSTREAM_TIMEOUT_S_MAX,
+            )?;
+            out.insert(
+                name.clone(),
+                UpstreamConfig {
+                    base_url,
+                    api_key,
+                    timeout: Duration::from_secs(timeout_s),
+                    release_on_error: u.release_on_error.unwrap_or(true),
+                },
+            );
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn models(
+        &self,
+        raw: &BTreeMap<String, RawModel>,
+        upstreams: &BTreeMap<String, UpstreamConfig>,
+    ) -> R<BTreeMap<String, ModelConfig>> {
+        let table = KeyPath::of(&["models"]);
+        self.list_len(&table, raw.len(), TABLE_LEN_MAX)?;
+        let mut out = BTreeMap::new();
+        for (name, m) in raw {
+            let p = table.key(name);
+            self.name(&p, "model", name)?;
+            let up = p.key("upstream");
+            let upstream = m.upstream.as_deref().ok_or_else(|| {
+                self.err(
+                    &up,
+                    "required key is missing: name an [upstreams] entry or \"mock\"",
+                )
+            })?;
+            if upstream != MOCK_UPSTREAM && !upstreams.contains_key(upstream) {
+                let known: Vec<&str> = upstreams
+                    .keys()
+                    .map(String::as_str)
+                    .chain([MOCK_UPSTREAM])
+                    .collect();
+                return Err(self.err(
+                    &up,
+                    format!(
+                        "no upstream {} is configured (known: {})",
+                        toml_str(upstream),
+                        known.join(", ")
+                    ),
+                ));
+            }
+            let price = |key: &str, v: &Option<RawAmount>| -> R<Micros> {
+                match v {
+                    Some(a) => self.amount(&p.key(key), a),
+                    None => Err(self.err(
+                        &p.key(key),
+                        "required key is missing: a model without a price is never called",
+                    )),
+                }
+            };
+            let input = price("input_per_million", &m.input_per_million)?;
+            let output = price("output_per_million", &m.output_per_million)?;
+            let cached = match &m.cached_input_per_million {
+                Some(a) => self.amount(&p.key("cached_input_per_million"), a)?,
+                None => input,
+            };
+            if cached > input {
+                return Err(self.err(
+                    &p.key("cached_input_per_million"),
+                    format!(
+                        "{} is more than input_per_million ({}): reservations price every \
+                         prompt token at the input price",
+                        amount_text(cached),
+                        amount_text(input)
+                    ),
+                ));
+            }
+            let tokenizer = match &m.tokenizer {
+                None => Tokenizer::Bytes,
+                Some(t) => self.one_of(
+                    &p.key("tokenizer"),
+                    t,
+                    &[
+                        ("o200k_base", Tokenizer::O200kBase),
+                        ("cl100k_base", Tokenizer::Cl100kBase),
+                        ("bytes", Tokenizer::Bytes),
+                    ],
+                )?,
+            };
+            if let Some(um) = &m.upstream_model {
+                self.name(&p.key("upstream_model"), "upstream model", um)?;
+            }
+            let output_bound_field = match &m.output_bound_field {
+                None => OutputBoundField::MaxTokens,
+                Some(f) => self.one_of(
+                    &p.key("output_bound_field"),
+                    f,
+                    &[
+                        ("max_tokens", OutputBoundField::MaxTokens),
+                        (
+                            "max_completion_tokens",
+                            OutputBoundField::MaxCompletionTokens,
+                        ),
+                    ],
+                )?,
+            };
+            out.insert(
+                name.clone(),
+                ModelConfig {
+                    upstream: upstream.to_string(),
+                    price: ModelPrice {
+                        input_per_million: input,
+                        cached_input_per_million: cached,
+                        output_per_million: output,
+                    },
+                    tokenizer,
+                    upstream_model: m.upstream_model.clone(),
+                    output_bound_field,
+                },
+            );
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn tools(&self, raw: &BTreeMap<String, RawTool>) -> R<BTreeMap<String, ToolPrice>> {
+        let table = KeyPath::of(&["tools"]);
+        self.list_len(&table, raw.len(), TABLE_LEN_MAX)?;
+        let mut out = BTreeMap::new();
+        for (name, t) in raw {
+            let p = table.key(name);
+            self.name(&p, "tool", name)?;
+            if t.per_call.is_none() && t.per_unit.is_none() {
+                return Err(self.err(
+                    &p,
+                    "needs per_call and/or per_unit: a tool without a price is never called",
+                ));
+            }
+            let per_call = match &t.per_call {
+                Some(a) => self.amount(&p.key("per_call"), a)?,
+                None => Micros::ZERO,
+            };
+            let per_unit = match &t.per_unit {
+                Some(a) => self.amount(&p.key("per_unit"), a)?,
+                None => Micros::ZERO,
+            };
+            out.insert(name.clone(), ToolPrice { per_call, per_unit });
+        }
+        Ok(out)
+    }
+
+    pub(crate) fn alerts(&mut self, raw: &RawAlerts) -> R<AlertsConfig> {
+        let p = KeyPath::of(&["alerts"]);
+        let up = p.key("webhook_url");
+        let webhook_url = if raw.webhook_url.trim().is_empty() {
+            None
+        } else {
+            // A webhook URL (Slack's among them) carries its credential: a secret.
+            let url = match self.secret(&up, &raw.webhook_url)? {
+                Resolved::Set(s) => s,
+                Resolved::Unset(var) => {
+                    return Err(self.err(
+                        &up,
+                        format!(
+                            "environment variable {var} is unset or empty; set it or leave \
+                             webhook_url empty for no webhook"
+                        ),
+                    ));
+                }
+            };
+            let shown = format!(
+                "the URL from {} (not shown: it holds a credential)",
+                url.source()
+            );
+            self.http_url_shown(&up, url.expose(), false, &shown)?;
+            Some(url)
+        };
+        let tp = p.key("thresholds");
+        self.list_len(&tp, raw.thresholds.len(), 32)?;
+        let mut thresholds_permille: Vec<u32> = Vec::new();
+        for (i, t) in raw.thresholds.iter().enumerate() {
+            let scaled = t * 1000.0;
+            let rounded = scaled.round();
+            let max = f64::from(THRESHOLD_PERMILLE_MAX);
+            if !scaled.is_finite()
+                || rounded < 1.0
+                || rounded > max
+                || (scaled - rounded).abs() > 1e-6
+            {
+                return Err(self.err(
+                    &tp.idx(i),
+                    format!(
+                        "{t} must be a fraction of a budget in (0, 10] with at most 3 decimals"
+                    ),
+                ));
+            }
+            // In 1..=10000 by the check above.
+            let permille = rounded as u32;
+            if thresholds_permille
+                .last()
+                .is_some_and(|last| *last >= permille)
+            {
+                return Err(self.err(&tp.idx(i), "thresholds must be strictly ascending"));
+            }
+            thresholds_permille.push(permille);
+        }
+        let sp = p.key("scopes");
+        self.list_len(&sp, raw.scopes.len(), 4)?;
+        let mut scopes = Vec::new();
+        for (i, name) in raw.scopes.iter().enumerate() {
+            let kind = match ScopeKind::parse(name) {
+                Some(
+                    k @ (ScopeKind::Global
+                    | ScopeKind::Ip
+                    | ScopeKind::Session
+                    | ScopeKind::Conversation),
+                ) => k,
+                _ => {
+                    return Err(self.err(
+                        &sp.idx(i),
+                        format!("{name:?} is not one of global, ip, session, conversation"),
+                    ))
+                }
+            };
+            if scopes.contains(&kind) {
+                return Err(self.err(&sp.idx(i), format!("{name:?} is listed twice")));
+            }
+            scopes.push(kind);
+        }
+        Ok(AlertsConfig {
+            scopes,
+            webhook_url,
+            thresholds_permille,
+        })
+    }
+}

@@ -1,0 +1,53 @@
+//! The decision API's answers: a grant, a refusal, the ledger's sequence number.
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+use spendgate_core::Refusal;
+
+/// A 200 answer that changed (or read) the ledger at `seq`: the body carries `ledger_seq`, and
+/// so does a header.
+pub fn ledger_answer(mut body: Value, seq: u64) -> Response {
+    body["ledger_seq"] = json!(seq);
+    let mut resp = (StatusCode::OK, Json(body)).into_response();
+    seq_header(&mut resp, seq);
+    resp
+}
+
+pub fn seq_header(resp: &mut Response, seq: u64) {
+    if let Ok(v) = HeaderValue::from_str(&seq.to_string()) {
+        resp.headers_mut().insert("spendgate-ledger-seq", v);
+    }
+}
+
+/// Maps an admission outcome to a response: a grant with `status`, or the refusal.
+/// `replayed`: the answer repeats an earlier one (same `Idempotency-Key`), which was counted
+/// then: not counted again.
+pub fn grant(
+    metrics: &Metrics,
+    what: &'static str,
+    out: Result<Value, Refusal>,
+    status: StatusCode,
+    (seq, replayed): (u64, bool),
+) -> Response {
+    match out {
+        Ok(mut body) => {
+            if !replayed {
+                metrics.admitted(what);
+            }
+            body["ledger_seq"] = json!(seq);
+            let mut resp = (status, Json(body)).into_response();
+            seq_header(&mut resp, seq);
+            resp
+        }
+        Err(r) => {
+            if !replayed {
+                metrics.refused(what, r.code.name(), r.scope);
+            }
+            ApiError::from(&r).with_ledger_seq(seq).into_response()
+        }
+    }
+}

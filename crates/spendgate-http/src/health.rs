@@ -1,0 +1,63 @@
+//! Health, readiness, metrics, and the answers to routes and methods that do not exist.
+
+use crate::error::ApiError;
+use crate::state::Shared;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+use spendgate_core::ScopeKey;
+
+// ---------------------------------------------------------------------------------------
+// Operations
+
+pub async fn healthz() -> Response {
+    Json(json!({"status": "ok"})).into_response()
+}
+
+pub async fn readyz(State(state): State<Shared>) -> Response {
+    match state.store.ready().await {
+        Ok(()) => Json(json!({"status": "ready", "store": state.store.kind()})).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "not ready");
+            let mut resp = ApiError::store_unavailable().into_response();
+            *resp.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            resp
+        }
+    }
+}
+
+pub async fn metrics(State(state): State<Shared>) -> Response {
+    let summary = state.store.summary().await.ok();
+    let global = state
+        .store
+        .usage(vec![(ScopeKey::global(), 1)])
+        .await
+        .unwrap_or_default();
+    let mut text = state.metrics.render(summary.as_ref(), &global);
+    if let Ok(live) = state.store.replicas().await {
+        let view = crate::drift::PolicyView::of(&state.replica, live);
+        let me = (
+            state.replica.id.as_str(),
+            state.replica.fingerprint.as_str(),
+        );
+        crate::metrics::render_policy(&mut text, &view.fingerprints, me);
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// Any route that does not exist: an OpenAI-shaped 404.
+pub async fn fallback() -> ApiError {
+    ApiError::not_found("no such route")
+}
+
+/// A method a route does not take, on any route: an OpenAI-shaped 405 (the router adds the
+/// `Allow` header).
+pub async fn method_not_allowed(method: axum::http::Method) -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request",
+        format!("this path does not take {method}"),
+    )
+}

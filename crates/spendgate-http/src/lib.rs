@@ -1,0 +1,63 @@
+//! spendgate-http: the HTTP shell around the core. It parses, calls the core through a store,
+//! and maps answers and errors; it holds no limit of its own (SPEC I4).
+//!
+//! What is here: the shared state ([`state`]), the extractors and helpers every handler uses
+//! (tokens in [`auth`], the caller in [`client`], bodies in [`body`], [`idempotency`],
+//! [`ids`], [`ratelimit`] headers, [`error`] mapping), the decision API ([`sessions`],
+//! [`runs`], [`steps`], [`usage`], and the [`challenge`] and [`identity`] behind sessions),
+//! the [`admin`] API and dashboard, [`health`] and [`metrics`], [`alerts`] and policy
+//! [`drift`], fair [`capacity`] ([`admit`] puts every request in its class), the bounded
+//! [`listener`], the [`router`] with its layers, and [`serve`]. The proxy
+//! (`spendgate-proxy`) builds on this crate; the `spendgate` binary wires both.
+//!
+//! Modules depend on each other one way only: the handlers on the helpers, the helpers on
+//! [`state`], [`error`] and [`config`](spendgate_config), never back.
+
+#![warn(clippy::too_many_lines)]
+
+pub mod admin;
+pub mod admit;
+pub mod alerts;
+pub mod answer;
+pub mod auth;
+pub mod body;
+pub mod capacity;
+pub mod challenge;
+pub mod client;
+pub mod clock;
+pub mod drift;
+pub mod error;
+pub mod health;
+pub mod holding;
+pub mod idempotency;
+pub mod identity;
+pub mod ids;
+pub mod listener;
+pub mod metered;
+pub mod metrics;
+pub mod plant;
+pub mod ratelimit;
+pub mod rlimit;
+pub mod router;
+pub mod runs;
+pub mod serve;
+pub mod sessions;
+pub mod state;
+pub mod steps;
+pub mod store;
+pub mod tls;
+pub mod usage;
+
+pub use spendgate_config as config;
+
+pub use error::ServerError;
+pub use listener::HEADER_BYTES_MAX;
+pub use rlimit::{raise_open_files_limit, OPEN_FILES_WANTED};
+pub use router::{router, API_REQUEST_TIMEOUT};
+pub use serve::{serve, SWEEP_EVERY};
+pub use state::{build_state, AppState, Shared, Upstream};
+pub use store::{
+    open_store, open_store_with_witness, redis_command_options, redis_options, OpenedStore,
+    STORE_COMMAND_TIMEOUT_MIN,
+};
+pub use tls::install_crypto;

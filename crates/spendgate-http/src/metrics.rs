@@ -1,0 +1,357 @@
+//! Metrics in the Prometheus text format. Names follow `spendgate_<name>_<unit>`.
+
+use spendgate_core::{ScopeKind, Summary, UsageLine};
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// Distinct label sets kept per counter family (codes × scopes × kinds is far below this).
+const LABEL_SETS_MAX: usize = 256;
+
+#[derive(Default)]
+pub struct Metrics {
+    admissions: Mutex<BTreeMap<&'static str, u64>>,
+    refusals: Mutex<BTreeMap<(&'static str, &'static str, &'static str), u64>>,
+    /// Refusals a limit in dry-run would have given (the request was admitted).
+    dry_run_refusals: Mutex<BTreeMap<(&'static str, &'static str, &'static str), u64>>,
+    overruns: AtomicU64,
+    /// Every error answer by status and code (store outages, bad input and the framework's
+    /// own refusals included; an upstream's error passed through as code "upstream").
+    error_answers: Mutex<BTreeMap<(u16, &'static str), u64>>,
+    /// Every store call, timed by the store's decorator ([`crate::metered::Metered`]).
+    store_calls: Arc<Timing>,
+    upstream_calls: Timing,
+    proxy_overheads: Timing,
+    unknown_outcomes: AtomicU64,
+    /// Proxied answers cut at the output bound their upstream went past.
+    output_cuts: AtomicU64,
+}
+
+/// Upper bounds of the latency histograms' buckets, in microseconds (Prometheus `le`, in
+/// seconds when rendered): from 100 µs, where a store call on loopback lands, to 10 s, past
+/// any configured timeout.
+const BUCKETS_MICROS: [u64; 16] = [
+    100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000,
+    1_000_000, 2_500_000, 5_000_000, 10_000_000,
+];
+
+/// A Prometheus histogram of durations: how many fell in each bucket (not cumulative here),
+/// how many in all, and their total time. Lock-free.
+#[derive(Default)]
+struct Timing {
+    buckets: [AtomicU64; BUCKETS_MICROS.len()],
+    count: AtomicU64,
+    micros: AtomicU64,
+}
+
+impl Timing {
+    fn record(&self, d: Duration) {
+        let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+        if let Some(i) = BUCKETS_MICROS.iter().position(|&b| micros <= b) {
+            self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.micros.fetch_add(micros, Ordering::Relaxed);
+    }
+
+    fn render(&self, out: &mut String, name: &str) {
+        let _ = writeln!(out, "# TYPE {name} histogram");
+        let count = self.count.load(Ordering::Relaxed);
+        let mut cumulative = 0u64;
+        for (bound, n) in BUCKETS_MICROS.iter().zip(&self.buckets) {
+            // Read after `count`: a record in between can make a bucket exceed the count,
+            // never fall below it; capped so the series stays monotonic.
+            cumulative = cumulative
+                .saturating_add(n.load(Ordering::Relaxed))
+                .min(count);
+            let le = *bound as f64 / 1e6;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {cumulative}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {count}");
+        let _ = writeln!(out, "{name}_count {count}");
+        let micros = self.micros.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_sum {}", micros as f64 / 1e6);
+    }
+}
+
+/// Where the store's decorator records each call's time (`spendgate_store_call_seconds`).
+#[derive(Clone)]
+pub struct StoreTiming(Arc<Timing>);
+
+impl StoreTiming {
+    pub fn record(&self, d: Duration) {
+        self.0.record(d);
+    }
+}
+
+fn bump<K: Ord>(m: &Mutex<BTreeMap<K, u64>>, k: K) {
+    let mut g = m.lock().unwrap_or_else(|p| p.into_inner());
+    if g.len() < LABEL_SETS_MAX || g.contains_key(&k) {
+        *g.entry(k).or_insert(0) += 1;
+    }
+}
+
+impl Metrics {
+    pub fn admitted(&self, what: &'static str) {
+        bump(&self.admissions, what);
+    }
+    pub fn refused(&self, what: &'static str, code: &'static str, scope: Option<ScopeKind>) {
+        bump(
+            &self.refusals,
+            (what, code, scope.map(|s| s.name()).unwrap_or("")),
+        );
+    }
+    pub fn dry_run_refused(
+        &self,
+        what: &'static str,
+        code: &'static str,
+        scope: Option<ScopeKind>,
+    ) {
+        bump(
+            &self.dry_run_refusals,
+            (what, code, scope.map(|s| s.name()).unwrap_or("")),
+        );
+    }
+    pub fn error_answer(&self, status: u16, code: &'static str) {
+        bump(&self.error_answers, (status, code));
+    }
+    pub fn overrun(&self) {
+        self.overruns.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn unknown_outcome(&self) {
+        self.unknown_outcomes.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn output_cut(&self) {
+        self.output_cuts.fetch_add(1, Ordering::Relaxed);
+    }
+    /// The histogram of store calls, for the store's decorator ([`crate::metered::Metered`])
+    /// to record into.
+    pub fn store_timing(&self) -> StoreTiming {
+        StoreTiming(self.store_calls.clone())
+    }
+    /// Time a proxied call spent in spendgate rather than upstream: before forwarding
+    /// (identity, bounds, admission) and, when not streaming, after the answer (commit).
+    pub fn proxy_overhead(&self, d: Duration) {
+        self.proxy_overheads.record(d);
+    }
+    pub fn upstream_call(&self, d: Duration) {
+        self.upstream_calls.record(d);
+    }
+
+    /// `global`: the global budgets' lines (the real spend per window: `summary` counts only
+    /// the reservations the ledger still holds, and ended runs are purged after a minute).
+    pub fn render(&self, summary: Option<&Summary>, global: &[UsageLine]) -> String {
+        let mut out = String::new();
+        self.render_counters(&mut out);
+        render_global(&mut out, global);
+        self.render_totals(&mut out);
+        if let Some(s) = summary {
+            render_summary(&mut out, s);
+        }
+        out
+    }
+
+    /// Admissions, refusals (enforced and dry-run) and error answers, by label.
+    fn render_counters(&self, out: &mut String) {
+        let _ = writeln!(out, "# TYPE spendgate_admissions_total counter");
+        for (k, v) in self
+            .admissions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            let _ = writeln!(out, "spendgate_admissions_total{{what=\"{k}\"}} {v}");
+        }
+        for (name, family) in [
+            ("spendgate_refusals_total", &self.refusals),
+            ("spendgate_dry_run_refusals_total", &self.dry_run_refusals),
+        ] {
+            let _ = writeln!(out, "# TYPE {name} counter");
+            for ((w, c, s), v) in family.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                let _ = writeln!(out, "{name}{{what=\"{w}\",code=\"{c}\",scope=\"{s}\"}} {v}");
+            }
+        }
+        let _ = writeln!(out, "# TYPE spendgate_error_answers_total counter");
+        for ((status, code), v) in self
+            .error_answers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            let _ = writeln!(
+                out,
+                "spendgate_error_answers_total{{status=\"{status}\",code=\"{code}\"}} {v}"
+            );
+        }
+    }
+
+    /// Overruns, unknown outcomes, output cuts, and the call-time histograms.
+    fn render_totals(&self, out: &mut String) {
+        let l = |n: &AtomicU64| n.load(Ordering::Relaxed);
+        let _ = writeln!(
+            out,
+            "# TYPE spendgate_overruns_total counter\nspendgate_overruns_total {}",
+            l(&self.overruns)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE spendgate_unknown_outcomes_total counter\nspendgate_unknown_outcomes_total {}",
+            l(&self.unknown_outcomes)
+        );
+        let _ = writeln!(
+            out,
+            "# TYPE spendgate_output_cuts_total counter\nspendgate_output_cuts_total {}",
+            l(&self.output_cuts)
+        );
+        self.store_calls.render(out, "spendgate_store_call_seconds");
+        self.upstream_calls
+            .render(out, "spendgate_upstream_call_seconds");
+        self.proxy_overheads
+            .render(out, "spendgate_proxy_overhead_seconds");
+    }
+}
+
+/// The global budgets' gauges, per window.
+fn render_global(out: &mut String, global: &[UsageLine]) {
+    for (name, help, value) in [
+        (
+            "spendgate_global_used_micros",
+            "spent in the current window",
+            (|l: &UsageLine| l.used.0) as fn(&UsageLine) -> u64,
+        ),
+        (
+            "spendgate_global_reserved_micros",
+            "held in the current window",
+            |l| l.reserved.0,
+        ),
+        (
+            "spendgate_global_limit_micros",
+            "the window's budget",
+            |l| l.limit.0,
+        ),
+    ] {
+        if global.is_empty() {
+            break;
+        }
+        let _ = writeln!(out, "# HELP {name} Global budget: {help}.");
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        for line in global {
+            let w = line.window.window.name();
+            let _ = writeln!(out, "{name}{{window=\"{w}\"}} {}", value(line));
+        }
+    }
+}
+
+/// What the ledger holds: reservations by state, held and charged, runs, cutoff, sequence.
+fn render_summary(out: &mut String, s: &Summary) {
+    let _ = writeln!(
+        out,
+        "# HELP spendgate_reservations Reservations the ledger holds, by state (ended \
+             runs' are purged a minute after they end).\n# TYPE spendgate_reservations gauge"
+    );
+    for state in ["held", "committed", "released", "unknown", "expired"] {
+        let n = s.reservations.get(state).copied().unwrap_or(0);
+        let _ = writeln!(out, "spendgate_reservations{{state=\"{state}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# TYPE spendgate_held_micros gauge\nspendgate_held_micros {}",
+        s.held_micros.0
+    );
+    let _ = writeln!(
+        out,
+        "# HELP spendgate_charged_micros Charged by the reservations the ledger holds \
+             (see spendgate_global_used_micros for the spend).\n\
+             # TYPE spendgate_charged_micros gauge\nspendgate_charged_micros {}",
+        s.charged_micros.0
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE spendgate_runs_active gauge\nspendgate_runs_active {}",
+        s.runs_active
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE spendgate_cutoff_engaged gauge\nspendgate_cutoff_engaged {}",
+        u8::from(s.cutoff.is_some())
+    );
+    let _ = writeln!(
+        out,
+        "# TYPE spendgate_ledger_seq gauge\nspendgate_ledger_seq {}",
+        s.seq
+    );
+}
+
+/// The policies of the live replicas on this ledger (issue 18): how many distinct
+/// fingerprints, how many replicas publish each, whether they drift (more than one), and this
+/// replica's own (`replica`: its id and fingerprint). Fingerprints and replica ids are of the
+/// store's checked characters (letters, digits, `.`, `-`, `_`, `:`), at most `REPLICAS_MAX`.
+pub fn render_policy(out: &mut String, fingerprints: &[(String, usize)], replica: (&str, &str)) {
+    let _ = writeln!(
+        out,
+        "# HELP spendgate_policy_fingerprints Distinct policy fingerprints among the live \
+         replicas on this ledger (above 1: they enforce different limits).\n\
+         # TYPE spendgate_policy_fingerprints gauge\nspendgate_policy_fingerprints {}",
+        fingerprints.len()
+    );
+    let _ = writeln!(
+        out,
+        "# HELP spendgate_policy_replicas Live replicas on this ledger by the fingerprint of \
+         their policy.\n# TYPE spendgate_policy_replicas gauge"
+    );
+    for (fp, n) in fingerprints {
+        let _ = writeln!(out, "spendgate_policy_replicas{{fingerprint=\"{fp}\"}} {n}");
+    }
+    let _ = writeln!(
+        out,
+        "# HELP spendgate_policy_drift 1 when live replicas on this ledger enforce different \
+         policies.\n# TYPE spendgate_policy_drift gauge\nspendgate_policy_drift {}",
+        u8::from(fingerprints.len() > 1)
+    );
+    let _ = writeln!(
+        out,
+        "# HELP spendgate_policy_info This replica and the fingerprint of its policy.\n\
+         # TYPE spendgate_policy_info gauge\n\
+         spendgate_policy_info{{replica=\"{}\",fingerprint=\"{}\"}} 1",
+        replica.0, replica.1
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timings_render_as_histograms_in_seconds() {
+        let m = Metrics::default();
+        m.store_timing().record(Duration::from_micros(1_500));
+        m.store_timing().record(Duration::from_micros(500));
+        m.store_timing().record(Duration::from_secs(60));
+        m.proxy_overhead(Duration::from_millis(3));
+        let out = m.render(None, &[]);
+        for line in [
+            "# TYPE spendgate_store_call_seconds histogram",
+            "spendgate_store_call_seconds_bucket{le=\"0.0001\"} 0",
+            "spendgate_store_call_seconds_bucket{le=\"0.0005\"} 1",
+            "spendgate_store_call_seconds_bucket{le=\"0.001\"} 1",
+            "spendgate_store_call_seconds_bucket{le=\"0.0025\"} 2",
+            "spendgate_store_call_seconds_bucket{le=\"10\"} 2",
+            "spendgate_store_call_seconds_bucket{le=\"+Inf\"} 3",
+            "spendgate_store_call_seconds_count 3",
+            "spendgate_store_call_seconds_sum 60.002",
+            "spendgate_upstream_call_seconds_count 0",
+            "spendgate_upstream_call_seconds_bucket{le=\"+Inf\"} 0",
+            "spendgate_proxy_overhead_seconds_bucket{le=\"0.0025\"} 0",
+            "spendgate_proxy_overhead_seconds_bucket{le=\"0.005\"} 1",
+            "spendgate_proxy_overhead_seconds_count 1",
+            "spendgate_proxy_overhead_seconds_sum 0.003",
+        ] {
+            assert!(
+                out.lines().any(|l| l == line),
+                "{line:?} missing in:\n{out}"
+            );
+        }
+    }
+}

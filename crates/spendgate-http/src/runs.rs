@@ -1,0 +1,133 @@
+//! Runs: `POST /v1/runs`, heartbeat and finish (SPEC §6).
+
+use crate::answer::{grant, ledger_answer};
+use crate::auth::ServiceAuth;
+use crate::body::{Body, Empty};
+use crate::client::{check_conversation, ip_scopes, parse_ip};
+use crate::clock::now_unix;
+use crate::error::{ApiError, ApiResult};
+use crate::idempotency::idempotency;
+use crate::ids::{check_id_path, new_id};
+use crate::ratelimit::{note_dry_run, rate_limit_headers};
+use crate::state::Shared;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use spendgate_core::{rfc3339, RunBounds, RunId, RunRequest};
+
+// ---------------------------------------------------------------------------------------
+// Runs and steps
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateRunBody {
+    pub session: String,
+    pub client_ip: String,
+    pub conversation: String,
+    pub input_text: Option<String>,
+    pub input_bytes: Option<u64>,
+}
+
+pub async fn create_run(
+    _auth: ServiceAuth,
+    State(state): State<Shared>,
+    headers: HeaderMap,
+    body: Body<CreateRunBody>,
+) -> ApiResult<Response> {
+    let b = &body.value;
+    let session = state.keys.verify(&b.session, now_unix())?;
+    let ip = parse_ip(&b.client_ip)?;
+    check_conversation(&b.conversation)?;
+    let input_bytes = match (&b.input_text, b.input_bytes) {
+        (Some(t), None) => t.len() as u64,
+        (None, Some(n)) => n,
+        _ => {
+            return Err(ApiError::invalid(
+                "give exactly one of input_text and input_bytes",
+            ))
+        }
+    };
+    let req = RunRequest {
+        run_id: RunId(new_id("run")),
+        session: session.id,
+        ips: ip_scopes(&state, ip),
+        conversation: b.conversation.clone(),
+        input_bytes,
+    };
+    // Keys are the guest session's own: two sessions (or two backends) that happen to pick
+    // the same key do not meet.
+    let idem = idempotency(&headers, &format!("run:{}", req.session), &body.raw)?;
+    // (a first answer under a key always changes the ledger: it is remembered)
+    let keyed = idem.is_some();
+    let applied = state.store.admit_run(req, idem).await?;
+    let rate_left = applied.value.as_ref().ok().and_then(|a| a.rate_left);
+    let changed = applied.changed;
+    let dry_run = applied.value.as_ref().ok().and_then(|a| a.dry_run.clone());
+    let out = applied.value.map(|a| {
+        json!({
+            "run_id": a.run_id.0,
+            "deadline": rfc3339(a.deadline),
+            "bounds": bounds_json(&a.bounds),
+            "reserved_micros": a.reserved.0,
+        })
+    });
+    let mut resp = grant(
+        &state.metrics,
+        "run",
+        out,
+        StatusCode::CREATED,
+        (applied.seq, keyed && !changed),
+    );
+    if resp.status() == StatusCode::CREATED {
+        rate_limit_headers(&state, rate_left, resp.headers_mut());
+        note_dry_run(&state, "run", dry_run.as_ref(), changed, resp.headers_mut());
+    }
+    Ok(resp)
+}
+
+fn bounds_json(b: &RunBounds) -> Value {
+    json!({
+        "max_input_bytes": b.max_input_bytes,
+        "max_context_tokens": b.max_context_tokens,
+        "max_output_tokens": b.max_output_tokens,
+        "max_tool_result_bytes": b.max_tool_result_bytes,
+        "max_model_rounds": b.max_model_rounds,
+        "max_tool_calls": b.max_tool_calls,
+        "max_retries": b.max_retries,
+        "max_seconds": b.max_seconds,
+        "max_cost_micros": b.max_cost.0,
+    })
+}
+
+pub async fn heartbeat(
+    _auth: ServiceAuth,
+    State(state): State<Shared>,
+    Path(run_id): Path<String>,
+    _b: Body<Empty>,
+) -> ApiResult<Response> {
+    check_id_path("run", &run_id)?;
+    let applied = state.store.heartbeat(RunId(run_id)).await?;
+    let h = applied.value;
+    let body = json!({"lease_until": rfc3339(h.lease_until), "deadline": rfc3339(h.deadline)});
+    Ok(ledger_answer(body, applied.seq))
+}
+
+pub async fn finish(
+    _auth: ServiceAuth,
+    State(state): State<Shared>,
+    Path(run_id): Path<String>,
+    _b: Body<Empty>,
+) -> ApiResult<Response> {
+    check_id_path("run", &run_id)?;
+    let applied = state.store.finish(RunId(run_id)).await?;
+    let f = applied.value;
+    let body = json!({
+        "state": format!("{:?}", f.state).to_lowercase(),
+        "charged_micros": f.charged.0,
+        "steps": f.steps,
+        "repeated": f.repeated,
+    });
+    Ok(ledger_answer(body, applied.seq))
+}

@@ -1,0 +1,65 @@
+//! Serving: the background tasks and the bounded listener.
+
+use crate::state::Shared;
+use crate::{alerts, drift, listener};
+use axum::Router;
+use std::future::Future;
+use std::time::Duration;
+
+/// How often expired leases are swept.
+pub const SWEEP_EVERY: Duration = Duration::from_millis(500);
+
+/// Serves `app` (the [`router`](crate::router::router) with the proxy's routes) until
+/// `shutdown` completes, then drains in-flight requests. Runs the lease sweeper, the alert
+/// checker and the policy publisher meanwhile.
+pub async fn serve(
+    state: Shared,
+    app: Router,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let sweeper = spendgate_store::spawn_sweeper(state.store.clone(), SWEEP_EVERY);
+    let checker = alerts::spawn_checker(
+        state.store.clone(),
+        state.alerts.clone(),
+        state.config.alerts.thresholds_permille.clone(),
+        state.config.alerts.scopes.clone(),
+    );
+    let publisher = drift::spawn_publisher(
+        state.store.clone(),
+        state.alerts.clone(),
+        state.replica.clone(),
+    );
+    let result = serve_bounded(&state, app, listener, shutdown).await;
+    sweeper.abort();
+    checker.abort();
+    publisher.abort();
+    result
+}
+
+/// Serves `app` on `listener` in the bounds of `state`'s config (connections at once and per
+/// peer, header and idle times) until `shutdown` completes, with no background task.
+pub async fn serve_bounded(
+    state: &Shared,
+    app: Router,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let longest_upstream = state
+        .upstreams
+        .values()
+        .map(|u| u.timeout)
+        .max()
+        .unwrap_or_default();
+    let peers = listener::PeerBound::of(&state.config);
+    let cap = state.config.server.capacity;
+    let idle = listener::idle_time(longest_upstream);
+    let listener = listener::Bounded::new(
+        listener,
+        cap.connections_max,
+        cap.connections_reserved,
+        idle,
+        peers,
+    );
+    listener::serve(listener, app, shutdown, listener::HEADER_READ_TIMEOUT, idle).await
+}

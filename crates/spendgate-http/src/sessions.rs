@@ -1,0 +1,100 @@
+//! `POST /v1/sessions`: a guest session, behind its creation rates and the challenge.
+
+use crate::auth::{bearer, ServiceAuth};
+use crate::body::Body;
+use crate::challenge;
+use crate::client::{client_ip_of, cookie_name, ip_scopes, parse_ip};
+use crate::clock::now_unix;
+use crate::error::{ApiError, ApiResult};
+use crate::state::Shared;
+use axum::extract::{ConnectInfo, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use spendgate_config::ChallengeMode;
+use spendgate_core::{rfc3339, Refusal, UnixMs};
+use std::net::SocketAddr;
+
+// ---------------------------------------------------------------------------------------
+// Sessions
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSessionBody {
+    pub challenge: Option<Value>,
+    pub solution: Option<String>,
+    /// The guest's address, from the operator's backend (service token) only: a guest must
+    /// not choose the address its creations are counted under.
+    pub client_ip: Option<String>,
+}
+
+pub async fn create_session(
+    State(state): State<Shared>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Body<CreateSessionBody>,
+) -> ApiResult<Response> {
+    let ip = match &body.value.client_ip {
+        None => client_ip_of(&state, peer, &headers),
+        Some(given) => {
+            if bearer(&headers).is_none() {
+                return Err(ApiError::invalid(
+                    "client_ip is taken only from the operator's backend (with a service \
+                     token); a guest's address is the connection's",
+                ));
+            }
+            ServiceAuth::check(&state, &headers)?;
+            parse_ip(given)?
+        }
+    };
+    let ips = ip_scopes(&state, ip);
+    let refused = |r: &Refusal, seq: u64| {
+        state.metrics.refused("session", r.code.name(), r.scope);
+        ApiError::from(r).with_ledger_seq(seq)
+    };
+    let mode = state.config.sessions.challenge;
+    if mode != ChallengeMode::Off {
+        // Ask first, applying nothing: a creation that its rate would refuse is refused
+        // before a challenge is checked (no verifier call, no solution used up), and whether
+        // one is needed follows this client's own prefixes and the global bucket.
+        let asked = state.store.create_session(ips.clone(), true).await?;
+        let pressure = match &asked.value {
+            Ok(g) => g.pressure,
+            Err(r) => return Err(refused(r, asked.seq)),
+        };
+        let needed = challenge::needed(mode, pressure);
+        let answer = challenge::Answer {
+            challenge: body.value.challenge.as_ref(),
+            solution: body.value.solution.as_deref(),
+        };
+        challenge::check(&state, ip, answer, needed).await?;
+    }
+    let applied = state.store.create_session(ips, false).await?;
+    if let Err(r) = &applied.value {
+        return Err(refused(r, applied.seq));
+    }
+    let ttl = state.config.sessions.ttl.as_secs();
+    let (token, session) = state.keys.issue(now_unix(), ttl);
+    state.metrics.admitted("session");
+    let expires_at = rfc3339(UnixMs(session.expires_unix * 1000));
+    let cookie = format!(
+        "{}={token}; {}HttpOnly; SameSite=Lax; Path=/; Max-Age={ttl}",
+        cookie_name(&state.config),
+        if state.config.sessions.secure_cookie {
+            "Secure; "
+        } else {
+            ""
+        },
+    );
+    let mut resp = (
+        StatusCode::CREATED,
+        Json(json!({"session": token, "expires_at": expires_at, "ledger_seq": applied.seq})),
+    )
+        .into_response();
+    if let Ok(v) = HeaderValue::from_str(&cookie) {
+        resp.headers_mut().insert(header::SET_COOKIE, v);
+    }
+    Ok(resp)
+}

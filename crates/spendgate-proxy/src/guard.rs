@@ -1,0 +1,419 @@
+//! A proxied step's hold, from its reservation until it is settled: the lease renewed
+//! meanwhile, the settlement never below what was shown, retried when the store is away.
+
+use crate::bounds::{LEASE_RENEWAL_MIN, SETTLE_RETRIES_MAX, SETTLE_RETRY_PAUSES};
+use serde_json::Value;
+use spendgate_core::{
+    Applied, Command, Micros, ModelPrice, Reply, ReservationId, Resolution, Resolved, RunId,
+    Settlement, TokenUsage, UnixMs,
+};
+use spendgate_http::plant;
+use spendgate_http::{AppState, Shared};
+use spendgate_store::StoreError;
+use spendgate_tokens::OutputTally;
+use std::time::Duration;
+
+/// Resolutions being retried now (bounded by [`SETTLE_RETRIES_MAX`]).
+pub(crate) static SETTLE_RETRIES: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
+/// One slot of [`SETTLE_RETRIES`], given back on drop.
+pub(crate) struct RetrySlot;
+
+impl RetrySlot {
+    pub(crate) fn take() -> Option<RetrySlot> {
+        use std::sync::atomic::Ordering;
+        SETTLE_RETRIES
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < SETTLE_RETRIES_MAX).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| RetrySlot)
+    }
+}
+
+impl Drop for RetrySlot {
+    fn drop(&mut self) {
+        SETTLE_RETRIES.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// Resolves a step exactly once; if dropped unresolved (client gone, task cancelled), the
+/// step is resolved from the usage already read whole, else marked `unknown` (charged in
+/// full; or at a usage read that costs more, see [`StepGuard::unsure`]), and a one-step run
+/// is finished. Resolution runs on its own task, so a client going
+/// away while the store answers cannot cut it short. While the step is unresolved, its run's
+/// lease is renewed, so that a call longer than `store.lease_ttl_s` keeps its slots (one
+/// generation per conversation) and is not expired under a live holder; the lease never
+/// outlives the run's deadline, which bounds the call.
+pub(crate) struct StepGuard {
+    pub(crate) state: Shared,
+    pub(crate) step: Option<ReservationId>,
+    pub(crate) run: Option<RunId>,
+    /// A usage the proxy finished reading (trusted even if the stream is cut later).
+    pub(crate) usage: Option<TokenUsage>,
+    /// The largest usage read, trusted or not (see [`StepGuard::unsure`]).
+    pub(crate) seen: Option<TokenUsage>,
+    /// The step's price and reservation: what a usage read would cost, against the hold.
+    pub(crate) price: ModelPrice,
+    pub(crate) reserved: Micros,
+    /// The prompt bound and the output bound the step reserved for.
+    pub(crate) prompt_bound: u64,
+    pub(crate) bound: u64,
+    /// The output counted so far (see [`StepGuard::settlement`]).
+    pub(crate) output: OutputTally,
+    /// The task renewing the run's lease; stopped when the step is resolved.
+    pub(crate) renewal: Option<tokio::task::AbortHandle>,
+    /// When the call must stop ([`StepGuard::stopped`]): the run's deadline once known, or
+    /// the moment the run was found ended under the call.
+    pub(crate) stop: tokio::sync::watch::Receiver<Option<tokio::time::Instant>>,
+}
+
+/// The local instant of a store time (the store's clock is this machine's, or Redis's).
+pub(crate) fn instant_of(at: UnixMs) -> tokio::time::Instant {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    tokio::time::Instant::now() + Duration::from_millis(at.0.saturating_sub(now_ms))
+}
+
+impl StepGuard {
+    /// `deadline`: the run's, when the caller knows it (a run the proxy opened); else the
+    /// first renewal, at once, learns it.
+    pub(crate) fn new(
+        state: Shared,
+        hold: Hold,
+        run_id: RunId,
+        own_run: bool,
+        deadline: Option<UnixMs>,
+    ) -> StepGuard {
+        // A third of the lease: two renewals may fail or be late before it runs out.
+        let every = (state.config.store.lease_ttl / 3).max(LEASE_RENEWAL_MIN);
+        let (stop_tx, stop) = tokio::sync::watch::channel(deadline.map(instant_of));
+        let renewal = {
+            let state = state.clone();
+            let run_id = run_id.clone();
+            tokio::spawn(async move {
+                let mut known = deadline.is_some();
+                loop {
+                    if known {
+                        tokio::time::sleep(every).await;
+                    }
+                    match state.store.heartbeat(run_id.clone()).await {
+                        Ok(a) => {
+                            known = true;
+                            let _ = stop_tx.send(Some(instant_of(a.value.deadline)));
+                            // At its deadline: the lease can grow no more.
+                            if a.value.lease_until >= a.value.deadline {
+                                return;
+                            }
+                        }
+                        // The run has ended (finished, expired): its holds were settled
+                        // without this call, which must stop now.
+                        Err(StoreError::Ledger(e, _)) => {
+                            tracing::warn!(error = %e, run = %run_id.0, "a proxied call's run ended under it; stopping the call");
+                            let _ = stop_tx.send(Some(tokio::time::Instant::now()));
+                            return;
+                        }
+                        Err(e) => {
+                            known = true;
+                            tracing::warn!(error = %e, run = %run_id.0, "could not renew a proxied run's lease")
+                        }
+                    }
+                }
+            })
+            .abort_handle()
+        };
+        StepGuard {
+            state,
+            step: Some(hold.step),
+            run: own_run.then_some(run_id),
+            usage: None,
+            seen: None,
+            price: hold.price,
+            reserved: hold.reserved,
+            prompt_bound: hold.prompt_bound,
+            bound: hold.bound,
+            output: OutputTally::default(),
+            renewal: Some(renewal),
+            stop,
+        }
+    }
+
+    /// Completes when the call must stop: at the run's deadline (a run never exceeds its
+    /// seconds, I5; past it, its lease is over and its holds are charged, so paid work must
+    /// not go on), or when the run ended under the call.
+    pub(crate) fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.stop.clone();
+        async move {
+            loop {
+                let at = *rx.borrow_and_update();
+                let changed = async {
+                    if rx.changed().await.is_err() {
+                        // No more news: the last word stands.
+                        std::future::pending::<()>().await;
+                    }
+                };
+                match at {
+                    Some(at) => {
+                        tokio::select! {
+                            _ = tokio::time::sleep_until(at) => return,
+                            _ = changed => {}
+                        }
+                    }
+                    None => changed.await,
+                }
+            }
+        }
+    }
+
+    /// How to resolve the step from what was observed (see [`settlement`]).
+    pub(crate) fn settlement(
+        &self,
+        trusted: Option<TokenUsage>,
+        seen: Option<TokenUsage>,
+        output: OutputTally,
+    ) -> Resolution {
+        settlement(
+            (self.price, self.reserved),
+            (self.prompt_bound, self.bound),
+            Observed {
+                trusted,
+                seen,
+                output,
+            },
+        )
+    }
+
+    pub(crate) fn take(&mut self) -> Option<(ReservationId, Option<RunId>)> {
+        if let Some(r) = self.renewal.take() {
+            r.abort();
+        }
+        let step = self.step.take()?;
+        Some((step, self.run.take()))
+    }
+
+    /// Resolves a step (and finishes a one-step run). When the store cannot be reached, the
+    /// resolution is tried again in the background, [`SETTLE_RETRY_PAUSES`] apart: the hold
+    /// stays until then, and expires charged in full if no retry lands first (I3).
+    pub(crate) async fn settle(
+        state: Shared,
+        step: ReservationId,
+        run: Option<RunId>,
+        how: Resolution,
+    ) -> Option<Applied<Resolved>> {
+        let unknown = how == Resolution::Unknown;
+        let step_name = step.0.clone();
+        let mut cmds = vec![Command::Resolve { step, how }];
+        if let Some(run) = run {
+            cmds.push(Command::Finish { run });
+        }
+        match Self::settle_once(&state, cmds.clone(), unknown, &step_name, false).await {
+            Ok(a) => Some(a),
+            Err(e @ (StoreError::Unavailable(_) | StoreError::Timeout(_))) => {
+                let Some(slot) = RetrySlot::take() else {
+                    tracing::warn!(error = %e, step = %step_name, "could not resolve a proxied step, and {SETTLE_RETRIES_MAX} retries are pending already; it will expire and be charged in full");
+                    return None;
+                };
+                tracing::warn!(error = %e, step = %step_name, "could not resolve a proxied step; retrying (else it expires and is charged in full)");
+                tokio::spawn(async move {
+                    let _slot = slot;
+                    for pause in SETTLE_RETRY_PAUSES {
+                        tokio::time::sleep(pause).await;
+                        match Self::settle_once(&state, cmds.clone(), unknown, &step_name, true)
+                            .await
+                        {
+                            Ok(_) => return,
+                            Err(StoreError::Unavailable(_) | StoreError::Timeout(_)) => {}
+                            Err(e) => {
+                                tracing::warn!(error = %e, step = %step_name, "could not resolve a proxied step on a retry; it will expire and be charged in full");
+                                return;
+                            }
+                        }
+                    }
+                    tracing::warn!(step = %step_name, "could not resolve a proxied step after retries; it will expire and be charged in full");
+                });
+                None
+            }
+            Err(e) => {
+                // The hold stays; it expires and is charged in full.
+                tracing::warn!(error = %e, "could not resolve a proxied step; it will expire and be charged in full");
+                None
+            }
+        }
+    }
+
+    /// One attempt of [`StepGuard::settle`]; counts and alerts what it applied. `retried`: an
+    /// earlier attempt failed, so an answer that repeats an outcome repeats that attempt's
+    /// (it applied after all), which nobody counted yet.
+    pub(crate) async fn settle_once(
+        state: &AppState,
+        cmds: Vec<Command>,
+        unknown: bool,
+        step_name: &str,
+        retried: bool,
+    ) -> Result<Applied<Resolved>, StoreError> {
+        let mut answers = state.store.execute_many(cmds).await.into_iter();
+        let r = match answers.next() {
+            Some(Ok(Reply::Resolved(a))) => Ok(a),
+            Some(Ok(other)) => Err(StoreError::Unavailable(format!(
+                "unexpected answer {other:?}"
+            ))),
+            Some(Err(e)) => Err(e),
+            None => Err(StoreError::Unavailable("no answer".into())),
+        };
+        if r.is_ok() {
+            if let Some(Err(e)) = answers.next() {
+                tracing::warn!(error = %e, "could not finish a one-step proxy run; its lease will expire");
+            }
+        }
+        let a = r?;
+        if !a.value.repeated || retried {
+            if unknown {
+                state.metrics.unknown_outcome();
+            }
+            if a.value.overrun {
+                state.metrics.overrun();
+                state
+                    .alerts
+                    .overrun(step_name, a.value.reserved.0, a.value.charged.0);
+                tracing::warn!(
+                    charged = a.value.charged.0,
+                    reserved = a.value.reserved.0,
+                    "overrun: upstream usage above the reservation, charged in full"
+                );
+            }
+        }
+        Ok(a)
+    }
+
+    pub(crate) async fn resolve(mut self, how: Resolution) -> Option<Applied<Resolved>> {
+        let (step, run) = self.take()?;
+        let state = self.state.clone();
+        tokio::spawn(Self::settle(state, step, run, how))
+            .await
+            .ok()
+            .flatten()
+    }
+}
+
+impl Drop for StepGuard {
+    fn drop(&mut self) {
+        let Some((step, run)) = self.take() else {
+            return;
+        };
+        let how = if self.usage.is_none() && plant::on(plant::Plant::DropReleases) {
+            Resolution::Release
+        } else {
+            self.settlement(self.usage, self.seen, self.output)
+        };
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            handle.spawn(Self::settle(self.state.clone(), step, run, how));
+        }
+    }
+}
+
+/// What a proxied step's hold covers.
+pub(crate) struct Hold {
+    pub(crate) step: ReservationId,
+    pub(crate) price: ModelPrice,
+    pub(crate) reserved: Micros,
+    /// The prompt bound reserved for.
+    pub(crate) prompt_bound: u64,
+    /// The output bound forwarded.
+    pub(crate) bound: u64,
+}
+
+/// What the proxy observed of a step's answer.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Observed {
+    /// A usage that covers the whole answer (read whole, nothing after it).
+    pub(crate) trusted: Option<TokenUsage>,
+    /// The largest usage read, trusted or not.
+    pub(crate) seen: Option<TokenUsage>,
+    /// The output counted ([`OutputCounter`]).
+    pub(crate) output: OutputTally,
+}
+
+/// How a proxied step ends, never charged below what the upstream is shown to have served
+/// (SPEC I1b):
+/// - a trusted usage is committed, its completion tokens never below the output counted
+///   ([`OutputTally::floor`]: an upstream that reports less than it sent is charged what
+///   it sent);
+/// - without one (no usage, a usage followed by more content, a stream cut, an error
+///   event), the step is `unknown`, charged its reservation, unless the usage read (or the
+///   prompt bound, without one) with the output counted costs more: that is committed, an
+///   overrun (charged, counted and alerted). The output counted is the floor while it is
+///   within the bound (an upstream that kept to its bound is covered by the reservation),
+///   and the most the text can have cost ([`OutputTally::upper`]) once the floor shows the
+///   upstream went past it.
+pub(crate) fn settlement(
+    (price, reserved): (ModelPrice, Micros),
+    (prompt_bound, bound): (u64, u64),
+    o: Observed,
+) -> Resolution {
+    if let Some(u) = o.trusted {
+        return Resolution::Commit(Settlement::Tokens(TokenUsage {
+            completion_tokens: u.completion_tokens.max(o.output.floor),
+            ..u
+        }));
+    }
+    let counted = if o.output.floor > bound {
+        o.output.upper
+    } else {
+        o.output.floor
+    };
+    let base = o.seen.unwrap_or(TokenUsage {
+        prompt_tokens: prompt_bound,
+        completion_tokens: 0,
+        cached_tokens: 0,
+    });
+    let u = TokenUsage {
+        completion_tokens: base.completion_tokens.max(counted),
+        ..base
+    };
+    if price.charge(&u) > reserved {
+        Resolution::Commit(Settlement::Tokens(u))
+    } else {
+        Resolution::Unknown
+    }
+}
+
+pub(crate) fn usage_of(v: &Value) -> Option<TokenUsage> {
+    let u = v.get("usage")?;
+    if u.is_null() {
+        return None;
+    }
+    let prompt_tokens = u.get("prompt_tokens")?.as_u64()?;
+    let mut completion_tokens = u.get("completion_tokens")?.as_u64()?;
+    // OpenAI counts reasoning tokens inside `completion_tokens`. A usage that reports more
+    // reasoning than completion tokens cannot be read that way: both are charged.
+    let reasoning = u
+        .get("completion_tokens_details")
+        .and_then(|d| d.get("reasoning_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    if reasoning > completion_tokens {
+        completion_tokens = completion_tokens.saturating_add(reasoning);
+    }
+    // Some providers (xAI's) count reasoning outside `completion_tokens` but inside
+    // `total_tokens`: whatever the total holds beyond the prompt was generated.
+    if let Some(total) = u.get("total_tokens").and_then(Value::as_u64) {
+        completion_tokens = completion_tokens.max(total.saturating_sub(prompt_tokens));
+    }
+    let details = u.get("prompt_tokens_details");
+    let detail = |k: &str| {
+        details
+            .and_then(|d| d.get(k))
+            .and_then(Value::as_u64)
+            .unwrap_or(0)
+    };
+    // Cache writes (OpenRouter's `cache_write_tokens`) are billed above the input price (up
+    // to twice it): each is charged once more at the input price.
+    let prompt_tokens = prompt_tokens.saturating_add(detail("cache_write_tokens"));
+    Some(TokenUsage {
+        prompt_tokens,
+        completion_tokens,
+        cached_tokens: detail("cached_tokens"),
+    })
+}

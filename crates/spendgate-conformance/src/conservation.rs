@@ -1,9 +1,16 @@
 //! I2 conservation: every reservation reaches exactly one terminal state, exactly once; a
 //! repeat returns the first outcome and charges nothing more; the sums reconcile.
 
-use crate::support::*;
+use crate::support::{
+    admit, admit_refused, check_ledger, day, finish, micros_step, model_step, policy, reservation,
+    reservations, reserve, resolve, resolve_err, run_id, seq, step_id, summary, sweep, tokens,
+    tool_step, units, ur, Who, START, TOOL_PER_CALL,
+};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{
+    Command, IdempotencyKey, LedgerError, Micros, RefusalCode, Reply, ReservationState, Resolution,
+    Resolved, ScopeKind, Settlement,
+};
 
 fn closed(e: &LedgerError, state: ReservationState, charged: u64) {
     assert_eq!(

@@ -1,9 +1,15 @@
 //! I3 fail closed and I4 one global limit: a store that cannot be written admits nothing and
 //! loses no hold; two handles on one store enforce the limits of one.
 
-use crate::support::*;
+use crate::support::{
+    admit, admit_refused, check_ledger, day, finish, micros_step, model_step, policy, reservation,
+    reservations, reserve, resolve, seq, step_id, sweep, units, ur, usage, Who, START,
+};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{
+    Applied, Micros, Refusal, RefusalCode, Reservation, ReservationState, Resolution, Resolved,
+    ScopeKey, ScopeKind,
+};
 use spendgate_store::StoreError;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -12,12 +12,16 @@
 //! next operation that writes (reads never expire anything), so the model expires due leases
 //! before each operation it applies.
 
-use crate::support::*;
+use crate::support::{day, lines_hold, policy, Who, LIST_MAX, MODEL_PRICE, START};
 use crate::Backend;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use spendgate_core::*;
+use spendgate_core::{
+    IpScope, LedgerError, Micros, Policy, Refusal, RefusalCode, ReservationId, ReservationMode,
+    ReservationState, Resolution, RunBounds, RunId, RunRequest, RunState, ScopeKind, Settlement,
+    StepKind, StepRequest, Summary, TokenUsage, ToolPrice, RECORD_RETENTION_MS,
+};
 use spendgate_store::{Store, StoreError};
 use std::sync::Arc;
 

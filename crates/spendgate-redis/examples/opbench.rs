@@ -13,7 +13,7 @@
 
 mod common;
 
-use spendgate_core::*;
+use spendgate_core::{IpScope, ReservationId, Resolution, RunId, RunRequest, Settlement};
 use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
 use spendgate_store::Store;
 use std::collections::BTreeMap;

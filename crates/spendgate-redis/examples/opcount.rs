@@ -17,7 +17,10 @@
 
 mod common;
 
-use spendgate_core::*;
+use spendgate_core::{
+    Command, IpScope, Micros, ModelPrice, Policy, Reply, ReservationId, Resolution, RunId,
+    RunRequest, Settlement, StepKind, StepRequest, TokenUsage,
+};
 use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
 use spendgate_store::Store;
 use std::time::Duration;

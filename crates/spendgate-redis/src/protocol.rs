@@ -6,7 +6,14 @@
 //! Outcomes of admissions are flat string lists so that idempotency records can store them
 //! verbatim and a retry decodes to the very same answer.
 
-use spendgate_core::*;
+use spendgate_core::{
+    budget_message, Adjustment, Applied, Command, Counter, CounterKey, Heartbeat, IdempotencyKey,
+    IpScope, LedgerError, Micros, ModelPrice, RateLeft, Refusal, RefusalCode, ReplicaSeen, Reply,
+    Reservation, ReservationId, ReservationKind, ReservationState, Resolution, Resolved,
+    RunAdmitted, RunBounds, RunEnded, RunId, RunState, ScopeKey, ScopeKind, SessionGrant,
+    Settlement, StepKind, StepReserved, Summary, ToolPrice, UnixMs, UsageLine, Window, WindowId,
+    HELD_RETRY_AFTER_S, LEDGER_RECORDS_MAX, LIFETIME_RETRY_AFTER_S, MICROS_MAX, REPLICAS_MAX,
+};
 use spendgate_store::StoreError;
 use std::collections::HashMap;
 
@@ -738,6 +745,7 @@ fn encode_kind(cmd: &Command) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use spendgate_core::{FINGERPRINT_BYTES_MAX, REPLICA_ID_BYTES_MAX, REPLICA_STALE_MS};
 
     /// `ledger.lua` bounds the replicas it remembers as the core does.
     #[test]

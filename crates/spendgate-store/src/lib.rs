@@ -8,7 +8,12 @@ pub mod memory;
 pub mod sqlite;
 
 use async_trait::async_trait;
-use spendgate_core::*;
+use spendgate_core::{
+    Adjustment, Applied, Command, Counter, CounterKey, Heartbeat, IdempotencyKey, IpScope, Ledger,
+    LedgerError, Policy, Refusal, ReplicaSeen, Reply, Reservation, ReservationId, ReservationState,
+    Resolution, Resolved, RunAdmitted, RunEnded, RunId, RunRequest, ScopeKey, ScopeKind,
+    SessionGrant, StepRequest, StepReserved, Summary, UnixMs, UsageLine,
+};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 

@@ -47,6 +47,9 @@ impl Ledger {
         Ok(self.conclude(outcome, remembered, idem, now, policy.lease_ttl_ms, swept))
     }
 
+    /// Whether the step may be reserved, and what against: the run's state and bounds, the
+    /// cutoff, then every counter it touches (shrinking a model step's output bound to fit,
+    /// when the run allows it).
     fn decide_step(
         &self,
         policy: &Policy,
@@ -54,72 +57,23 @@ impl Ledger {
         run: &Run,
         req: &StepRequest,
     ) -> Result<StepPlan, Refusal> {
-        let bound =
-            |msg: String| Refusal::new(RefusalCode::RunBoundExceeded, Some(ScopeKind::Run), msg);
         match run.state {
             RunState::Active => {}
-            RunState::Finished => return Err(bound("run is finished".into())),
-            RunState::Expired => return Err(bound("run deadline or lease has passed".into())),
+            RunState::Finished => return Err(bound_refusal("run is finished".into())),
+            RunState::Expired => {
+                return Err(bound_refusal("run deadline or lease has passed".into()))
+            }
         }
         if now >= run.deadline {
-            return Err(bound("run deadline has passed".into()));
+            return Err(bound_refusal("run deadline has passed".into()));
         }
         if let Some(refusal) = self.cutoff_refusal() {
             return Err(refusal);
         }
-        let b = run.bounds;
-        let (amount, max_out, counter_kind) = match &req.kind {
-            StepKind::Model {
-                price,
-                prompt_tokens,
-                max_output_tokens,
-                retry,
-                ..
-            } => {
-                if *retry && run.retries >= b.max_retries {
-                    return Err(bound(format!(
-                        "run already used its {} retries",
-                        b.max_retries
-                    )));
-                }
-                if !*retry && run.rounds >= b.max_model_rounds {
-                    return Err(bound(format!(
-                        "run already used its {} model rounds",
-                        b.max_model_rounds
-                    )));
-                }
-                if *prompt_tokens > b.max_context_tokens {
-                    return Err(Refusal::new(
-                        RefusalCode::ContextTooLarge,
-                        Some(ScopeKind::Run),
-                        format!(
-                            "prompt of {prompt_tokens} tokens is over the context limit of {} tokens",
-                            b.max_context_tokens
-                        ),
-                    ));
-                }
-                let out = max_output_tokens
-                    .unwrap_or(b.max_output_tokens)
-                    .min(b.max_output_tokens);
-                (
-                    price.bound(*prompt_tokens, out),
-                    Some(out),
-                    StepCounter::Model(*retry),
-                )
-            }
-            StepKind::Tool { price, units, .. } => {
-                if run.tool_calls >= b.max_tool_calls {
-                    return Err(bound(format!(
-                        "run already used its {} tool calls",
-                        b.max_tool_calls
-                    )));
-                }
-                (price.cost(*units), None, StepCounter::Tool)
-            }
-        };
+        let (amount, max_out, counter_kind) = step_cost(run, &req.kind)?;
         // The run's own cost bound first: a step it can never fit is refused as over the
         // run's bound (400), not as a spent scope budget to retry after its window.
-        let run_counter = (run.counter_key(), b.max_cost);
+        let run_counter = (run.counter_key(), run.bounds.max_cost);
         let counters = match run.mode {
             ReservationMode::PerStep => {
                 let mut c = vec![run_counter];
@@ -128,61 +82,70 @@ impl Ledger {
             }
             ReservationMode::WholeRun => vec![run_counter],
         };
-        match self.check_budgets(policy, &counters, amount, now) {
-            Ok(dry_run) => Ok(StepPlan {
-                amount,
-                max_out,
-                shrunk: false,
-                counters,
-                counter_kind,
-                dry_run,
-            }),
-            Err(refusal) => {
-                // shrink_to_fit: lower the output bound to what the tightest counter allows.
-                if let (
-                    true,
-                    StepKind::Model {
-                        price,
-                        prompt_tokens,
-                        ..
-                    },
-                ) = (b.shrink_to_fit, &req.kind)
-                {
-                    // Only enforced limits bound the output (a limit in dry-run never refuses).
-                    let room = counters
-                        .iter()
-                        .filter(|(k, _)| !policy.dry_run(k.scope.kind))
-                        .map(|(k, l)| self.counter_view(k, *l).remaining())
-                        .min()
-                        .unwrap_or_default();
-                    if let Some(fit) = price.max_output_within(*prompt_tokens, room) {
-                        let fit = fit.min(max_out.unwrap_or(0));
-                        if fit >= b.min_output_tokens {
-                            let amount = price.bound(*prompt_tokens, fit);
-                            let dry_run = self.check_budgets(policy, &counters, amount, now)?;
-                            return Ok(StepPlan {
-                                amount,
-                                max_out: Some(fit),
-                                shrunk: true,
-                                counters,
-                                counter_kind,
-                                dry_run,
-                            });
-                        }
-                    }
-                }
-                let mut refusal = refusal;
-                // (a run bound its own steps in flight hold is a wait: `budget_held`)
-                if refusal.scope == Some(ScopeKind::Run)
-                    && refusal.code == RefusalCode::BudgetExhausted
-                {
-                    refusal.code = RefusalCode::RunBoundExceeded;
-                    refusal.message = format!("run cost bound of {} reached", b.max_cost);
-                    refusal.retry_after_s = None;
-                }
-                Err(refusal)
-            }
+        let plan = StepPlan {
+            amount,
+            max_out,
+            shrunk: false,
+            counters,
+            counter_kind,
+            dry_run: None,
+        };
+        match self.check_budgets(policy, &plan.counters, amount, now) {
+            Ok(dry_run) => Ok(StepPlan { dry_run, ..plan }),
+            Err(refusal) => match self.shrink_to_fit(policy, now, run, &req.kind, plan)? {
+                Some(shrunk) => Ok(shrunk),
+                None => Err(over_run_bound(refusal, run.bounds.max_cost)),
+            },
         }
+    }
+
+    /// `shrink_to_fit`: a model step that does not fit, with its output bound lowered to what
+    /// the tightest counter allows, when the run allows it and that is at least its
+    /// `min_output_tokens`. `None`: it cannot be shrunk to fit.
+    fn shrink_to_fit(
+        &self,
+        policy: &Policy,
+        now: UnixMs,
+        run: &Run,
+        kind: &StepKind,
+        plan: StepPlan,
+    ) -> Result<Option<StepPlan>, Refusal> {
+        let b = run.bounds;
+        let StepKind::Model {
+            price,
+            prompt_tokens,
+            ..
+        } = kind
+        else {
+            return Ok(None);
+        };
+        if !b.shrink_to_fit {
+            return Ok(None);
+        }
+        // Only enforced limits bound the output (a limit in dry-run never refuses).
+        let room = plan
+            .counters
+            .iter()
+            .filter(|(k, _)| !policy.dry_run(k.scope.kind))
+            .map(|(k, l)| self.counter_view(k, *l).remaining())
+            .min()
+            .unwrap_or_default();
+        let Some(fit) = price.max_output_within(*prompt_tokens, room) else {
+            return Ok(None);
+        };
+        let fit = fit.min(plan.max_out.unwrap_or(0));
+        if fit < b.min_output_tokens {
+            return Ok(None);
+        }
+        let amount = price.bound(*prompt_tokens, fit);
+        let dry_run = self.check_budgets(policy, &plan.counters, amount, now)?;
+        Ok(Some(StepPlan {
+            amount,
+            max_out: Some(fit),
+            shrunk: true,
+            dry_run,
+            ..plan
+        }))
     }
 
     fn apply_step(
@@ -261,4 +224,76 @@ struct StepPlan {
     counters: Vec<(CounterKey, Micros)>,
     counter_kind: StepCounter,
     dry_run: Option<Refusal>,
+}
+
+/// A refusal by one of the run's own bounds.
+fn bound_refusal(message: String) -> Refusal {
+    Refusal::new(RefusalCode::RunBoundExceeded, Some(ScopeKind::Run), message)
+}
+
+/// What the step would hold, its output bound and which of the run's counts it takes, once
+/// the run's bounds on those counts and on the context allow it.
+fn step_cost(run: &Run, kind: &StepKind) -> Result<(Micros, Option<u64>, StepCounter), Refusal> {
+    let b = run.bounds;
+    match kind {
+        StepKind::Model {
+            price,
+            prompt_tokens,
+            max_output_tokens,
+            retry,
+            ..
+        } => {
+            if *retry && run.retries >= b.max_retries {
+                return Err(bound_refusal(format!(
+                    "run already used its {} retries",
+                    b.max_retries
+                )));
+            }
+            if !*retry && run.rounds >= b.max_model_rounds {
+                return Err(bound_refusal(format!(
+                    "run already used its {} model rounds",
+                    b.max_model_rounds
+                )));
+            }
+            if *prompt_tokens > b.max_context_tokens {
+                return Err(Refusal::new(
+                    RefusalCode::ContextTooLarge,
+                    Some(ScopeKind::Run),
+                    format!(
+                        "prompt of {prompt_tokens} tokens is over the context limit of {} tokens",
+                        b.max_context_tokens
+                    ),
+                ));
+            }
+            let out = max_output_tokens
+                .unwrap_or(b.max_output_tokens)
+                .min(b.max_output_tokens);
+            Ok((
+                price.bound(*prompt_tokens, out),
+                Some(out),
+                StepCounter::Model(*retry),
+            ))
+        }
+        StepKind::Tool { price, units, .. } => {
+            if run.tool_calls >= b.max_tool_calls {
+                return Err(bound_refusal(format!(
+                    "run already used its {} tool calls",
+                    b.max_tool_calls
+                )));
+            }
+            Ok((price.cost(*units), None, StepCounter::Tool))
+        }
+    }
+}
+
+/// A step the run's own counter refuses as spent is over the run's cost bound (a 400, not a
+/// budget to retry after its window). (A run bound its own steps in flight hold is a wait:
+/// `budget_held`.)
+fn over_run_bound(mut refusal: Refusal, max_cost: Micros) -> Refusal {
+    if refusal.scope == Some(ScopeKind::Run) && refusal.code == RefusalCode::BudgetExhausted {
+        refusal.code = RefusalCode::RunBoundExceeded;
+        refusal.message = format!("run cost bound of {max_cost} reached");
+        refusal.retry_after_s = None;
+    }
+    refusal
 }

@@ -74,9 +74,13 @@ impl dyn Store {
 /// The answers of one [`Store::execute_many`] call, taken one by one in the order of its
 /// commands, each as the reply its command has:
 ///
-/// ```ignore
+/// ```
+/// # use spendgate_core::Command;
+/// # use spendgate_store::Store;
+/// # async fn admit_and_reserve(store: &dyn Store, admit: Command, reserve: Command) {
 /// let mut answers = store.batch(vec![admit, reserve]).await;
 /// let (admitted, reserved) = (answers.run(), answers.step());
+/// # }
 /// ```
 ///
 /// An answer of another kind, or none (a batch answered fewer commands than it was given),

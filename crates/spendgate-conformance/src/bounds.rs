@@ -1,9 +1,13 @@
 //! I5 bounded runs: rounds, tool calls, retries, deadline, context, output, input, cost, and
 //! shrinking the output bound to fit.
 
-use crate::support::*;
+use crate::support::{
+    admit, admit_refused, check_ledger, day, finish, held_refusal, micros_step, model_step, policy,
+    reservation, reserve, reserve_refused, resolve, retry_step, seq, summary, tool_step, units, ur,
+    Who, START, TOOL_PER_CALL,
+};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{Micros, Refusal, RefusalCode, Resolution, ScopeKind};
 
 fn run_bound(r: &Refusal) {
     assert_eq!(r.code, RefusalCode::RunBoundExceeded, "{r:?}");

@@ -1,9 +1,18 @@
 //! I2 conservation: every reservation reaches exactly one terminal state, exactly once; a
 //! repeat returns the first outcome and charges nothing more; the sums reconcile.
 
-use crate::support::*;
+use crate::support::{
+    admit, admit_refused, check_ledger, day, finish, micros_step, model_step, policy, reservation,
+    reservations, reserve, resolve, resolve_err, run_id, seq, step_id, summary, sweep, tokens,
+    tool_step, units, ur, Who, START, TOOL_PER_CALL,
+};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{
+    Command, IdempotencyKey, LedgerError, Micros, RefusalCode, Reply, ReservationState, Resolution,
+    Resolved, ScopeKind, Settlement,
+};
+use spendgate_store::Store;
+use std::sync::Arc;
 
 fn closed(e: &LedgerError, state: ReservationState, charged: u64) {
     assert_eq!(
@@ -42,107 +51,10 @@ pub async fn i2_each_reservation_ends_once(b: &dyn Backend) {
     let lines = check_ledger(&s, &w.scopes()).await;
     assert_eq!(ur(&lines, ScopeKind::Global), (0, 22_300));
 
-    // a: committed below its hold.
-    let first = resolve(&s, "a", tokens(100, 50)).await;
-    let want = Resolved {
-        state: ReservationState::Committed,
-        charged: Micros(200),
-        reserved: Micros(300),
-        overrun: false,
-        repeated: false,
-        result_too_large: false,
-    };
-    assert_eq!(first.value, want);
-    assert_eq!(seq(&s).await, first.seq);
-    let again = resolve(&s, "a", tokens(100, 100)).await;
-    assert_eq!(
-        again.value,
-        Resolved {
-            repeated: true,
-            ..want
-        },
-        "a retried commit returns the first outcome, whatever usage it carries"
-    );
-    assert_eq!(again.seq, first.seq, "a repeat changes nothing");
-    assert_eq!(seq(&s).await, first.seq);
-    closed(
-        &resolve_err(&s, "a", Resolution::Release).await,
-        ReservationState::Committed,
-        200,
-    );
-    closed(
-        &resolve_err(&s, "a", Resolution::Unknown).await,
-        ReservationState::Committed,
-        200,
-    );
-
-    // b: released, charged nothing.
-    let r = resolve(&s, "b", Resolution::Release).await.value;
-    assert_eq!(
-        (r.state, r.charged, r.repeated),
-        (ReservationState::Released, Micros(0), false)
-    );
-    let r = resolve(&s, "b", Resolution::Release).await.value;
-    assert_eq!(
-        (r.state, r.charged, r.repeated),
-        (ReservationState::Released, Micros(0), true)
-    );
-    closed(
-        &resolve_err(&s, "b", units(0)).await,
-        ReservationState::Released,
-        0,
-    );
-    closed(
-        &resolve_err(&s, "b", Resolution::Unknown).await,
-        ReservationState::Released,
-        0,
-    );
-
-    // c: unknown, charged in full.
-    let r = resolve(&s, "c", Resolution::Unknown).await.value;
-    assert_eq!(
-        (r.state, r.charged, r.repeated),
-        (ReservationState::Unknown, Micros(5_000), false)
-    );
-    let before = seq(&s).await;
-    let r = resolve(&s, "c", Resolution::Unknown).await.value;
-    assert_eq!(
-        (r.state, r.charged, r.repeated),
-        (ReservationState::Unknown, Micros(5_000), true)
-    );
-    assert_eq!(seq(&s).await, before);
-    closed(
-        &resolve_err(&s, "c", units(1)).await,
-        ReservationState::Unknown,
-        5_000,
-    );
-    closed(
-        &resolve_err(&s, "c", Resolution::Release).await,
-        ReservationState::Unknown,
-        5_000,
-    );
-
-    // d: still held at finish, so unknown and charged in full.
-    let f = finish(&s, "r1").await.value;
-    assert_eq!(f.charged, Micros(200 + 5_000 + 7_000));
-    assert_eq!((f.steps, f.repeated), (4, false));
-    let r = resolve(&s, "d", Resolution::Unknown).await.value;
-    assert_eq!(
-        (r.state, r.charged, r.repeated),
-        (ReservationState::Unknown, Micros(7_000), true)
-    );
-    closed(
-        &resolve_err(&s, "d", units(1)).await,
-        ReservationState::Unknown,
-        7_000,
-    );
-    assert!(
-        matches!(
-            resolve_err(&s, "no-such-step", Resolution::Release).await,
-            LedgerError::NotFound(_)
-        ),
-        "an unknown step is not found"
-    );
+    commit_ends_once(&s).await;
+    release_ends_once(&s).await;
+    unknown_ends_once(&s).await;
+    held_at_finish_ends_once(&s).await;
 
     let lines = check_ledger(&s, &w.scopes()).await;
     assert_eq!(ur(&lines, ScopeKind::Global), (12_200, 0));
@@ -163,6 +75,116 @@ pub async fn i2_each_reservation_ends_once(b: &dyn Backend) {
         ),
         (0, 1, 1, 2),
         "{sum:?}"
+    );
+}
+
+/// Step "a" of [`i2_each_reservation_ends_once`]: committed below its hold; a retried commit repeats the first outcome, other transitions are refused.
+async fn commit_ends_once(s: &Arc<dyn Store>) {
+    let first = resolve(s, "a", tokens(100, 50)).await;
+    let want = Resolved {
+        state: ReservationState::Committed,
+        charged: Micros(200),
+        reserved: Micros(300),
+        overrun: false,
+        repeated: false,
+        result_too_large: false,
+    };
+    assert_eq!(first.value, want);
+    assert_eq!(seq(s).await, first.seq);
+    let again = resolve(s, "a", tokens(100, 100)).await;
+    assert_eq!(
+        again.value,
+        Resolved {
+            repeated: true,
+            ..want
+        },
+        "a retried commit returns the first outcome, whatever usage it carries"
+    );
+    assert_eq!(again.seq, first.seq, "a repeat changes nothing");
+    assert_eq!(seq(s).await, first.seq);
+    closed(
+        &resolve_err(s, "a", Resolution::Release).await,
+        ReservationState::Committed,
+        200,
+    );
+    closed(
+        &resolve_err(s, "a", Resolution::Unknown).await,
+        ReservationState::Committed,
+        200,
+    );
+}
+
+/// Step "b": released, charged nothing.
+async fn release_ends_once(s: &Arc<dyn Store>) {
+    let r = resolve(s, "b", Resolution::Release).await.value;
+    assert_eq!(
+        (r.state, r.charged, r.repeated),
+        (ReservationState::Released, Micros(0), false)
+    );
+    let r = resolve(s, "b", Resolution::Release).await.value;
+    assert_eq!(
+        (r.state, r.charged, r.repeated),
+        (ReservationState::Released, Micros(0), true)
+    );
+    closed(
+        &resolve_err(s, "b", units(0)).await,
+        ReservationState::Released,
+        0,
+    );
+    closed(
+        &resolve_err(s, "b", Resolution::Unknown).await,
+        ReservationState::Released,
+        0,
+    );
+}
+
+/// Step "c": unknown, charged in full.
+async fn unknown_ends_once(s: &Arc<dyn Store>) {
+    let r = resolve(s, "c", Resolution::Unknown).await.value;
+    assert_eq!(
+        (r.state, r.charged, r.repeated),
+        (ReservationState::Unknown, Micros(5_000), false)
+    );
+    let before = seq(s).await;
+    let r = resolve(s, "c", Resolution::Unknown).await.value;
+    assert_eq!(
+        (r.state, r.charged, r.repeated),
+        (ReservationState::Unknown, Micros(5_000), true)
+    );
+    assert_eq!(seq(s).await, before);
+    closed(
+        &resolve_err(s, "c", units(1)).await,
+        ReservationState::Unknown,
+        5_000,
+    );
+    closed(
+        &resolve_err(s, "c", Resolution::Release).await,
+        ReservationState::Unknown,
+        5_000,
+    );
+}
+
+/// Step "d": still held at finish, so unknown and charged in full; an unknown step is not found.
+async fn held_at_finish_ends_once(s: &Arc<dyn Store>) {
+    let f = finish(s, "r1").await.value;
+    assert_eq!(f.charged, Micros(200 + 5_000 + 7_000));
+    assert_eq!((f.steps, f.repeated), (4, false));
+    let r = resolve(s, "d", Resolution::Unknown).await.value;
+    assert_eq!(
+        (r.state, r.charged, r.repeated),
+        (ReservationState::Unknown, Micros(7_000), true)
+    );
+    closed(
+        &resolve_err(s, "d", units(1)).await,
+        ReservationState::Unknown,
+        7_000,
+    );
+    assert!(
+        matches!(
+            resolve_err(s, "no-such-step", Resolution::Release).await,
+            LedgerError::NotFound(_)
+        ),
+        "an unknown step is not found"
     );
 }
 

@@ -1,9 +1,16 @@
 //! I3 fail closed and I4 one global limit: a store that cannot be written admits nothing and
 //! loses no hold; two handles on one store enforce the limits of one.
 
-use crate::support::*;
+use crate::support::{
+    admit, admit_refused, check_ledger, day, finish, micros_step, model_step, policy, reservation,
+    reservations, reserve, resolve, seq, step_id, sweep, units, ur, usage, Who, START,
+};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{
+    Applied, Micros, Refusal, RefusalCode, Reservation, ReservationState, Resolution, Resolved,
+    ScopeKey, ScopeKind,
+};
+use spendgate_store::Store;
 use spendgate_store::StoreError;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -219,15 +226,17 @@ fn refused(r: &Refusal, code: RefusalCode, kind: ScopeKind) {
     assert_eq!((r.code, r.scope), (code, Some(kind)), "{r:?}");
 }
 
+/// What one step of [`i4_two_handles_enforce_one_limit`] holds.
+const I4_STEP: u64 = 1_000;
+
 /// Two handles on one store (two replicas of the gateway) enforce one set of limits: a run's
 /// bounds hold whichever handle serves each step, a conversation has one active run across
 /// both, and a global budget is granted exactly once across concurrent tasks that alternate
 /// between the handles.
 pub async fn i4_two_handles_enforce_one_limit(b: &dyn Backend) {
-    const STEP: u64 = 1_000;
     let mut p = policy();
     // 3 steps for run "b" and 10 for the race.
-    p.global.budgets = vec![day(13 * STEP)];
+    p.global.budgets = vec![day(13 * I4_STEP)];
     p.run.max_tool_calls = 3;
     let s1 = b.open(p, START).await;
     let Some(s2) = b.replica(&s1).await else {
@@ -237,13 +246,35 @@ pub async fn i4_two_handles_enforce_one_limit(b: &dyn Backend) {
     assert!(!Arc::ptr_eq(&s1, &s2), "a replica is a second handle");
     let handles = [s1.clone(), s2.clone()];
 
-    // A run's bounds, whichever handle serves each step (concurrent, alternating).
+    let wb = run_bounds_across(&handles).await;
+    let (wc, wd) = one_run_per_conversation_across(&handles).await;
+    let mut who = vec![wb, wc, wd];
+    one_global_budget_across(&handles, &mut who).await;
+
+    let mut scopes: Vec<(ScopeKey, u64)> = vec![(ScopeKey::global(), 1)];
+    for w in &who {
+        scopes.extend(w.scopes().into_iter().skip(1));
+    }
+    let lines = check_ledger(&s1, &scopes).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (0, 13 * I4_STEP));
+    assert_eq!(
+        usage(&s2, &scopes).await,
+        lines,
+        "both handles see one ledger"
+    );
+    assert_eq!(seq(&s1).await, seq(&s2).await);
+}
+
+/// I4, a run's bounds, whichever handle serves each step (concurrent, alternating). Answers
+/// who ran.
+async fn run_bounds_across(handles: &[Arc<dyn Store>; 2]) -> Who {
+    let s2 = &handles[1];
     let wb = Who::new("sb", "cb", "192.0.2.10/32");
-    admit(&s2, wb.run("b")).await;
+    admit(s2, wb.run("b")).await;
     let tries = (0..8).map(|i| {
         let s = handles[i % 2].clone();
         tokio::spawn(async move {
-            s.reserve_step(micros_step("b", &format!("b{i}"), STEP), None)
+            s.reserve_step(micros_step("b", &format!("b{i}"), I4_STEP), None)
                 .await
         })
     });
@@ -258,11 +289,16 @@ pub async fn i4_two_handles_enforce_one_limit(b: &dyn Backend) {
         }
     }
     assert_eq!(granted, 3, "I4: max_tool_calls = 3 across two handles");
+    wb
+}
 
-    // One active run per conversation across the handles: one after the other, then racing.
+/// I4, one active run per conversation across the handles: one after the other, then racing.
+/// Answers who ran.
+async fn one_run_per_conversation_across(handles: &[Arc<dyn Store>; 2]) -> (Who, Who) {
+    let [s1, s2] = handles;
     let wc = Who::new("sc", "cc", "192.0.2.11/32");
-    admit(&s1, wc.run("c1")).await;
-    let r = admit_refused(&s2, wc.run("c2")).await;
+    admit(s1, wc.run("c1")).await;
+    let r = admit_refused(s2, wc.run("c2")).await;
     refused(&r, RefusalCode::ConcurrencyLimited, ScopeKind::Conversation);
     let wd = Who::new("sd", "cd", "192.0.2.12/32");
     let racers = (0..6).map(|i| {
@@ -281,12 +317,14 @@ pub async fn i4_two_handles_enforce_one_limit(b: &dyn Backend) {
         admitted, 1,
         "I4: one active run in conversation cd across two handles"
     );
-    finish(&s2, "c1").await;
-    admit(&s1, wc.run("c3")).await;
+    finish(s2, "c1").await;
+    admit(s1, wc.run("c3")).await;
+    (wc, wd)
+}
 
-    // One global budget: 8 runs of up to 3 steps each, every step on the other handle than
-    // the last, all racing for the 10 steps left.
-    let mut who = vec![wb.clone(), wc.clone(), wd.clone()];
+/// I4, one global budget: 8 runs of up to 3 steps each, every step on the other handle than
+/// the last, all racing for the 10 steps left. Adds who ran to `who`.
+async fn one_global_budget_across(handles: &[Arc<dyn Store>; 2], who: &mut Vec<Who>) {
     for t in 0..8 {
         let w = Who::new(
             &format!("sa{t}"),
@@ -304,7 +342,7 @@ pub async fn i4_two_handles_enforce_one_limit(b: &dyn Backend) {
             for i in 0..3 {
                 let s = &handles[(t + i) % 2];
                 match s
-                    .reserve_step(micros_step(&run, &format!("{run}-{i}"), STEP), None)
+                    .reserve_step(micros_step(&run, &format!("{run}-{i}"), I4_STEP), None)
                     .await
                     .expect("reserve")
                     .value
@@ -329,17 +367,4 @@ pub async fn i4_two_handles_enforce_one_limit(b: &dyn Backend) {
         granted, 10,
         "I4: exactly the global budget across two handles"
     );
-
-    let mut scopes: Vec<(ScopeKey, u64)> = vec![(ScopeKey::global(), 1)];
-    for w in &who {
-        scopes.extend(w.scopes().into_iter().skip(1));
-    }
-    let lines = check_ledger(&s1, &scopes).await;
-    assert_eq!(ur(&lines, ScopeKind::Global), (0, 13 * STEP));
-    assert_eq!(
-        usage(&s2, &scopes).await,
-        lines,
-        "both handles see one ledger"
-    );
-    assert_eq!(seq(&s1).await, seq(&s2).await);
 }

@@ -1,9 +1,12 @@
 //! Concurrent hammering of one budget: atomic admission grants exactly what fits, never more,
 //! and refuses nothing that fits.
 
-use crate::support::*;
+use crate::support::{
+    admit, check_ledger, day, finish, held_refusal, micros_step, policy, reserve, resolve, summary,
+    tool_step, units, ur, Who, START, TOOL_PER_CALL,
+};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{Micros, Policy, RefusalCode, ScopeKind};
 use spendgate_store::Store;
 use std::sync::Arc;
 use tokio::sync::Barrier;

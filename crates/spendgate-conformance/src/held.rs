@@ -4,9 +4,12 @@
 //! the holds resolve; a spent budget stays `budget_exhausted` until its window resets, and is
 //! named before a held one.
 
-use crate::support::*;
+use crate::support::{
+    admit, admit_refused, check_ledger, day, finish, held_refusal, micros_step, policy, reserve,
+    reserve_refused, resolve, seq, units, Who, SECS_TO_MIDNIGHT, START,
+};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{Micros, RefusalCode, ReservationMode, Resolution, ScopeKind};
 
 /// Per-step mode, a global day budget of 0.10 and session day budgets of 0.07.
 pub async fn i1_a_refusal_by_holds_is_a_wait(b: &dyn Backend) {

@@ -2,9 +2,16 @@
 //! the holds in full; heartbeats (and calls on the run) extend it, never past the deadline;
 //! `finish` ends a run at once.
 
-use crate::support::*;
+use crate::support::{
+    admit, admit_refused, check_ledger, finish, heartbeat, micros_step, model_step, policy,
+    reservation, reserve, reserve_refused, resolve, run_id, seq, step_id, summary, sweep,
+    tool_step, units, ur, Who, START, TOOL_PER_CALL,
+};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{
+    Command, LedgerError, Micros, RefusalCode, Reply, ReservationState, RunEnded, RunState,
+    ScopeKind, EXPIRIES_PER_CALL_MAX,
+};
 use spendgate_store::{Store, StoreError};
 use std::sync::Arc;
 

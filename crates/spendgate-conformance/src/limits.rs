@@ -1,9 +1,17 @@
 //! Concurrency caps, request rates, idempotency, the ledger sequence, whole-run reservations
 //! and the global cutoff.
 
-use crate::support::*;
+use crate::support::{
+    admit, admit_refused, check_ledger, day, finish, heartbeat, held_refusal, line, micros_step,
+    model_step, policy, reservation, reservations, reserve, reserve_refused, resolve, seq, summary,
+    sweep, tokens, tool_step, units, ur, usage, Who, START, TOOL_PER_CALL,
+};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{
+    Adjustment, IdempotencyKey, IpScope, LedgerError, Micros, Rate, Refusal, RefusalCode,
+    Reservation, ReservationKind, ReservationMode, ReservationState, Resolution, ScopeKey,
+    ScopeKind, ScopePolicy, SessionGrant, CUTOFF_MESSAGE, RECORD_RETENTION_MS,
+};
 use spendgate_store::{Store, StoreError};
 use std::sync::Arc;
 

@@ -12,12 +12,16 @@
 //! next operation that writes (reads never expire anything), so the model expires due leases
 //! before each operation it applies.
 
-use crate::support::*;
+use crate::support::{day, lines_hold, policy, Who, LIST_MAX, MODEL_PRICE, START};
 use crate::Backend;
 use proptest::prelude::*;
 use proptest::sample::Index;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
-use spendgate_core::*;
+use spendgate_core::{
+    IpScope, LedgerError, Micros, Policy, Refusal, RefusalCode, ReservationId, ReservationMode,
+    ReservationState, Resolution, RunBounds, RunId, RunRequest, RunState, ScopeKind, Settlement,
+    StepKind, StepRequest, Summary, TokenUsage, ToolPrice, RECORD_RETENTION_MS,
+};
 use spendgate_store::{Store, StoreError};
 use std::sync::Arc;
 
@@ -671,209 +675,38 @@ fn step_name(kind: &Option<(u64, u64)>) -> &'static str {
 async fn run_case(b: &dyn Backend, ops: &[Op], session_dry: bool) -> Result<(), TestCaseError> {
     // Whether the backend is durable decides what `Reopen` does; ask it on an empty store.
     drop(b.open(model_policy(session_dry), START).await);
-    let (mut store, durable) = match b.reopen().await {
+    let (store, durable) = match b.reopen().await {
         Some(s) => (s, true),
         None => (b.open(model_policy(session_dry), START).await, false),
     };
-    let mut m = Model {
-        session_dry,
-        now: START.0,
-        ..Model::default()
+    let mut case = Case {
+        b,
+        store,
+        durable,
+        m: Model {
+            session_dry,
+            now: START.0,
+            ..Model::default()
+        },
+        admitted: 0,
+        reserved: 0,
     };
-    let mut admitted = 0usize;
-    let mut reserved = 0usize;
-    let mut last_seq = summary_of(&store).await?.seq;
+    let mut last_seq = summary_of(&case.store).await?.seq;
     for (i, op) in ops.iter().enumerate() {
-        let pick = |idx: &Index, len: usize| (len > 0).then(|| idx.index(len));
-        // The store's answer, the model's, the answer's seq, and whether the model changed.
-        let (got, want, seq, changed): (Ans, Ans, Option<u64>, bool) = match op {
-            Op::Advance { ms } => {
-                // The model does not purge ended runs: keep the whole case inside their
-                // retention (a case spans at most RECORD_RETENTION_MS of clock).
-                if m.now + ms >= START.0 + RECORD_RETENTION_MS {
-                    continue;
-                }
-                b.advance(*ms);
-                m.now += ms;
-                continue;
-            }
-            Op::Admit {
-                session,
-                conversation,
-                oversized,
-            } => {
-                let id = format!("run{admitted}");
-                admitted += 1;
-                let bytes = if *oversized { INPUT_BYTES + 1 } else { 100 };
-                let req = RunRequest {
-                    run_id: RunId(id.clone()),
-                    session: format!("session{session}"),
-                    ips: vec![IpScope {
-                        prefix: IP.into(),
-                        factor: 1,
-                    }],
-                    conversation: format!("conversation{session}.{conversation}"),
-                    input_bytes: bytes,
-                };
-                let expired = m.expire();
-                let want = m.admit(id, *session, *conversation, bytes);
-                let a = store.admit_run(req, None).await.map_err(fail)?;
-                let got = match &a.value {
-                    Ok(v) => Ans::Admitted {
-                        deadline: v.deadline.0,
-                        reserved: v.reserved.0,
-                        dry: dry_of(v.dry_run.as_ref()),
-                    },
-                    Err(r) => from_refusal(r),
-                };
-                let granted = matches!(want, Ans::Admitted { .. });
-                (got, want, Some(a.seq), expired > 0 || granted)
-            }
-            Op::Model {
-                run,
-                prompt,
-                out,
-                retry,
-            } => {
-                let Some(r) = pick(run, m.runs.len()) else {
-                    continue;
-                };
-                let id = format!("step{reserved}");
-                reserved += 1;
-                let req = StepRequest {
-                    run_id: RunId(m.runs[r].id.clone()),
-                    step_id: ReservationId(id.clone()),
-                    kind: StepKind::Model {
-                        model: "m".into(),
-                        price: MODEL_PRICE,
-                        prompt_tokens: *prompt,
-                        max_output_tokens: *out,
-                        retry: *retry,
-                    },
-                };
-                let expired = m.expire();
-                let want = m.reserve(id, r, Some((*prompt, *out, *retry)), 0);
-                let (got, seq) = reserve_ans(&store, req).await?;
-                let granted = matches!(want, Ans::Reserved { .. });
-                (got, want, Some(seq), expired > 0 || granted)
-            }
-            Op::Tool { run, units } => {
-                let Some(r) = pick(run, m.runs.len()) else {
-                    continue;
-                };
-                let id = format!("step{reserved}");
-                reserved += 1;
-                let req = StepRequest {
-                    run_id: RunId(m.runs[r].id.clone()),
-                    step_id: ReservationId(id.clone()),
-                    kind: StepKind::Tool {
-                        tool: "t".into(),
-                        price: TOOL,
-                        units: *units,
-                    },
-                };
-                let expired = m.expire();
-                let want = m.reserve(id, r, None, *units);
-                let (got, seq) = reserve_ans(&store, req).await?;
-                let granted = matches!(want, Ans::Reserved { .. });
-                (got, want, Some(seq), expired > 0 || granted)
-            }
-            Op::Commit { step, .. } | Op::Release { step } | Op::Unknown { step } => {
-                let Some(st) = pick(step, m.steps.len()) else {
-                    continue;
-                };
-                let how = match op {
-                    Op::Commit { pct, units, .. } => match m.steps[st].model {
-                        Some((prompt, out)) => Resolution::Commit(Settlement::Tokens(TokenUsage {
-                            prompt_tokens: prompt,
-                            completion_tokens: out * pct / 100,
-                            cached_tokens: 0,
-                        })),
-                        None => Resolution::Commit(Settlement::Units(*units)),
-                    },
-                    Op::Release { .. } => Resolution::Release,
-                    _ => Resolution::Unknown,
-                };
-                let expired = m.expire();
-                let (want, fresh) = m.resolve(st, &how);
-                let id = ReservationId(m.steps[st].id.clone());
-                let (got, seq) = match store.resolve(id, how).await {
-                    Ok(a) => (
-                        Ans::Resolved {
-                            state: a.value.state,
-                            charged: a.value.charged.0,
-                            reserved: a.value.reserved.0,
-                            overrun: a.value.overrun,
-                            repeated: a.value.repeated,
-                        },
-                        Some(a.seq),
-                    ),
-                    Err(e) => (from_error(e)?, None),
-                };
-                (got, want, seq, expired > 0 || fresh)
-            }
-            Op::Heartbeat { run } => {
-                let Some(r) = pick(run, m.runs.len()) else {
-                    continue;
-                };
-                let expired = m.expire();
-                let (want, moved) = m.heartbeat(r);
-                let (got, seq) = match store.heartbeat(RunId(m.runs[r].id.clone())).await {
-                    Ok(a) => (
-                        Ans::Heartbeat {
-                            lease_until: a.value.lease_until.0,
-                            deadline: a.value.deadline.0,
-                        },
-                        Some(a.seq),
-                    ),
-                    Err(e) => (from_error(e)?, None),
-                };
-                (got, want, seq, expired > 0 || moved)
-            }
-            Op::Finish { run } => {
-                let Some(r) = pick(run, m.runs.len()) else {
-                    continue;
-                };
-                let expired = m.expire();
-                let (want, fresh) = m.finish(r);
-                let (got, seq) = match store.finish(RunId(m.runs[r].id.clone())).await {
-                    Ok(a) => (
-                        Ans::Finished {
-                            state: a.value.state,
-                            charged: a.value.charged.0,
-                            steps: a.value.steps,
-                            repeated: a.value.repeated,
-                        },
-                        Some(a.seq),
-                    ),
-                    Err(e) => (from_error(e)?, None),
-                };
-                (got, want, seq, expired > 0 || fresh)
-            }
-            Op::Sweep | Op::Reopen => {
-                if matches!(op, Op::Reopen) && durable {
-                    drop(store);
-                    store = match b.reopen().await {
-                        Some(s) => s,
-                        None => {
-                            return Err(TestCaseError::fail("a durable backend did not reopen"))
-                        }
-                    };
-                }
-                let expired = m.expire();
-                let a = store.sweep().await.map_err(fail)?;
-                if expired > 0 {
-                    prop_assert!(
-                        a.value >= expired || matches!(op, Op::Reopen),
-                        "op {i} {op:?}: sweep reported {} of {expired} expiries",
-                        a.value
-                    );
-                }
-                (Ans::Swept, Ans::Swept, Some(a.seq), expired > 0)
-            }
+        if matches!(op, Op::Reopen) && case.durable {
+            case = case.reopened().await?;
+        }
+        let Some(Outcome {
+            got,
+            want,
+            seq,
+            changed,
+        }) = case.apply(i, op).await?
+        else {
+            continue;
         };
         prop_assert_eq!(&got, &want, "op {} {:?}", i, op);
-        let sum = summary_of(&store).await?;
+        let sum = summary_of(&case.store).await?;
         if changed {
             prop_assert!(
                 sum.seq > last_seq,
@@ -892,11 +725,290 @@ async fn run_case(b: &dyn Backend, ops: &[Op], session_dry: bool) -> Result<(), 
             prop_assert_eq!(seq, sum.seq, "op {} {:?}: the answer's seq", i, op);
         }
         last_seq = sum.seq;
-        check_case(&store, &m, &sum)
+        check_case(&case.store, &case.m, &sum)
             .await
             .map_err(|e| TestCaseError::fail(format!("after op {i} {op:?}: {e}")))?;
     }
     Ok(())
+}
+
+/// What one operation found.
+struct Outcome {
+    /// The store's answer.
+    got: Ans,
+    /// The model's.
+    want: Ans,
+    /// The sequence number the store's answer carries (`None`: an error, which carries none).
+    seq: Option<u64>,
+    /// Whether the model changed.
+    changed: bool,
+}
+
+/// One case in progress: the store under test, the model, and the ids handed out so far.
+struct Case<'b> {
+    b: &'b dyn Backend,
+    store: Arc<dyn Store>,
+    /// The backend reopens (`Op::Reopen` reopens it).
+    durable: bool,
+    m: Model,
+    admitted: usize,
+    reserved: usize,
+}
+
+impl Case<'_> {
+    /// Applies `op` to the store and to the model. `None`: `op` applies to nothing (no run or
+    /// step to pick yet, or a clock move past the retention of ended runs), or only moves the
+    /// clock.
+    async fn apply(&mut self, i: usize, op: &Op) -> Result<Option<Outcome>, TestCaseError> {
+        let pick = |idx: &Index, len: usize| (len > 0).then(|| idx.index(len));
+        let (runs, steps) = (self.m.runs.len(), self.m.steps.len());
+        Ok(Some(match op {
+            Op::Advance { ms } => {
+                // The model does not purge ended runs: keep the whole case inside their
+                // retention (a case spans at most RECORD_RETENTION_MS of clock).
+                if self.m.now + ms < START.0 + RECORD_RETENTION_MS {
+                    self.b.advance(*ms);
+                    self.m.now += ms;
+                }
+                return Ok(None);
+            }
+            Op::Admit {
+                session,
+                conversation,
+                oversized,
+            } => self.admit(*session, *conversation, *oversized).await?,
+            Op::Model {
+                run,
+                prompt,
+                out,
+                retry,
+            } => {
+                let Some(r) = pick(run, runs) else {
+                    return Ok(None);
+                };
+                let kind = StepKind::Model {
+                    model: "m".into(),
+                    price: MODEL_PRICE,
+                    prompt_tokens: *prompt,
+                    max_output_tokens: *out,
+                    retry: *retry,
+                };
+                self.reserve(r, kind, Some((*prompt, *out, *retry)), 0)
+                    .await?
+            }
+            Op::Tool { run, units } => {
+                let Some(r) = pick(run, runs) else {
+                    return Ok(None);
+                };
+                let kind = StepKind::Tool {
+                    tool: "t".into(),
+                    price: TOOL,
+                    units: *units,
+                };
+                self.reserve(r, kind, None, *units).await?
+            }
+            Op::Commit { step, .. } | Op::Release { step } | Op::Unknown { step } => {
+                let Some(st) = pick(step, steps) else {
+                    return Ok(None);
+                };
+                self.resolve(st, op).await?
+            }
+            Op::Heartbeat { run } => {
+                let Some(r) = pick(run, runs) else {
+                    return Ok(None);
+                };
+                self.heartbeat(r).await?
+            }
+            Op::Finish { run } => {
+                let Some(r) = pick(run, runs) else {
+                    return Ok(None);
+                };
+                self.finish(r).await?
+            }
+            Op::Sweep | Op::Reopen => self.sweep(i, op).await?,
+        }))
+    }
+
+    async fn admit(
+        &mut self,
+        session: usize,
+        conversation: usize,
+        oversized: bool,
+    ) -> Result<Outcome, TestCaseError> {
+        let id = format!("run{}", self.admitted);
+        self.admitted += 1;
+        let bytes = if oversized { INPUT_BYTES + 1 } else { 100 };
+        let req = RunRequest {
+            run_id: RunId(id.clone()),
+            session: format!("session{session}"),
+            ips: vec![IpScope {
+                prefix: IP.into(),
+                factor: 1,
+            }],
+            conversation: format!("conversation{session}.{conversation}"),
+            input_bytes: bytes,
+        };
+        let expired = self.m.expire();
+        let want = self.m.admit(id, session, conversation, bytes);
+        let a = self.store.admit_run(req, None).await.map_err(fail)?;
+        let got = match &a.value {
+            Ok(v) => Ans::Admitted {
+                deadline: v.deadline.0,
+                reserved: v.reserved.0,
+                dry: dry_of(v.dry_run.as_ref()),
+            },
+            Err(r) => from_refusal(r),
+        };
+        let granted = matches!(want, Ans::Admitted { .. });
+        Ok(Outcome {
+            got,
+            want,
+            seq: Some(a.seq),
+            changed: expired > 0 || granted,
+        })
+    }
+
+    /// A step of run `r`: a model step (`model`: prompt, output bound, retry) or a tool step
+    /// of `units`.
+    async fn reserve(
+        &mut self,
+        r: usize,
+        kind: StepKind,
+        model: Option<(u64, Option<u64>, bool)>,
+        units: u64,
+    ) -> Result<Outcome, TestCaseError> {
+        let id = format!("step{}", self.reserved);
+        self.reserved += 1;
+        let req = StepRequest {
+            run_id: RunId(self.m.runs[r].id.clone()),
+            step_id: ReservationId(id.clone()),
+            kind,
+        };
+        let expired = self.m.expire();
+        let want = self.m.reserve(id, r, model, units);
+        let (got, seq) = reserve_ans(&self.store, req).await?;
+        let granted = matches!(want, Ans::Reserved { .. });
+        Ok(Outcome {
+            got,
+            want,
+            seq: Some(seq),
+            changed: expired > 0 || granted,
+        })
+    }
+
+    /// Resolves step `st` as `op` says (commit, release or unknown).
+    async fn resolve(&mut self, st: usize, op: &Op) -> Result<Outcome, TestCaseError> {
+        let how = match op {
+            Op::Commit { pct, units, .. } => match self.m.steps[st].model {
+                Some((prompt, out)) => Resolution::Commit(Settlement::Tokens(TokenUsage {
+                    prompt_tokens: prompt,
+                    completion_tokens: out * pct / 100,
+                    cached_tokens: 0,
+                })),
+                None => Resolution::Commit(Settlement::Units(*units)),
+            },
+            Op::Release { .. } => Resolution::Release,
+            _ => Resolution::Unknown,
+        };
+        let expired = self.m.expire();
+        let (want, fresh) = self.m.resolve(st, &how);
+        let id = ReservationId(self.m.steps[st].id.clone());
+        let (got, seq) = match self.store.resolve(id, how).await {
+            Ok(a) => (
+                Ans::Resolved {
+                    state: a.value.state,
+                    charged: a.value.charged.0,
+                    reserved: a.value.reserved.0,
+                    overrun: a.value.overrun,
+                    repeated: a.value.repeated,
+                },
+                Some(a.seq),
+            ),
+            Err(e) => (from_error(e)?, None),
+        };
+        Ok(Outcome {
+            got,
+            want,
+            seq,
+            changed: expired > 0 || fresh,
+        })
+    }
+
+    async fn heartbeat(&mut self, r: usize) -> Result<Outcome, TestCaseError> {
+        let expired = self.m.expire();
+        let (want, moved) = self.m.heartbeat(r);
+        let run = RunId(self.m.runs[r].id.clone());
+        let (got, seq) = match self.store.heartbeat(run).await {
+            Ok(a) => (
+                Ans::Heartbeat {
+                    lease_until: a.value.lease_until.0,
+                    deadline: a.value.deadline.0,
+                },
+                Some(a.seq),
+            ),
+            Err(e) => (from_error(e)?, None),
+        };
+        Ok(Outcome {
+            got,
+            want,
+            seq,
+            changed: expired > 0 || moved,
+        })
+    }
+
+    async fn finish(&mut self, r: usize) -> Result<Outcome, TestCaseError> {
+        let expired = self.m.expire();
+        let (want, fresh) = self.m.finish(r);
+        let run = RunId(self.m.runs[r].id.clone());
+        let (got, seq) = match self.store.finish(run).await {
+            Ok(a) => (
+                Ans::Finished {
+                    state: a.value.state,
+                    charged: a.value.charged.0,
+                    steps: a.value.steps,
+                    repeated: a.value.repeated,
+                },
+                Some(a.seq),
+            ),
+            Err(e) => (from_error(e)?, None),
+        };
+        Ok(Outcome {
+            got,
+            want,
+            seq,
+            changed: expired > 0 || fresh,
+        })
+    }
+
+    /// The case with its store closed and reopened (`Op::Reopen` on a durable backend).
+    async fn reopened(self) -> Result<Self, TestCaseError> {
+        let Case { b, store, .. } = self;
+        // Closed before it is reopened.
+        drop(store);
+        let Some(store) = b.reopen().await else {
+            return Err(TestCaseError::fail("a durable backend did not reopen"));
+        };
+        Ok(Case { store, ..self })
+    }
+
+    /// A sweep (after `Op::Reopen`, the case was [reopened](Case::reopened) first).
+    async fn sweep(&mut self, i: usize, op: &Op) -> Result<Outcome, TestCaseError> {
+        let expired = self.m.expire();
+        let a = self.store.sweep().await.map_err(fail)?;
+        if expired > 0 {
+            prop_assert!(
+                a.value >= expired || matches!(op, Op::Reopen),
+                "op {i} {op:?}: sweep reported {} of {expired} expiries",
+                a.value
+            );
+        }
+        Ok(Outcome {
+            got: Ans::Swept,
+            want: Ans::Swept,
+            seq: Some(a.seq),
+            changed: expired > 0,
+        })
+    }
 }
 
 fn fail(e: StoreError) -> TestCaseError {

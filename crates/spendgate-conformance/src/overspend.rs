@@ -2,9 +2,16 @@
 //! after every operation; an overrun is charged in full and closes its scope until the window
 //! resets.
 
-use crate::support::*;
+use crate::support::{
+    admit, admit_refused, check_ledger, day, finish, held_refusal, line, micros_step, model_step,
+    policy, reservations, reserve, reserve_refused, resolve, seq, summary, tokens, units, ur, Who,
+    MIDNIGHT, SECS_TO_MIDNIGHT, START,
+};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{
+    Budget, Micros, Rate, Refusal, RefusalCode, ReservationState, Resolution, ScopeKind, UsageLine,
+    Window, LIFETIME_RETRY_AFTER_S,
+};
 use spendgate_store::Store;
 use std::sync::Arc;
 

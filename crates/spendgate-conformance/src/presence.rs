@@ -3,9 +3,11 @@
 //! changes no `ledger_seq`; entries live `REPLICA_STALE_MS` from the last announcement (the
 //! store's clock); at most `REPLICAS_MAX` are kept.
 
-use crate::support::*;
+use crate::support::{policy, seq, START};
 use crate::Backend;
-use spendgate_core::*;
+use spendgate_core::{
+    fingerprint_counts, LedgerError, ReplicaSeen, REPLICAS_MAX, REPLICA_STALE_MS,
+};
 use spendgate_store::{Store, StoreError};
 use std::sync::Arc;
 

@@ -1,7 +1,13 @@
 //! Shared vocabulary of the cases: the start time, prices, a policy to vary, request builders,
 //! expectations that unwrap answers with a useful message, and the ledger-wide invariant check.
 
-use spendgate_core::*;
+use spendgate_core::{
+    Applied, Budget, CounterKey, Heartbeat, IpScope, LedgerError, Micros, ModelPrice, Policy,
+    Refusal, RefusalCode, Reservation, ReservationId, ReservationKind, ReservationMode,
+    ReservationState, Resolution, Resolved, RunAdmitted, RunBounds, RunEnded, RunId, RunRequest,
+    ScopeKey, ScopeKind, ScopePolicy, Settlement, StepKind, StepRequest, StepReserved, Summary,
+    TokenUsage, ToolPrice, UnixMs, UsageLine, Window, HELD_RETRY_AFTER_S,
+};
 use spendgate_store::{Store, StoreError};
 use std::sync::Arc;
 

@@ -4,7 +4,11 @@
 //! Run: `cargo bench -p spendgate-core --bench admission`
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use spendgate_core::*;
+use spendgate_core::{
+    decide, Budget, BudgetView, IpScope, Ledger, Micros, Policy, ReservationId, Resolution, RunId,
+    RunRequest, ScopeKind, Settlement, StepKind, StepRequest, ToolPrice, UnixMs, Window,
+    MICROS_MAX,
+};
 use std::hint::black_box;
 use std::time::Instant;
 

@@ -7,10 +7,19 @@
 //! holds of calls still in flight take the room (a wait: the room comes back as they resolve,
 //! within their lease).
 
-use crate::ledger::{Counter, HELD_RETRY_AFTER_S, LIFETIME_RETRY_AFTER_S};
 use crate::money::Micros;
 use crate::scope::ScopeKind;
 use crate::window::UnixMs;
+
+/// `Retry-After` for a lifetime budget, which never resets.
+pub const LIFETIME_RETRY_AFTER_S: u64 = 86_400;
+/// `Retry-After` of a budget refused only by the holds of calls in flight (`budget_held`):
+/// used spend alone would admit the call. A counter does not know when its holds end (each
+/// ends with its own call, at the latest when its run's lease runs out, `store.lease_ttl_s`,
+/// at least 1 s), and most end within one upstream call; so the shortest wait the header can
+/// say, never longer than a lease. A retry refused again costs one store call and no rate
+/// quota (a refused admission does not move the rate's state).
+pub const HELD_RETRY_AFTER_S: u64 = 1;
 
 /// What the decision needs to know of one budget counter.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -25,22 +34,6 @@ pub struct BudgetView {
 }
 
 impl BudgetView {
-    pub fn of(
-        scope: ScopeKind,
-        c: &Counter,
-        limit: Micros,
-        resets_at: Option<UnixMs>,
-    ) -> BudgetView {
-        BudgetView {
-            scope,
-            limit,
-            used: c.used,
-            reserved: c.reserved,
-            overrun: c.overrun,
-            resets_at,
-        }
-    }
-
     /// Whether `amount` more fits: `used + reserved + amount <= limit` and no overrun.
     #[inline]
     pub fn fits(&self, amount: Micros) -> bool {

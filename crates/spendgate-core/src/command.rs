@@ -2,11 +2,14 @@
 //! trait with one method, and the memory and sqlite stores can apply commands to a [`Ledger`]
 //! without knowing them one by one.
 
-use crate::ledger::*;
+use crate::ledger::{
+    Adjustment, Applied, Counter, CounterKey, Heartbeat, IdempotencyKey, Ledger, LedgerError,
+    Refusal, Reservation, ReservationId, ReservationState, Resolution, Resolved, RunAdmitted,
+    RunEnded, RunId, RunRequest, SessionGrant, StepRequest, StepReserved, Summary, UsageLine,
+};
 use crate::replicas::ReplicaSeen;
 use crate::scope::{IpScope, Policy, ScopeKey, ScopeKind};
 use crate::window::UnixMs;
-use crate::LedgerError;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Command {

@@ -13,9 +13,19 @@ pub mod replicas;
 pub mod scope;
 pub mod window;
 
-pub use admission::{decide, BudgetRefusal, BudgetView, Shortfall};
+pub use admission::{
+    decide, BudgetRefusal, BudgetView, Shortfall, HELD_RETRY_AFTER_S, LIFETIME_RETRY_AFTER_S,
+};
 pub use command::{Command, Reply};
-pub use ledger::*;
+pub use ledger::{
+    budget_message, Adjustment, Applied, Counter, CounterKey, Entity, Heartbeat, IdempotencyKey,
+    IdempotencyRecord, IdempotentOutcome, Ledger, LedgerError, RateLeft, Record, RecordRef,
+    Refusal, RefusalCode, Reservation, ReservationId, ReservationKind, ReservationState,
+    Resolution, Resolved, Run, RunAdmitted, RunEnded, RunId, RunRequest, RunState, SessionGrant,
+    Settlement, StepKind, StepRequest, StepReserved, Summary, UsageLine, ADJUSTMENT_KEY_TTL_MS,
+    COMPACT_EVERY_MS, CUTOFF_MESSAGE, EXPIRIES_PER_CALL_MAX, IDEMPOTENCY_RETENTION_MS,
+    ID_BYTES_MAX, IP_SCOPES_MAX, LEDGER_RECORDS_MAX, RECORD_RETENTION_MS, SWEEP_EXPIRIES_MAX,
+};
 pub use money::{parse_amount, AmountError, Micros, ModelPrice, TokenUsage, ToolPrice, MICROS_MAX};
 pub use rate::{Rate, RateError};
 pub use replicas::{

@@ -13,7 +13,6 @@
 //! [`Command::Announce`]: crate::Command::Announce
 
 use crate::window::UnixMs;
-use crate::LedgerError;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -34,12 +33,20 @@ pub struct ReplicaSeen {
     pub seen: UnixMs,
 }
 
+/// A replica id or policy fingerprint that is refused (the ledger answers it as an invalid
+/// request: [`LedgerError::Invalid`]).
+///
+/// [`LedgerError::Invalid`]: crate::LedgerError::Invalid
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct InvalidReplica(pub String);
+
 /// Checks a replica id (letters, digits, `.`, `-`, `_`, `:`) and a fingerprint (letters and
 /// digits): both end up in keys, logs and metric labels.
-pub fn check_replica(replica: &str, fingerprint: &str) -> Result<(), LedgerError> {
+pub fn check_replica(replica: &str, fingerprint: &str) -> Result<(), InvalidReplica> {
     let id_char = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':');
     if replica.is_empty() || replica.len() > REPLICA_ID_BYTES_MAX || !replica.chars().all(id_char) {
-        return Err(LedgerError::Invalid(format!(
+        return Err(InvalidReplica(format!(
             "replica id must be 1 to {REPLICA_ID_BYTES_MAX} bytes of letters, digits, '.', '-', '_' or ':'"
         )));
     }
@@ -47,7 +54,7 @@ pub fn check_replica(replica: &str, fingerprint: &str) -> Result<(), LedgerError
         || fingerprint.len() > FINGERPRINT_BYTES_MAX
         || !fingerprint.chars().all(|c| c.is_ascii_alphanumeric())
     {
-        return Err(LedgerError::Invalid(format!(
+        return Err(InvalidReplica(format!(
             "policy fingerprint must be 1 to {FINGERPRINT_BYTES_MAX} letters or digits"
         )));
     }
@@ -73,7 +80,7 @@ impl ReplicaTable {
         now: UnixMs,
         replica: &str,
         fingerprint: &str,
-    ) -> Result<Vec<ReplicaSeen>, LedgerError> {
+    ) -> Result<Vec<ReplicaSeen>, InvalidReplica> {
         check_replica(replica, fingerprint)?;
         self.by_id.retain(|_, (_, seen)| live_at(*seen, now));
         self.by_id

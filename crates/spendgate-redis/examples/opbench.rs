@@ -13,8 +13,8 @@
 
 mod common;
 
-use spendgate_core::*;
-use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
+use spendgate_core::{IpScope, ReservationId, Resolution, RunId, RunRequest, Settlement};
+use spendgate_redis::RedisStore;
 use spendgate_store::Store;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -109,6 +109,109 @@ fn text(v: &redis::Value) -> String {
     }
 }
 
+/// A command from its words.
+fn command(args: &[&str]) -> redis::Cmd {
+    let mut c = redis::cmd(args[0]);
+    for a in &args[1..] {
+        c.arg(*a);
+    }
+    c
+}
+
+/// Runs each command on `conn`, in order.
+async fn run_all(
+    conn: &mut redis::aio::MultiplexedConnection,
+    cmds: &[&[&str]],
+) -> Result<(), String> {
+    for args in cmds {
+        command(args)
+            .query_async::<redis::Value>(&mut *conn)
+            .await
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// SLOWLOG on (threshold 0: every call; `slowlog`: false leaves it off), emptied, and the
+/// server's command statistics reset.
+async fn slowlog_on(
+    conn: &mut redis::aio::MultiplexedConnection,
+    slowlog: bool,
+) -> Result<(), String> {
+    let threshold = if slowlog { "0" } else { "-1" };
+    run_all(
+        conn,
+        &[
+            &["CONFIG", "SET", "slowlog-log-slower-than", threshold],
+            &["CONFIG", "SET", "slowlog-max-len", "4000000"],
+            &["SLOWLOG", "RESET"],
+            &["CONFIG", "RESETSTAT"],
+        ],
+    )
+    .await
+}
+
+/// SLOWLOG off, and the µs of every script call it logged, by operation.
+async fn slowlog_by_op(
+    conn: &mut redis::aio::MultiplexedConnection,
+) -> Result<BTreeMap<String, Vec<u64>>, String> {
+    run_all(
+        conn,
+        &[&["CONFIG", "SET", "slowlog-log-slower-than", "10000000"]],
+    )
+    .await?;
+    let log = command(&["SLOWLOG", "GET", "-1"])
+        .query_async::<redis::Value>(conn)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut by_op: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let redis::Value::Array(entries) = log else {
+        return Ok(by_op);
+    };
+    for e in entries {
+        let redis::Value::Array(f) = e else { continue };
+        let (Some(redis::Value::Int(us)), Some(redis::Value::Array(argv))) = (f.get(2), f.get(3))
+        else {
+            continue;
+        };
+        let cmd0 = argv.first().map(text).unwrap_or_default().to_lowercase();
+        if !matches!(cmd0.as_str(), "evalsha" | "eval" | "fcall" | "fcall_ro") {
+            continue;
+        }
+        let op = argv.get(4).map(text).unwrap_or_default();
+        by_op.entry(op).or_default().push(*us as u64);
+    }
+    Ok(by_op)
+}
+
+/// Prints the table of µs per call by operation; answers how many calls it counted.
+fn print_by_op(by_op: &mut BTreeMap<String, Vec<u64>>) -> u64 {
+    // The median resists the preemptions of a busy machine (a call preempted by another
+    // process counts its wait in SLOWLOG); the mean is what throughput pays.
+    println!("| operation | calls | µs per call | median µs |");
+    println!("|---|---|---|---|");
+    let (mut calls, mut total) = (0, 0);
+    let mut all = Vec::new();
+    for (op, us) in by_op.iter_mut() {
+        let n = us.len() as u64;
+        let sum: u64 = us.iter().sum();
+        calls += n;
+        total += sum;
+        all.extend_from_slice(us);
+        println!(
+            "| {op} | {n} | {:.1} | {} |",
+            sum as f64 / n.max(1) as f64,
+            median(us)
+        );
+    }
+    println!(
+        "| all | {calls} | {:.1} | {} |",
+        total as f64 / calls.max(1) as f64,
+        median(&mut all)
+    );
+    calls
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> Result<(), String> {
     let args: Vec<String> = std::env::args().collect();
@@ -133,26 +236,14 @@ async fn main() -> Result<(), String> {
         (None, Some(s)) => s.url(),
         (None, None) => return Err("no server".into()),
     };
-    let opts = RedisOptions {
-        url: url.clone(),
-        prefix: "opbench".into(),
-        timeout: Duration::from_secs(5),
-        slow_grace: Duration::ZERO,
-        clock: ClockSource::Server,
-        ledger_id: None,
-        witness: None,
-    };
-    let ledger = RedisStore::init(&opts, spendgate_redis::InitMode::Routine)
-        .await
-        .map_err(|e| e.to_string())?;
-    let opts = RedisOptions {
-        ledger_id: Some(ledger.ledger().to_string()),
-        ..opts
-    };
     let store = Arc::new(
-        RedisStore::open(opts, common::policy(&kind))
-            .await
-            .map_err(|e| e.to_string())?,
+        common::open_store(
+            &url,
+            "opbench",
+            Duration::from_secs(5),
+            common::policy(&kind),
+        )
+        .await?,
     );
     let client_redis = redis::Client::open(url).map_err(|e| e.to_string())?;
     let mut conn = client_redis
@@ -162,34 +253,7 @@ async fn main() -> Result<(), String> {
         )
         .await
         .map_err(|e| e.to_string())?;
-    let cmd = |args: &[&str]| {
-        let mut c = redis::cmd(args[0]);
-        for a in &args[1..] {
-            c.arg(*a);
-        }
-        c
-    };
-    cmd(&[
-        "CONFIG",
-        "SET",
-        "slowlog-log-slower-than",
-        if slowlog { "0" } else { "-1" },
-    ])
-    .query_async::<redis::Value>(&mut conn)
-    .await
-    .map_err(|e| e.to_string())?;
-    cmd(&["CONFIG", "SET", "slowlog-max-len", "4000000"])
-        .query_async::<redis::Value>(&mut conn)
-        .await
-        .map_err(|e| e.to_string())?;
-    cmd(&["SLOWLOG", "RESET"])
-        .query_async::<redis::Value>(&mut conn)
-        .await
-        .map_err(|e| e.to_string())?;
-    cmd(&["CONFIG", "RESETSTAT"])
-        .query_async::<redis::Value>(&mut conn)
-        .await
-        .map_err(|e| e.to_string())?;
+    slowlog_on(&mut conn, slowlog).await?;
     let cpu0 = cpu_secs(&mut conn).await?;
     let started = std::time::Instant::now();
     let per = pairs / clients.max(1);
@@ -202,59 +266,13 @@ async fn main() -> Result<(), String> {
     }
     let wall = started.elapsed().as_secs_f64();
     let cpu = cpu_secs(&mut conn).await? - cpu0;
-    cmd(&["CONFIG", "SET", "slowlog-log-slower-than", "10000000"])
-        .query_async::<redis::Value>(&mut conn)
-        .await
-        .map_err(|e| e.to_string())?;
-    let log = cmd(&["SLOWLOG", "GET", "-1"])
-        .query_async::<redis::Value>(&mut conn)
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut by_op: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    if let redis::Value::Array(entries) = log {
-        for e in entries {
-            let redis::Value::Array(f) = e else { continue };
-            let (Some(redis::Value::Int(us)), Some(redis::Value::Array(argv))) =
-                (f.get(2), f.get(3))
-            else {
-                continue;
-            };
-            let cmd0 = argv.first().map(text).unwrap_or_default().to_lowercase();
-            if !matches!(cmd0.as_str(), "evalsha" | "eval" | "fcall" | "fcall_ro") {
-                continue;
-            }
-            let op = argv.get(4).map(text).unwrap_or_default();
-            by_op.entry(op).or_default().push(*us as u64);
-        }
-    }
-    let stats = cmd(&["INFO", "commandstats"])
+    let mut by_op = slowlog_by_op(&mut conn).await?;
+    let stats = command(&["INFO", "commandstats"])
         .query_async::<String>(&mut conn)
         .await
         .map_err(|e| e.to_string())?;
     println!("{pairs} pairs, {clients} clients, policy {kind}");
-    // The median resists the preemptions of a busy machine (a call preempted by another
-    // process counts its wait in SLOWLOG); the mean is what throughput pays.
-    println!("| operation | calls | µs per call | median µs |");
-    println!("|---|---|---|---|");
-    let (mut calls, mut total) = (0, 0);
-    let mut all = Vec::new();
-    for (op, us) in &mut by_op {
-        let n = us.len() as u64;
-        let sum: u64 = us.iter().sum();
-        calls += n;
-        total += sum;
-        all.extend_from_slice(us);
-        println!(
-            "| {op} | {n} | {:.1} | {} |",
-            sum as f64 / n.max(1) as f64,
-            median(us)
-        );
-    }
-    println!(
-        "| all | {calls} | {:.1} | {} |",
-        total as f64 / calls.max(1) as f64,
-        median(&mut all)
-    );
+    let calls = print_by_op(&mut by_op);
     // CPU time of the server's main thread (user + system, from getrusage): unlike SLOWLOG it
     // does not count time the server spent preempted; it includes reading and answering.
     if calls > 0 {

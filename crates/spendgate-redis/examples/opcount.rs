@@ -17,8 +17,10 @@
 
 mod common;
 
-use spendgate_core::*;
-use spendgate_redis::{ClockSource, RedisOptions, RedisStore};
+use spendgate_core::{
+    Command, IpScope, Micros, ModelPrice, Policy, Reply, ReservationId, Resolution, RunId,
+    RunRequest, Settlement, StepKind, StepRequest, TokenUsage,
+};
 use spendgate_store::Store;
 use std::time::Duration;
 
@@ -127,44 +129,14 @@ fn check(r: Result<Reply, spendgate_store::StoreError>, what: &str) -> Result<()
     }
 }
 
-#[tokio::main(flavor = "current_thread")]
-async fn main() -> Result<(), String> {
-    let args: Vec<String> = std::env::args().collect();
-    let runs: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(200);
-    let kind = args.get(2).cloned().unwrap_or_else(|| "bench".into());
-    let tag = args.get(3).cloned().unwrap_or_else(|| "opcount".into());
-    let steps: usize = args
-        .get(4)
-        .and_then(|a| a.parse().ok())
-        .unwrap_or(TOOL_STEPS);
-    let url = std::env::var("OPCOUNT_URL").map_err(|_| "set OPCOUNT_URL")?;
-    // OPCOUNT_PID: the valgrind'ed server's pid (callgrind_control target); unset = no dumps.
-    let ph = Phase {
-        tag: &tag,
-        pid: std::env::var("OPCOUNT_PID").ok(),
-    };
-    let opts = RedisOptions {
-        url,
-        prefix: tag.clone(),
-        timeout: Duration::from_secs(60),
-        slow_grace: Duration::ZERO,
-        clock: ClockSource::Server,
-        ledger_id: None,
-        witness: None,
-    };
-    let ledger = RedisStore::init(&opts, spendgate_redis::InitMode::Routine)
-        .await
-        .map_err(|e| e.to_string())?;
-    let opts = RedisOptions {
-        ledger_id: Some(ledger.ledger().to_string()),
-        ..opts
-    };
-    let store = RedisStore::open(opts, policy(&kind))
-        .await
-        .map_err(|e| e.to_string())?;
-    let s: &dyn Store = &store;
-    // Warm up: the library loaded, the policy parsed, the epoch written.
-    s.ready().await.map_err(|e| e.to_string())?;
+/// The phases of single calls: admit, tool steps reserved and committed, a model step
+/// reserved and committed, heartbeat, finish.
+async fn one_by_one(
+    s: &dyn Store,
+    ph: &Phase<'_>,
+    runs: usize,
+    steps: usize,
+) -> Result<(), String> {
     let reqs: Vec<RunRequest> = (0..runs).map(|n| run_request(1, n)).collect();
     let ids: Vec<RunId> = reqs.iter().map(|r| r.run_id.clone()).collect();
     let one = |cmd: Command| s.execute(cmd);
@@ -242,7 +214,12 @@ async fn main() -> Result<(), String> {
     }
     ph.end("finish", runs)?;
 
-    // the proxy: admission + model step in one batch, then commit + finish in one batch
+    Ok(())
+}
+
+/// The phases of the proxy's batches.
+async fn batches(s: &dyn Store, ph: &Phase<'_>, runs: usize) -> Result<(), String> {
+    // admission + model step in one batch, then commit + finish in one batch
     let reqs2: Vec<RunRequest> = (0..runs).map(|n| run_request(2, n)).collect();
     ph.start()?;
     for r in &reqs2 {
@@ -278,5 +255,30 @@ async fn main() -> Result<(), String> {
         }
     }
     ph.end("batch_commit_finish", runs)?;
+    Ok(())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> Result<(), String> {
+    let args: Vec<String> = std::env::args().collect();
+    let runs: usize = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(200);
+    let kind = args.get(2).cloned().unwrap_or_else(|| "bench".into());
+    let tag = args.get(3).cloned().unwrap_or_else(|| "opcount".into());
+    let steps: usize = args
+        .get(4)
+        .and_then(|a| a.parse().ok())
+        .unwrap_or(TOOL_STEPS);
+    let url = std::env::var("OPCOUNT_URL").map_err(|_| "set OPCOUNT_URL")?;
+    // OPCOUNT_PID: the valgrind'ed server's pid (callgrind_control target); unset = no dumps.
+    let ph = Phase {
+        tag: &tag,
+        pid: std::env::var("OPCOUNT_PID").ok(),
+    };
+    let store = common::open_store(&url, &tag, Duration::from_secs(60), policy(&kind)).await?;
+    let s: &dyn Store = &store;
+    // Warm up: the library loaded, the policy parsed, the epoch written.
+    s.ready().await.map_err(|e| e.to_string())?;
+    one_by_one(s, &ph, runs, steps).await?;
+    batches(s, &ph, runs).await?;
     Ok(())
 }

@@ -6,7 +6,15 @@
 //! Outcomes of admissions are flat string lists so that idempotency records can store them
 //! verbatim and a retry decodes to the very same answer.
 
-use spendgate_core::*;
+use spendgate_core::{
+    budget_message, Adjustment, Applied, Command, Counter, CounterKey, Heartbeat, IdempotencyKey,
+    IpScope, LedgerError, Micros, ModelPrice, RateLeft, Refusal, RefusalCode, ReplicaSeen, Reply,
+    Reservation, ReservationId, ReservationKind, ReservationState, Resolution, Resolved,
+    RunAdmitted, RunBounds, RunEnded, RunId, RunRequest, RunState, ScopeKey, ScopeKind,
+    SessionGrant, Settlement, StepKind, StepRequest, StepReserved, Summary, ToolPrice, UnixMs,
+    UsageLine, Window, WindowId, HELD_RETRY_AFTER_S, LEDGER_RECORDS_MAX, LIFETIME_RETRY_AFTER_S,
+    MICROS_MAX, REPLICAS_MAX,
+};
 use spendgate_store::StoreError;
 use std::collections::HashMap;
 
@@ -53,107 +61,37 @@ fn push_ips(args: &mut Vec<String>, ips: &[IpScope]) {
     }
 }
 
-/// The script call for a command.
+/// The script call for a command: a read-only call for a command that only reads
+/// ([`Command::is_read`]), run by the script's `no-writes` entry.
 pub fn encode(cmd: &Command) -> Call {
-    let write = |op, args| Call {
-        read: false,
-        op,
-        args,
-    };
-    let read = |op, args| Call {
-        read: true,
-        op,
-        args,
-    };
-    match cmd {
-        Command::AdmitRun { req, idem } => {
-            let mut a = vec![
-                req.run_id.0.clone(),
-                req.session.clone(),
-                req.conversation.clone(),
-                req.input_bytes.to_string(),
-            ];
-            push_idem(&mut a, idem);
-            push_ips(&mut a, &req.ips);
-            write("admit_run", a)
-        }
-        Command::ReserveStep { req, idem } => {
-            let mut a = vec![req.run_id.0.clone(), req.step_id.0.clone()];
-            push_idem(&mut a, idem);
-            match &req.kind {
-                StepKind::Model {
-                    model,
-                    price,
-                    prompt_tokens,
-                    max_output_tokens,
-                    retry,
-                } => a.extend([
-                    "model".to_string(),
-                    model.clone(),
-                    price.input_per_million.0.to_string(),
-                    price.cached_input_per_million.0.to_string(),
-                    price.output_per_million.0.to_string(),
-                    prompt_tokens.to_string(),
-                    max_output_tokens.map(|m| m.to_string()).unwrap_or_default(),
-                    b01(*retry),
-                ]),
-                StepKind::Tool { tool, price, units } => a.extend([
-                    "tool".to_string(),
-                    tool.clone(),
-                    price.per_call.0.to_string(),
-                    price.per_unit.0.to_string(),
-                    units.to_string(),
-                ]),
-            }
-            write("reserve_step", a)
-        }
-        Command::Resolve { step, how } => {
-            let mut a = vec![step.0.clone()];
-            match how {
-                Resolution::Commit(Settlement::Tokens(u)) => {
-                    let cached = u.cached_tokens.min(u.prompt_tokens);
-                    a.extend([
-                        "tokens".to_string(),
-                        (u.prompt_tokens - cached).to_string(),
-                        cached.to_string(),
-                        u.completion_tokens.to_string(),
-                    ]);
-                }
-                Resolution::Commit(Settlement::Units(n)) => {
-                    a.extend(["units".to_string(), n.to_string()])
-                }
-                Resolution::Commit(Settlement::ResultBytes(n)) => {
-                    a.extend(["bytes".to_string(), n.to_string()])
-                }
-                Resolution::Release => a.push("release".into()),
-                Resolution::Unknown => a.push("unknown".into()),
-            }
-            write("resolve", a)
-        }
-        Command::Heartbeat { run } => write("heartbeat", vec![run.0.clone()]),
-        Command::Finish { run } => write("finish", vec![run.0.clone()]),
+    let (op, args) = match cmd {
+        Command::AdmitRun { req, idem } => ("admit_run", admit_run_args(req, idem)),
+        Command::ReserveStep { req, idem } => ("reserve_step", reserve_step_args(req, idem)),
+        Command::Resolve { step, how } => ("resolve", resolve_args(step, *how)),
+        Command::Heartbeat { run } => ("heartbeat", vec![run.0.clone()]),
+        Command::Finish { run } => ("finish", vec![run.0.clone()]),
         Command::CreateSession { ips, dry } => {
             let mut a = Vec::new();
             push_ips(&mut a, ips);
-            a.push(if *dry { "1" } else { "0" }.into());
-            write("create_session", a)
+            a.push(b01(*dry));
+            ("create_session", a)
         }
         Command::Usage { scopes } => {
             let mut a = vec![scopes.len().to_string()];
             for (s, f) in scopes {
                 a.extend([s.kind.name().to_string(), s.id.clone(), f.to_string()]);
             }
-            read("usage", a)
+            ("usage", a)
         }
         Command::SetCutoff { engaged, reason } => {
-            write("set_cutoff", vec![b01(*engaged), reason.clone()])
+            ("set_cutoff", vec![b01(*engaged), reason.clone()])
         }
         Command::Adjust {
             scope,
             factor,
             amount,
             once,
-        } => write(
+        } => (
             "adjust",
             vec![
                 scope.kind.name().to_string(),
@@ -163,31 +101,101 @@ pub fn encode(cmd: &Command) -> Call {
                 once.clone().unwrap_or_default(),
             ],
         ),
-        Command::Summary => read("summary", vec![]),
-        Command::Reservations { state, limit } => read(
+        Command::Summary => ("summary", vec![]),
+        Command::Reservations { state, limit } => (
             "reservations",
             vec![
                 state.map(|s| s.name().to_string()).unwrap_or_default(),
                 (*limit).min(LISTING_MAX).to_string(),
             ],
         ),
-        Command::TopCounters { kind, top } => read(
+        Command::TopCounters { kind, top } => (
             "top",
             vec![
                 kind.map(|k| k.name().to_string()).unwrap_or_default(),
                 (*top).min(LISTING_MAX).to_string(),
             ],
         ),
-        Command::Sweep => write("sweep", vec![]),
+        Command::Sweep => ("sweep", vec![]),
         Command::ConsumeOnce { key, ttl_ms } => {
-            write("consume_once", vec![key.clone(), ttl_ms.to_string()])
+            ("consume_once", vec![key.clone(), ttl_ms.to_string()])
         }
         Command::Announce {
             replica,
             fingerprint,
-        } => write("announce", vec![replica.clone(), fingerprint.clone()]),
-        Command::Replicas => read("replicas", vec![]),
+        } => ("announce", vec![replica.clone(), fingerprint.clone()]),
+        Command::Replicas => ("replicas", vec![]),
+    };
+    Call {
+        read: cmd.is_read(),
+        op,
+        args,
     }
+}
+
+fn admit_run_args(req: &RunRequest, idem: &Option<IdempotencyKey>) -> Vec<String> {
+    let mut a = vec![
+        req.run_id.0.clone(),
+        req.session.clone(),
+        req.conversation.clone(),
+        req.input_bytes.to_string(),
+    ];
+    push_idem(&mut a, idem);
+    push_ips(&mut a, &req.ips);
+    a
+}
+
+fn reserve_step_args(req: &StepRequest, idem: &Option<IdempotencyKey>) -> Vec<String> {
+    let mut a = vec![req.run_id.0.clone(), req.step_id.0.clone()];
+    push_idem(&mut a, idem);
+    match &req.kind {
+        StepKind::Model {
+            model,
+            price,
+            prompt_tokens,
+            max_output_tokens,
+            retry,
+        } => a.extend([
+            "model".to_string(),
+            model.clone(),
+            price.input_per_million.0.to_string(),
+            price.cached_input_per_million.0.to_string(),
+            price.output_per_million.0.to_string(),
+            prompt_tokens.to_string(),
+            max_output_tokens.map(|m| m.to_string()).unwrap_or_default(),
+            b01(*retry),
+        ]),
+        StepKind::Tool { tool, price, units } => a.extend([
+            "tool".to_string(),
+            tool.clone(),
+            price.per_call.0.to_string(),
+            price.per_unit.0.to_string(),
+            units.to_string(),
+        ]),
+    }
+    a
+}
+
+fn resolve_args(step: &ReservationId, how: Resolution) -> Vec<String> {
+    let mut a = vec![step.0.clone()];
+    match how {
+        Resolution::Commit(Settlement::Tokens(u)) => {
+            let cached = u.cached_tokens.min(u.prompt_tokens);
+            a.extend([
+                "tokens".to_string(),
+                (u.prompt_tokens - cached).to_string(),
+                cached.to_string(),
+                u.completion_tokens.to_string(),
+            ]);
+        }
+        Resolution::Commit(Settlement::Units(n)) => a.extend(["units".to_string(), n.to_string()]),
+        Resolution::Commit(Settlement::ResultBytes(n)) => {
+            a.extend(["bytes".to_string(), n.to_string()])
+        }
+        Resolution::Release => a.push("release".into()),
+        Resolution::Unknown => a.push("unknown".into()),
+    }
+    a
 }
 
 /// A script answer as nested lists of strings.
@@ -582,148 +590,159 @@ pub fn decode(cmd: &Command, items: &[Item]) -> Result<Reply, StoreError> {
     if tag != "OK" {
         return Err(bad(format!("tag {tag:?}")));
     }
-    let call = encode_kind(cmd);
-    let changed = if call { f.b()? } else { false };
-    fn applied<T>(value: T, seq: u64, changed: bool) -> Applied<T> {
-        Applied {
-            value,
-            seq,
-            changed,
-        }
-    }
+    let changed = if has_changed_flag(cmd) { f.b()? } else { false };
+    let stamp = Stamp { seq, changed };
+    let f = &mut f;
     Ok(match cmd {
-        Command::AdmitRun { .. } => Reply::Run(applied(run_outcome(&mut f)?, seq, changed)),
-        Command::ReserveStep { .. } => Reply::Step(applied(step_outcome(&mut f)?, seq, changed)),
-        Command::CreateSession { .. } => {
-            Reply::Session(applied(session_outcome(&mut f)?, seq, changed))
-        }
-        Command::Resolve { .. } => Reply::Resolved(applied(
-            Resolved {
-                state: res_state(&f.s()?)?,
-                charged: Micros(f.u()?),
-                reserved: Micros(f.u()?),
-                overrun: f.b()?,
-                repeated: f.b()?,
-                result_too_large: f.b()?,
-            },
-            seq,
-            changed,
-        )),
-        Command::Heartbeat { .. } => Reply::Heartbeat(applied(
-            Heartbeat {
-                lease_until: UnixMs(f.u()?),
-                deadline: UnixMs(f.u()?),
-            },
-            seq,
-            changed,
-        )),
-        Command::Finish { .. } => Reply::Finished(applied(
-            RunEnded {
-                state: run_state(&f.s()?)?,
-                charged: Micros(f.u()?),
-                steps: u32_of(f.u()?)?,
-                repeated: f.b()?,
-            },
-            seq,
-            changed,
-        )),
-        Command::SetCutoff { .. } => Reply::Cutoff(applied(f.b()?, seq, changed)),
+        Command::AdmitRun { .. } => Reply::Run(stamp.on(run_outcome(f)?)),
+        Command::ReserveStep { .. } => Reply::Step(stamp.on(step_outcome(f)?)),
+        Command::CreateSession { .. } => Reply::Session(stamp.on(session_outcome(f)?)),
+        Command::Resolve { .. } => Reply::Resolved(stamp.on(resolved(f)?)),
+        Command::Heartbeat { .. } => Reply::Heartbeat(stamp.on(Heartbeat {
+            lease_until: UnixMs(f.u()?),
+            deadline: UnixMs(f.u()?),
+        })),
+        Command::Finish { .. } => Reply::Finished(stamp.on(run_ended(f)?)),
+        Command::SetCutoff { .. } => Reply::Cutoff(stamp.on(f.b()?)),
         Command::Adjust { .. } => {
             let repeated = f.b()?;
             let lines = usage_lines(f.rest())?;
-            Reply::Adjusted(applied(Adjustment { lines, repeated }, seq, changed))
+            Reply::Adjusted(stamp.on(Adjustment { lines, repeated }))
         }
-        Command::Sweep => Reply::Swept(applied(
-            usize::try_from(f.u()?).unwrap_or(usize::MAX),
-            seq,
-            changed,
-        )),
-        Command::ConsumeOnce { .. } => Reply::Consumed(applied(f.b()?, seq, changed)),
-        Command::Announce { .. } | Command::Replicas => {
-            let mut v = f
-                .list()?
-                .iter()
-                .map(|row| {
-                    let mut r = Fields::new(row.list()?);
-                    Ok(ReplicaSeen {
-                        replica: r.s()?,
-                        fingerprint: r.s()?,
-                        seen: UnixMs(r.u()?),
-                    })
-                })
-                .collect::<Result<Vec<_>, StoreError>>()?;
-            // (by id, as the core answers; sorted here, not by the script, whose string
-            // order follows the server's locale)
-            v.sort_by(|a, b| a.replica.cmp(&b.replica));
-            v.truncate(REPLICAS_MAX);
-            Reply::Replicas(v)
-        }
+        Command::Sweep => Reply::Swept(stamp.on(usize::try_from(f.u()?).unwrap_or(usize::MAX))),
+        Command::ConsumeOnce { .. } => Reply::Consumed(stamp.on(f.b()?)),
+        Command::Announce { .. } | Command::Replicas => Reply::Replicas(replicas(f)?),
         Command::Usage { .. } => Reply::Usage(usage_lines(f.list()?)?),
-        Command::Summary => {
-            let engaged = f.b()?;
-            let reason = f.s()?;
-            let runs_active = f.u()?;
-            let mut reservations = HashMap::new();
-            for state in ["held", "committed", "released", "unknown", "expired"] {
-                let n = f.u()?;
-                if n > 0 {
-                    reservations.insert(state.to_string(), n);
-                }
-            }
-            let cap = |v: i64| Micros(u64::try_from(v.max(0)).unwrap_or(0).min(MICROS_MAX.0));
-            Reply::Summary(Summary {
-                seq,
-                cutoff: engaged.then_some(reason),
-                runs_active,
-                reservations,
-                held_micros: cap(f.i()?),
-                charged_micros: cap(f.i()?),
-                overruns: f.u()?,
-            })
-        }
-        Command::Reservations { limit, .. } => {
-            let mut v = f
-                .list()?
-                .iter()
-                .map(|row| reservation(row.list()?))
-                .collect::<Result<Vec<_>, _>>()?;
-            v.sort_by(|a, b| b.created.cmp(&a.created).then_with(|| a.id.cmp(&b.id)));
-            v.truncate(*limit);
-            Reply::Reservations(v)
-        }
-        Command::TopCounters { top, .. } => {
-            let mut v = f
-                .list()?
-                .iter()
-                .map(|row| {
-                    let mut r = Fields::new(row.list()?);
-                    let key = counter_key(&r.s()?)?;
-                    Ok((
-                        key,
-                        Counter {
-                            limit: Micros(r.u()?),
-                            used: Micros(r.u()?),
-                            reserved: Micros(r.u()?),
-                            overrun: r.b()?,
-                            adjusted: r.i()?,
-                        },
-                    ))
-                })
-                .collect::<Result<Vec<_>, StoreError>>()?;
-            v.sort_by(|a, b| {
-                (b.1.used.add_capped(b.1.reserved))
-                    .cmp(&a.1.used.add_capped(a.1.reserved))
-                    .then_with(|| a.0.cmp(&b.0))
-            });
-            v.truncate(*top);
-            Reply::TopCounters(v)
-        }
+        Command::Summary => Reply::Summary(summary(f, seq)?),
+        Command::Reservations { limit, .. } => Reply::Reservations(reservations(f, *limit)?),
+        Command::TopCounters { top, .. } => Reply::TopCounters(top_counters(f, *top)?),
     })
+}
+
+/// The sequence number and change flag an answer carries.
+#[derive(Clone, Copy)]
+struct Stamp {
+    seq: u64,
+    changed: bool,
+}
+
+impl Stamp {
+    fn on<T>(self, value: T) -> Applied<T> {
+        Applied {
+            value,
+            seq: self.seq,
+            changed: self.changed,
+        }
+    }
+}
+
+fn resolved(f: &mut Fields<'_>) -> Result<Resolved, StoreError> {
+    Ok(Resolved {
+        state: res_state(&f.s()?)?,
+        charged: Micros(f.u()?),
+        reserved: Micros(f.u()?),
+        overrun: f.b()?,
+        repeated: f.b()?,
+        result_too_large: f.b()?,
+    })
+}
+
+fn run_ended(f: &mut Fields<'_>) -> Result<RunEnded, StoreError> {
+    Ok(RunEnded {
+        state: run_state(&f.s()?)?,
+        charged: Micros(f.u()?),
+        steps: u32_of(f.u()?)?,
+        repeated: f.b()?,
+    })
+}
+
+fn replicas(f: &mut Fields<'_>) -> Result<Vec<ReplicaSeen>, StoreError> {
+    let mut v = f
+        .list()?
+        .iter()
+        .map(|row| {
+            let mut r = Fields::new(row.list()?);
+            Ok(ReplicaSeen {
+                replica: r.s()?,
+                fingerprint: r.s()?,
+                seen: UnixMs(r.u()?),
+            })
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    // (by id, as the core answers; sorted here, not by the script, whose string order
+    // follows the server's locale)
+    v.sort_by(|a, b| a.replica.cmp(&b.replica));
+    v.truncate(REPLICAS_MAX);
+    Ok(v)
+}
+
+fn summary(f: &mut Fields<'_>, seq: u64) -> Result<Summary, StoreError> {
+    let engaged = f.b()?;
+    let reason = f.s()?;
+    let runs_active = f.u()?;
+    let mut reservations = HashMap::new();
+    for state in ["held", "committed", "released", "unknown", "expired"] {
+        let n = f.u()?;
+        if n > 0 {
+            reservations.insert(state.to_string(), n);
+        }
+    }
+    let cap = |v: i64| Micros(u64::try_from(v.max(0)).unwrap_or(0).min(MICROS_MAX.0));
+    Ok(Summary {
+        seq,
+        cutoff: engaged.then_some(reason),
+        runs_active,
+        reservations,
+        held_micros: cap(f.i()?),
+        charged_micros: cap(f.i()?),
+        overruns: f.u()?,
+    })
+}
+
+/// The newest `limit` reservations, newest first (as the core lists them).
+fn reservations(f: &mut Fields<'_>, limit: usize) -> Result<Vec<Reservation>, StoreError> {
+    let mut v = f
+        .list()?
+        .iter()
+        .map(|row| reservation(row.list()?))
+        .collect::<Result<Vec<_>, _>>()?;
+    v.sort_by(|a, b| b.created.cmp(&a.created).then_with(|| a.id.cmp(&b.id)));
+    v.truncate(limit);
+    Ok(v)
+}
+
+/// The `top` counters with the most used and held, most first (as the core lists them).
+fn top_counters(f: &mut Fields<'_>, top: usize) -> Result<Vec<(CounterKey, Counter)>, StoreError> {
+    let mut v = f
+        .list()?
+        .iter()
+        .map(|row| {
+            let mut r = Fields::new(row.list()?);
+            let key = counter_key(&r.s()?)?;
+            Ok((
+                key,
+                Counter {
+                    limit: Micros(r.u()?),
+                    used: Micros(r.u()?),
+                    reserved: Micros(r.u()?),
+                    overrun: r.b()?,
+                    adjusted: r.i()?,
+                },
+            ))
+        })
+        .collect::<Result<Vec<_>, StoreError>>()?;
+    v.sort_by(|a, b| {
+        (b.1.used.add_capped(b.1.reserved))
+            .cmp(&a.1.used.add_capped(a.1.reserved))
+            .then_with(|| a.0.cmp(&b.0))
+    });
+    v.truncate(top);
+    Ok(v)
 }
 
 /// Whether the command's answer carries a `changed` flag (every write does, but an
 /// announcement, which changes no ledger record).
-fn encode_kind(cmd: &Command) -> bool {
+fn has_changed_flag(cmd: &Command) -> bool {
     !matches!(
         cmd,
         Command::Usage { .. }
@@ -738,6 +757,7 @@ fn encode_kind(cmd: &Command) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use spendgate_core::{FINGERPRINT_BYTES_MAX, REPLICA_ID_BYTES_MAX, REPLICA_STALE_MS};
 
     /// `ledger.lua` bounds the replicas it remembers as the core does.
     #[test]

@@ -11,7 +11,11 @@
 //! `cargo bench -p spendgate-store --bench store -- --warm-up-time 1 --measurement-time 5`
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use spendgate_core::*;
+use spendgate_core::{
+    Budget, IpScope, Micros, ModelPrice, Policy, ReservationId, ReservationMode, Resolution,
+    RunBounds, RunId, RunRequest, ScopePolicy, Settlement, StepKind, StepRequest, TokenUsage,
+    UnixMs, Window, RECORD_RETENTION_MS,
+};
 use spendgate_store::{Clock, MemoryStore, SqliteOptions, SqliteStore, Store};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

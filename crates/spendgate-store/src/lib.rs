@@ -6,15 +6,17 @@
 pub mod clock;
 pub mod memory;
 pub mod sqlite;
+mod typed;
 
 use async_trait::async_trait;
-use spendgate_core::*;
+use spendgate_core::{Command, Ledger, LedgerError, Policy, Reply, UnixMs};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use memory::MemoryStore;
 pub use sqlite::{DiskGate, SqliteOptions, SqliteStore, WRITE_FAULT_ONCE};
+pub use typed::Answers;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum StoreError {
@@ -91,53 +93,6 @@ pub trait Store: Send + Sync + 'static {
 
     /// Short name of the backend ("memory", "sqlite", "redis").
     fn kind(&self) -> &'static str;
-}
-
-macro_rules! typed {
-    ($(#[$doc:meta])* $name:ident ( $($arg:ident : $ty:ty),* ) -> $out:ty, $cmd:expr, $variant:ident) => {
-        $(#[$doc])*
-        pub async fn $name(&self, $($arg: $ty),*) -> Result<$out, StoreError> {
-            match self.execute($cmd).await? {
-                Reply::$variant(v) => Ok(v),
-                other => Err(StoreError::Unavailable(format!(
-                    "store answered {} with {other:?}", stringify!($name)
-                ))),
-            }
-        }
-    };
-}
-
-/// Typed calls over [`Store::execute`].
-impl dyn Store {
-    typed!(admit_run(req: RunRequest, idem: Option<IdempotencyKey>) -> Applied<Result<RunAdmitted, Refusal>>,
-        Command::AdmitRun { req, idem }, Run);
-    typed!(reserve_step(req: StepRequest, idem: Option<IdempotencyKey>) -> Applied<Result<StepReserved, Refusal>>,
-        Command::ReserveStep { req, idem }, Step);
-    typed!(resolve(step: ReservationId, how: Resolution) -> Applied<Resolved>,
-        Command::Resolve { step, how }, Resolved);
-    typed!(heartbeat(run: RunId) -> Applied<Heartbeat>, Command::Heartbeat { run }, Heartbeat);
-    typed!(finish(run: RunId) -> Applied<RunEnded>, Command::Finish { run }, Finished);
-    typed!(create_session(ips: Vec<IpScope>, dry: bool) -> Applied<Result<SessionGrant, Refusal>>,
-        Command::CreateSession { ips, dry }, Session);
-    typed!(usage(scopes: Vec<(ScopeKey, u64)>) -> Vec<UsageLine>, Command::Usage { scopes }, Usage);
-    typed!(set_cutoff(engaged: bool, reason: String) -> Applied<bool>,
-        Command::SetCutoff { engaged, reason }, Cutoff);
-    typed!(adjust(scope: ScopeKey, factor: u64, amount: i64, once: Option<String>) -> Applied<Adjustment>,
-        Command::Adjust { scope, factor, amount, once }, Adjusted);
-    typed!(summary() -> Summary, Command::Summary, Summary);
-    typed!(reservations(state: Option<ReservationState>, limit: usize) -> Vec<Reservation>,
-        Command::Reservations { state, limit }, Reservations);
-    typed!(top_counters(kind: Option<ScopeKind>, top: usize) -> Vec<(CounterKey, Counter)>,
-        Command::TopCounters { kind, top }, TopCounters);
-    typed!(sweep() -> Applied<usize>, Command::Sweep, Swept);
-    typed!(consume_once(key: String, ttl_ms: u64) -> Applied<bool>, Command::ConsumeOnce { key, ttl_ms }, Consumed);
-    typed!(
-        /// Publishes this replica's policy fingerprint; answers every live replica's.
-        announce(replica: String, fingerprint: String) -> Vec<ReplicaSeen>,
-        Command::Announce { replica, fingerprint }, Replicas);
-    typed!(
-        /// Every live replica and its policy fingerprint.
-        replicas() -> Vec<ReplicaSeen>, Command::Replicas, Replicas);
 }
 
 /// Longest grace a slow call may be given past `store.timeout_ms` (`store.slow_grace_ms`).
@@ -373,6 +328,7 @@ pub fn spawn_sweeper(store: Arc<dyn Store>, every: Duration) -> tokio::task::Joi
 #[cfg(test)]
 mod tests {
     use super::*;
+    use spendgate_core::{IpScope, RunId, RunRequest};
 
     /// A store that answers only after `delay` (settable): stands for a store that is slow or
     /// gone; `fail` makes it answer unavailable at once instead.

@@ -1592,8 +1592,9 @@ mod tests {
 
     /// What the writer encodes from a borrowed record decodes as the owned record, for every
     /// kind of record a ledger holds.
-    #[test]
-    fn borrowed_records_encode_as_owned_records() {
+    /// A ledger (tracking changes) whose changes hold every kind of record: meta, a counter, a
+    /// rate, a run, a reservation and an idempotency record.
+    fn ledger_with_every_kind_of_record() -> Ledger {
         let policy = Policy {
             global: ScopePolicy {
                 budgets: vec![Budget {
@@ -1651,6 +1652,12 @@ mod tests {
         for cmd in &cmds {
             l.apply(&policy, now, cmd).expect("applied");
         }
+        l
+    }
+
+    #[test]
+    fn borrowed_records_encode_as_owned_records() {
+        let mut l = ledger_with_every_kind_of_record();
         let dirty = l.take_dirty();
         for e in &dirty {
             let owned = l.record(e).expect("exists");

@@ -3,7 +3,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::Signal;
+use crate::signal::Signal;
 use tempfile::TempDir;
 
 use crate::{signal, TestkitError};
@@ -90,7 +90,7 @@ impl ChildGuard {
         if let Some(status) = self.try_reap()? {
             return Ok(status);
         }
-        signal::send(self.pid, Signal::SIGTERM)?;
+        signal::send(self.pid, Signal::Term)?;
         let deadline = Instant::now() + TERMINATE_GRACE;
         while Instant::now() < deadline {
             if let Some(status) = self.try_reap()? {

@@ -43,7 +43,7 @@ pub enum TestkitError {
         signal: String,
         pid: u32,
         #[source]
-        source: nix::Error,
+        source: rustix::io::Errno,
     },
 
     /// The operation needs a running process, but it is not running.

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::Signal;
+use crate::signal::Signal;
 use tempfile::TempDir;
 
 use crate::child::read_lossy;
@@ -202,7 +202,7 @@ impl RedisServer {
     /// kernel but nothing is answered until [`resume`](Self::resume).
     pub fn pause(&self) -> Result<(), TestkitError> {
         let pid = self.running_pid("pause")?;
-        signal::send(pid, Signal::SIGSTOP)?;
+        signal::send(pid, Signal::Stop)?;
         self.paused.store(true, Ordering::SeqCst);
         Ok(())
     }
@@ -210,7 +210,7 @@ impl RedisServer {
     /// Continue a paused server with SIGCONT.
     pub fn resume(&self) -> Result<(), TestkitError> {
         let pid = self.running_pid("resume")?;
-        signal::send(pid, Signal::SIGCONT)?;
+        signal::send(pid, Signal::Cont)?;
         self.paused.store(false, Ordering::SeqCst);
         Ok(())
     }
@@ -249,10 +249,10 @@ impl RedisServer {
             return Ok(());
         }
         if self.paused.swap(false, Ordering::SeqCst) {
-            let _ = signal::send(pid, Signal::SIGCONT);
+            let _ = signal::send(pid, Signal::Cont);
         }
         let start = Instant::now();
-        if let Err(e) = signal::send(pid, Signal::SIGTERM) {
+        if let Err(e) = signal::send(pid, Signal::Term) {
             let _ = child.kill();
             let _ = child.wait();
             return Err(e);
@@ -474,7 +474,7 @@ impl Drop for RedisServer {
     fn drop(&mut self) {
         if let Some(mut child) = self.child.take() {
             if self.paused.load(Ordering::SeqCst) {
-                let _ = signal::send(child.id(), Signal::SIGCONT);
+                let _ = signal::send(child.id(), Signal::Cont);
             }
             let _ = child.kill();
             let _ = child.wait();

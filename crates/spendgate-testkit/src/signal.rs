@@ -1,18 +1,45 @@
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use rustix::io::Errno;
+use rustix::process::{kill_process, Pid};
 
 use crate::TestkitError;
 
-/// Send `sig` to `pid`.
+/// The signals the testkit sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Signal {
+    Term,
+    Stop,
+    Cont,
+}
+
+impl Signal {
+    fn name(self) -> &'static str {
+        match self {
+            Signal::Term => "SIGTERM",
+            Signal::Stop => "SIGSTOP",
+            Signal::Cont => "SIGCONT",
+        }
+    }
+
+    fn raw(self) -> rustix::process::Signal {
+        match self {
+            Signal::Term => rustix::process::Signal::TERM,
+            Signal::Stop => rustix::process::Signal::STOP,
+            Signal::Cont => rustix::process::Signal::CONT,
+        }
+    }
+}
+
+/// Send `sig` to `pid` (never to a process group: a pid of 0 or one that does not fit is
+/// refused as invalid).
 pub(crate) fn send(pid: u32, sig: Signal) -> Result<(), TestkitError> {
-    let raw = i32::try_from(pid).map_err(|_| TestkitError::Signal {
-        signal: sig.to_string(),
-        pid,
-        source: nix::Error::EINVAL,
-    })?;
-    kill(Pid::from_raw(raw), sig).map_err(|source| TestkitError::Signal {
-        signal: sig.to_string(),
+    let error = |source| TestkitError::Signal {
+        signal: sig.name().to_string(),
         pid,
         source,
-    })
+    };
+    let target = i32::try_from(pid)
+        .ok()
+        .and_then(Pid::from_raw)
+        .ok_or_else(|| error(Errno::INVAL))?;
+    kill_process(target, sig.raw()).map_err(error)
 }

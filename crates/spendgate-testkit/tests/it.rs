@@ -6,19 +6,18 @@ use std::net::{TcpListener, TcpStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::kill;
-use nix::unistd::Pid;
+use rustix::process::{test_kill_process, Pid};
 use spendgate_testkit::{
     free_port, wait_for_port, workspace_bin, ChildGuard, RedisOptions, RedisServer, RespValue,
     TestkitError,
 };
 
 fn pid_exists(pid: u32) -> bool {
-    kill(
-        Pid::from_raw(i32::try_from(pid).expect("pid fits i32")),
-        None,
-    )
-    .is_ok()
+    let pid = i32::try_from(pid)
+        .ok()
+        .and_then(Pid::from_raw)
+        .expect("a pid of a child");
+    test_kill_process(pid).is_ok()
 }
 
 fn start(opts: RedisOptions) -> RedisServer {

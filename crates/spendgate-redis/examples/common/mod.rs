@@ -3,6 +3,37 @@
 use spendgate_core::{
     Budget, Micros, Policy, Rate, ReservationId, RunId, StepKind, StepRequest, ToolPrice, Window,
 };
+use spendgate_redis::{ClockSource, InitMode, RedisOptions, RedisStore};
+use std::time::Duration;
+
+/// A store on the server at `url` under `prefix`: its ledger created when there is none
+/// (`InitMode::Routine`), then opened with `policy`; calls bounded by `timeout`.
+pub async fn open_store(
+    url: &str,
+    prefix: &str,
+    timeout: Duration,
+    policy: Policy,
+) -> Result<RedisStore, String> {
+    let opts = RedisOptions {
+        url: url.to_string(),
+        prefix: prefix.to_string(),
+        timeout,
+        slow_grace: Duration::ZERO,
+        clock: ClockSource::Server,
+        ledger_id: None,
+        witness: None,
+    };
+    let ledger = RedisStore::init(&opts, InitMode::Routine)
+        .await
+        .map_err(|e| e.to_string())?;
+    let opts = RedisOptions {
+        ledger_id: Some(ledger.ledger().to_string()),
+        ..opts
+    };
+    RedisStore::open(opts, policy)
+        .await
+        .map_err(|e| e.to_string())
+}
 
 /// The policy of a measurement: limits that never refuse. `full`: every scope keeps its kinds
 /// of limits (five counters a step); `bench`: one global day budget and nothing else.

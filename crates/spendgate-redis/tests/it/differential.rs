@@ -227,94 +227,100 @@ impl Gen {
         ReservationId(format!("x{}", self.r.below(self.steps)))
     }
 
+    fn admit_run(&mut self) -> Command {
+        let run_id = if self.r.chance(90) {
+            self.runs += 1;
+            RunId(format!("r{}", self.runs - 1))
+        } else {
+            RunId(format!("r{}", self.r.below(self.runs.max(1))))
+        };
+        let r = &mut self.r;
+        Command::AdmitRun {
+            req: RunRequest {
+                run_id,
+                session: r.pick(SESSIONS).to_string(),
+                ips: ips(r),
+                conversation: r.pick(CONVS).to_string(),
+                input_bytes: if r.chance(5) { 5000 } else { r.below(900) },
+            },
+            idem: idem(r, 30, "run"),
+        }
+    }
+
+    fn reserve_step(&mut self) -> Command {
+        let run_id = self.run();
+        let step_id = if self.r.chance(92) {
+            self.steps += 1;
+            ReservationId(format!("x{}", self.steps - 1))
+        } else {
+            self.step()
+        };
+        let r = &mut self.r;
+        let kind = if r.chance(65) {
+            StepKind::Model {
+                model: "m".into(),
+                price: ModelPrice {
+                    input_per_million: Micros(r.pick(&[0, 1_500_000, 2_000_000, 333_333])),
+                    cached_input_per_million: Micros(1_000_000),
+                    output_per_million: Micros(r.pick(&[0, 4_000_000, 7_500_001])),
+                },
+                prompt_tokens: if r.chance(5) { 1000 } else { r.below(300) },
+                max_output_tokens: if r.chance(40) {
+                    None
+                } else {
+                    Some(r.below(80))
+                },
+                retry: r.chance(20),
+            }
+        } else {
+            StepKind::Tool {
+                tool: "t".into(),
+                price: ToolPrice {
+                    per_call: Micros(r.below(300)),
+                    per_unit: Micros(r.below(60)),
+                },
+                units: r.below(6),
+            }
+        };
+        Command::ReserveStep {
+            req: StepRequest {
+                run_id,
+                step_id,
+                kind,
+            },
+            idem: idem(r, 15, "step"),
+        }
+    }
+
+    fn resolve(&mut self) -> Command {
+        let step = self.step();
+        let r = &mut self.r;
+        let how = match r.below(6) {
+            0 | 1 => Resolution::Commit(Settlement::Tokens(TokenUsage {
+                prompt_tokens: r.below(320),
+                completion_tokens: {
+                    let n = if r.chance(10) { 400 } else { 60 };
+                    r.below(n)
+                },
+                cached_tokens: r.below(200),
+            })),
+            2 => Resolution::Commit(if r.chance(50) {
+                Settlement::Units(r.below(10))
+            } else {
+                Settlement::ResultBytes(r.below(2000))
+            }),
+            3 => Resolution::Release,
+            _ => Resolution::Unknown,
+        };
+        Command::Resolve { step, how }
+    }
+
     fn command(&mut self) -> Command {
         let r = &mut self.r;
         match r.below(100) {
-            0..=14 => {
-                let run_id = if r.chance(90) {
-                    self.runs += 1;
-                    RunId(format!("r{}", self.runs - 1))
-                } else {
-                    RunId(format!("r{}", r.below(self.runs.max(1))))
-                };
-                let r = &mut self.r;
-                Command::AdmitRun {
-                    req: RunRequest {
-                        run_id,
-                        session: r.pick(SESSIONS).to_string(),
-                        ips: ips(r),
-                        conversation: r.pick(CONVS).to_string(),
-                        input_bytes: if r.chance(5) { 5000 } else { r.below(900) },
-                    },
-                    idem: idem(r, 30, "run"),
-                }
-            }
-            15..=44 => {
-                let run_id = self.run();
-                let step_id = if self.r.chance(92) {
-                    self.steps += 1;
-                    ReservationId(format!("x{}", self.steps - 1))
-                } else {
-                    self.step()
-                };
-                let r = &mut self.r;
-                let kind = if r.chance(65) {
-                    StepKind::Model {
-                        model: "m".into(),
-                        price: ModelPrice {
-                            input_per_million: Micros(r.pick(&[0, 1_500_000, 2_000_000, 333_333])),
-                            cached_input_per_million: Micros(1_000_000),
-                            output_per_million: Micros(r.pick(&[0, 4_000_000, 7_500_001])),
-                        },
-                        prompt_tokens: if r.chance(5) { 1000 } else { r.below(300) },
-                        max_output_tokens: if r.chance(40) {
-                            None
-                        } else {
-                            Some(r.below(80))
-                        },
-                        retry: r.chance(20),
-                    }
-                } else {
-                    StepKind::Tool {
-                        tool: "t".into(),
-                        price: ToolPrice {
-                            per_call: Micros(r.below(300)),
-                            per_unit: Micros(r.below(60)),
-                        },
-                        units: r.below(6),
-                    }
-                };
-                Command::ReserveStep {
-                    req: StepRequest {
-                        run_id,
-                        step_id,
-                        kind,
-                    },
-                    idem: idem(r, 15, "step"),
-                }
-            }
-            45..=64 => {
-                let step = self.step();
-                let r = &mut self.r;
-                let how = match r.below(6) {
-                    0 | 1 => Resolution::Commit(Settlement::Tokens(TokenUsage {
-                        prompt_tokens: r.below(320),
-                        completion_tokens: {
-                            let n = if r.chance(10) { 400 } else { 60 };
-                            r.below(n)
-                        },
-                        cached_tokens: r.below(200),
-                    })),
-                    2 => Resolution::Commit(if r.chance(50) {
-                        Settlement::Units(r.below(10))
-                    } else {
-                        Settlement::ResultBytes(r.below(2000))
-                    }),
-                    3 => Resolution::Release,
-                    _ => Resolution::Unknown,
-                };
-                Command::Resolve { step, how }
-            }
+            0..=14 => self.admit_run(),
+            15..=44 => self.reserve_step(),
+            45..=64 => self.resolve(),
             65..=69 => Command::Heartbeat { run: self.run() },
             70..=74 => Command::Finish { run: self.run() },
             75..=78 => Command::CreateSession {
@@ -600,7 +606,36 @@ async fn money_case(shrink: bool, seed: u64) {
     let server = server(false);
     let clock = ManualClock::new(UnixMs(1_800_000_000_000));
     let mut r = Rng(seed | 1);
-    let policy = Policy {
+    let policy = money_policy(shrink);
+    let memory = MemoryStore::new(policy.clone(), Arc::new(clock.clone()));
+    let redis = open(
+        options(
+            &server,
+            &fresh_prefix("money"),
+            Some(Arc::new(clock.clone())),
+        ),
+        policy,
+    )
+    .await;
+    let mut seen = Seen::new();
+    for i in 0..400 {
+        for cmd in money_run(&mut r, i, shrink) {
+            let want = memory.execute(cmd.clone()).await;
+            let got = redis.execute(cmd.clone()).await;
+            assert_eq!(want, got, "seed {seed}, {cmd:?}");
+            *seen.entry(outcome(&want)).or_default() += 1;
+        }
+    }
+    println!("money (shrink {shrink}): {seen:?}");
+    if shrink {
+        assert!(seen.contains_key("step shrunk"), "{seen:?}");
+    }
+}
+
+/// No scope limits, run bounds at the largest amounts (or, with `shrink`, a cost bound that
+/// output bounds are shrunk to fit).
+fn money_policy(shrink: bool) -> Policy {
+    Policy {
         global: ScopePolicy::default(),
         ip: ScopePolicy::default(),
         session: ScopePolicy::default(),
@@ -630,97 +665,80 @@ async fn money_case(shrink: bool, seed: u64) {
         lease_ttl_ms: 1_000_000_000,
         session_create_per_ip: None,
         session_create_global: None,
-    };
-    let memory = MemoryStore::new(policy.clone(), Arc::new(clock.clone()));
-    let redis = open(
-        options(
-            &server,
-            &fresh_prefix("money"),
-            Some(Arc::new(clock.clone())),
-        ),
-        policy,
-    )
-    .await;
-    let mut seen = Seen::new();
-    for i in 0..400 {
-        let run = format!("run{i}");
-        let mut cmds = vec![Command::AdmitRun {
-            req: RunRequest {
+    }
+}
+
+/// One run of [`money_case`]: admitted, its steps of random magnitudes reserved and committed
+/// (with `shrink`, three, only the last committed), finished.
+fn money_run(r: &mut Rng, i: usize, shrink: bool) -> Vec<Command> {
+    let run = format!("run{i}");
+    let mut cmds = vec![Command::AdmitRun {
+        req: RunRequest {
+            run_id: RunId(run.clone()),
+            session: "s".into(),
+            ips: vec![IpScope {
+                prefix: "p".into(),
+                factor: 1,
+            }],
+            conversation: "c".into(),
+            input_bytes: 1,
+        },
+        idem: None,
+    }];
+    let model = r.chance(75);
+    let steps = if shrink { 3 } else { 1 };
+    for j in 0..steps {
+        let kind = if model {
+            StepKind::Model {
+                model: "m".into(),
+                price: ModelPrice {
+                    input_per_million: Micros(magnitude(r, MICROS_MAX.0)),
+                    cached_input_per_million: Micros(magnitude(r, MICROS_MAX.0)),
+                    output_per_million: Micros(magnitude(r, MICROS_MAX.0)),
+                },
+                prompt_tokens: magnitude(r, u64::MAX),
+                max_output_tokens: r.chance(70).then(|| magnitude(r, u64::MAX)),
+                retry: false,
+            }
+        } else {
+            StepKind::Tool {
+                tool: "t".into(),
+                price: ToolPrice {
+                    per_call: Micros(magnitude(r, MICROS_MAX.0)),
+                    per_unit: Micros(magnitude(r, MICROS_MAX.0)),
+                },
+                units: magnitude(r, u64::MAX),
+            }
+        };
+        let step = ReservationId(format!("{run}.{j}"));
+        cmds.push(Command::ReserveStep {
+            req: StepRequest {
                 run_id: RunId(run.clone()),
-                session: "s".into(),
-                ips: vec![IpScope {
-                    prefix: "p".into(),
-                    factor: 1,
-                }],
-                conversation: "c".into(),
-                input_bytes: 1,
+                step_id: step.clone(),
+                kind,
             },
             idem: None,
-        }];
-        let model = r.chance(75);
-        let steps = if shrink { 3 } else { 1 };
-        for j in 0..steps {
-            let kind = if model {
-                StepKind::Model {
-                    model: "m".into(),
-                    price: ModelPrice {
-                        input_per_million: Micros(magnitude(&mut r, MICROS_MAX.0)),
-                        cached_input_per_million: Micros(magnitude(&mut r, MICROS_MAX.0)),
-                        output_per_million: Micros(magnitude(&mut r, MICROS_MAX.0)),
-                    },
-                    prompt_tokens: magnitude(&mut r, u64::MAX),
-                    max_output_tokens: r.chance(70).then(|| magnitude(&mut r, u64::MAX)),
-                    retry: false,
-                }
-            } else {
-                StepKind::Tool {
-                    tool: "t".into(),
-                    price: ToolPrice {
-                        per_call: Micros(magnitude(&mut r, MICROS_MAX.0)),
-                        per_unit: Micros(magnitude(&mut r, MICROS_MAX.0)),
-                    },
-                    units: magnitude(&mut r, u64::MAX),
-                }
-            };
-            let step = ReservationId(format!("{run}.{j}"));
-            cmds.push(Command::ReserveStep {
-                req: StepRequest {
-                    run_id: RunId(run.clone()),
-                    step_id: step.clone(),
-                    kind,
-                },
-                idem: None,
-            });
-            let how = if model {
-                Settlement::Tokens(TokenUsage {
-                    prompt_tokens: magnitude(&mut r, u64::MAX),
-                    completion_tokens: magnitude(&mut r, u64::MAX),
-                    cached_tokens: magnitude(&mut r, u64::MAX),
-                })
-            } else {
-                Settlement::Units(magnitude(&mut r, u64::MAX))
-            };
-            if !shrink || j == steps - 1 {
-                cmds.push(Command::Resolve {
-                    step,
-                    how: Resolution::Commit(how),
-                });
-            }
-        }
-        cmds.push(Command::Finish {
-            run: RunId(run.clone()),
         });
-        for cmd in cmds {
-            let want = memory.execute(cmd.clone()).await;
-            let got = redis.execute(cmd.clone()).await;
-            assert_eq!(want, got, "seed {seed}, {cmd:?}");
-            *seen.entry(outcome(&want)).or_default() += 1;
+        let how = if model {
+            Settlement::Tokens(TokenUsage {
+                prompt_tokens: magnitude(r, u64::MAX),
+                completion_tokens: magnitude(r, u64::MAX),
+                cached_tokens: magnitude(r, u64::MAX),
+            })
+        } else {
+            Settlement::Units(magnitude(r, u64::MAX))
+        };
+        if !shrink || j == steps - 1 {
+            cmds.push(Command::Resolve {
+                step,
+                how: Resolution::Commit(how),
+            });
         }
     }
-    println!("money (shrink {shrink}): {seen:?}");
-    if shrink {
-        assert!(seen.contains_key("step shrunk"), "{seen:?}");
-    }
+    cmds.push(Command::Finish {
+        run: RunId(run.clone()),
+    });
+    cmds
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

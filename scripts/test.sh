@@ -17,6 +17,9 @@ apt_install() {
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server
 # openssl, to make the certificates of the test of Redis over TLS.
 command -v openssl >/dev/null 2>&1 || apt_install openssl
+# curl and jq, for README's walkthrough (crates/spendgate-testkit/tests/readme.rs runs it).
+command -v curl >/dev/null 2>&1 || apt_install curl
+command -v jq >/dev/null 2>&1 || apt_install jq
 # Valkey, for the conformance suite on Valkey: unpacked under .valkey/ from Debian's
 # valkey-tools package (bookworm-backports here), nothing installed.
 export SPENDGATE_VALKEY_SERVER

@@ -57,6 +57,42 @@ pub fn totals(checks: &[Check]) -> Totals {
     }
 }
 
+/// The faults injected, by kind (upstream windows with the calls they hit).
+fn faults_injected(rec: &Record) -> Vec<String> {
+    FaultKind::ALL
+        .iter()
+        .filter_map(|k| {
+            let n = rec.injected.get(k).copied().unwrap_or(0);
+            let calls = rec.upstream_faulted.get(k).copied().unwrap_or(0);
+            match (n, k.upstream()) {
+                (0, _) => None,
+                (n, true) => Some(format!("{k} {n} ({calls} calls)")),
+                (n, false) if *k == FaultKind::Flood => Some(format!(
+                    "{k} {n} ({} connections opened, {} not)",
+                    rec.flood_opened, rec.flood_failed
+                )),
+                (n, false) => Some(format!("{k} {n}")),
+            }
+        })
+        .collect()
+}
+
+/// Served against the global budget and the address and session closest to theirs.
+fn served_vs_budget(spend: &Spend) -> String {
+    format!(
+        "global {} of {} ({}); top address {} of {} ({}); top session {} of {} ({})",
+        micros(spend.global_served),
+        micros(spend.global_budget),
+        pct(spend.global_served, spend.global_budget),
+        micros(spend.ip_max.0),
+        micros(spend.ip_max.1),
+        pct(spend.ip_max.0, spend.ip_max.1),
+        micros(spend.session_max.0),
+        micros(spend.session_max.1),
+        pct(spend.session_max.0, spend.session_max.1),
+    )
+}
+
 /// The table (header lines, then one row per line of the table).
 pub fn table(
     title: &str,
@@ -95,39 +131,9 @@ pub fn table(
             rec.relayed, rec.no_answer, rec.bad_answers
         ),
     );
-    let faults: Vec<String> = FaultKind::ALL
-        .iter()
-        .filter_map(|k| {
-            let n = rec.injected.get(k).copied().unwrap_or(0);
-            let calls = rec.upstream_faulted.get(k).copied().unwrap_or(0);
-            match (n, k.upstream()) {
-                (0, _) => None,
-                (n, true) => Some(format!("{k} {n} ({calls} calls)")),
-                (n, false) if *k == FaultKind::Flood => Some(format!(
-                    "{k} {n} ({} connections opened, {} not)",
-                    rec.flood_opened, rec.flood_failed
-                )),
-                (n, false) => Some(format!("{k} {n}")),
-            }
-        })
-        .collect();
+    let faults = faults_injected(rec);
     row(&mut s, "faults injected", faults.join(", "));
-    row(
-        &mut s,
-        "served vs budget",
-        format!(
-            "global {} of {} ({}); top address {} of {} ({}); top session {} of {} ({})",
-            micros(spend.global_served),
-            micros(spend.global_budget),
-            pct(spend.global_served, spend.global_budget),
-            micros(spend.ip_max.0),
-            micros(spend.ip_max.1),
-            pct(spend.ip_max.0, spend.ip_max.1),
-            micros(spend.session_max.0),
-            micros(spend.session_max.1),
-            pct(spend.session_max.0, spend.session_max.1),
-        ),
-    );
+    row(&mut s, "served vs budget", served_vs_budget(spend));
     row(
         &mut s,
         "served beyond bound",

@@ -30,6 +30,8 @@
 //! killed when the test ends, whatever its outcome. Needs `bash`, `curl`, `jq` and `openssl`
 //! (scripts/test.sh installs them).
 
+#![allow(clippy::too_many_lines)] // test code: the 100-line bound is for production code
+
 use std::fmt::Write as _;
 use std::io::Write as _;
 use std::os::unix::process::CommandExt;
@@ -37,8 +39,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{killpg, Signal};
-use nix::unistd::Pid;
+use rustix::process::{kill_process_group, test_kill_process_group, Pid, Signal};
 use spendgate_testkit::{free_port, wait_for_port, workspace_bin, ChildGuard};
 
 const README: &str = include_str!("../../../README.md");
@@ -295,7 +296,8 @@ impl Group {
     fn spawn(mut cmd: Command) -> Group {
         cmd.process_group(0);
         let child = cmd.spawn().expect("spawning bash");
-        let pgid = Pid::from_raw(i32::try_from(child.id()).expect("a pid fits i32"));
+        let pgid = Pid::from_raw(i32::try_from(child.id()).expect("a pid fits i32"))
+            .expect("a child's pid is positive");
         Group { child, pgid }
     }
 
@@ -316,14 +318,14 @@ impl Group {
 
 impl Drop for Group {
     fn drop(&mut self) {
-        let _ = killpg(self.pgid, Signal::SIGTERM);
+        let _ = kill_process_group(self.pgid, Signal::TERM);
         let until = Instant::now() + TERMINATE_GRACE;
         // (signal 0: is any process of the group left)
-        while killpg(self.pgid, None::<Signal>).is_ok() && Instant::now() < until {
+        while test_kill_process_group(self.pgid).is_ok() && Instant::now() < until {
             let _ = self.child.try_wait();
             std::thread::sleep(Duration::from_millis(50));
         }
-        let _ = killpg(self.pgid, Signal::SIGKILL);
+        let _ = kill_process_group(self.pgid, Signal::KILL);
         let _ = self.child.wait();
     }
 }

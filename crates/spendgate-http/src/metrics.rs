@@ -20,7 +20,7 @@ pub struct Metrics {
     /// Every error answer by status and code (store outages, bad input and the framework's
     /// own refusals included; an upstream's error passed through as code "upstream").
     error_answers: Mutex<BTreeMap<(u16, &'static str), u64>>,
-    /// Every store call, timed by the store's decorator ([`crate::metered::Metered`]).
+    /// Every store call, timed by the store's decorator (`metered::Metered`).
     store_calls: Arc<Timing>,
     upstream_calls: Timing,
     proxy_overheads: Timing,
@@ -126,7 +126,7 @@ impl Metrics {
     pub fn output_cut(&self) {
         self.output_cuts.fetch_add(1, Ordering::Relaxed);
     }
-    /// The histogram of store calls, for the store's decorator ([`crate::metered::Metered`])
+    /// The histogram of store calls, for the store's decorator (`metered::Metered`)
     /// to record into.
     pub fn store_timing(&self) -> StoreTiming {
         StoreTiming(self.store_calls.clone())

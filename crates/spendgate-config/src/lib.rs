@@ -58,20 +58,22 @@
 #![warn(clippy::too_many_lines)]
 
 mod diagnostics;
+mod docs;
 mod error;
 mod raw;
 mod render;
+mod schema;
 mod text;
 mod types;
 mod validate;
 mod warnings;
 
+pub use docs::{example_toml, reference_markdown};
 pub use error::ConfigError;
 pub use types::*;
 
 use diagnostics::{serde_error, syntax_error};
 use raw::RawConfig;
-use serde::Deserialize;
 use std::path::Path;
 use toml::de::DeTable;
 use validate::Validator;
@@ -194,7 +196,8 @@ pub fn load(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, 
     }
     let root = DeTable::parse(text).map_err(|e| syntax_error(text, &e))?;
     let deserializer = toml::Deserializer::from(root.clone());
-    let raw = RawConfig::deserialize(deserializer).map_err(|e| serde_error(text, &root, &e))?;
+    let raw: RawConfig = serde_path_to_error::deserialize(deserializer)
+        .map_err(|e| serde_error(text, root.get_ref(), e.path()))?;
     let mut v = Validator {
         text,
         root: root.get_ref(),

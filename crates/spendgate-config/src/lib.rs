@@ -1,14 +1,21 @@
 //! The config file (SPEC §9), in two stages.
 //!
-//! 1. Raw serde structs that mirror the file exactly: `deny_unknown_fields`, every key with the
-//!    SPEC default, so an empty file is valid. Amounts, rates, windows and enum-like values stay
-//!    strings at this stage.
+//! 1. Raw serde structs that mirror the file exactly (`raw.rs`): `deny_unknown_fields`, every
+//!    key with its default, so an empty file is valid. Amounts, rates, windows and enum-like
+//!    values stay strings at this stage. These structs are the schema: each key's doc, type,
+//!    static range and default stand beside its field (`schema.rs`), and everything else that
+//!    knows the keys reads them: the diagnostics, the validator's ranges and choices,
+//!    `check-config`'s effective config ([`Config::render_effective`]), the reference
+//!    ([`reference_markdown`], `docs/configuration.md`) and the annotated example
+//!    ([`example_toml`], `docs/spendgate.example.toml`).
 //! 2. [`Config`], a validated value of parsed types ([`Policy`], [`Micros`], [`Rate`],
 //!    `SocketAddr`, `IpNet`, `Duration`, resolved [`Secret`]s).
 //!
 //! Loading is a pure function of the file text and an environment lookup ([`load`]), so tests
 //! never touch the process environment. Every error names the key it is about, in TOML path
-//! syntax (`limits.global.budgets[1].amount`), and the line it came from.
+//! syntax (`limits.global.budgets[1].amount`), and the line it came from; an error serde meets
+//! is described from its key path, the schema and the file's spans, never from serde's
+//! message.
 //!
 //! Secrets (`service_tokens`, `admin_tokens`, `sessions.keys`, `store.url`,
 //! `sessions.verifier_secret`, `upstreams.NAME.api_key`, `alerts.webhook_url`) are either
@@ -19,41 +26,9 @@
 //! is an empty secret elsewhere. Every such variable is listed in [`Config::unset_env`] so that
 //! the server can warn about it.
 //!
-//! Extensions to SPEC §9 (all optional):
-//! - `server.public_requests_max`, `service_requests_max`, `admin_requests_max`,
-//!   `health_requests_max`: requests in flight per class of caller; `address_requests_max`:
-//!   requests in flight per client address prefix without a valid token;
-//!   `address_connections_max`: connections per socket peer (trusted proxies exempt);
-//!   `connections_max`, `connections_reserved`: connections at once, and those kept for
-//!   callers that are not public;
-//!   `body_min_bytes_per_s`, `body_grace_ms`: the minimum rate of a request body after its
-//!   grace (see `spendgate_http::capacity`).
-//! - `sessions.verifier_url`, `sessions.verifier_secret`: an external siteverify-style checker
-//!   used instead of the built-in proof-of-work challenge.
-//! - `identity.ipv6_wider_prefixes` (default `[56, 48]`): wider IPv6 prefixes, limited too, the
-//!   k-th one at the `ip` limits multiplied by 4^k.
-//! - `store.ledger_id` (default unset): the Redis ledger's id as `spendgate store init` printed
-//!   it; `spendgate serve` refuses a redis store without it (SPEC §7: the ledger's identity is
-//!   known from outside Redis). `store.witness_path` (default `"spendgate.witness"`, relative
-//!   to the working directory; `"off"`): the file of the ledger's high-water mark on this
-//!   replica's disk (see RELIABILITY.md).
-//! - `models.NAME.upstream_model`: the model name sent upstream (default: NAME).
-//! - `models.NAME.output_bound_field` (default `"max_tokens"`, or `"max_completion_tokens"`):
-//!   the one output-bound field forwarded, whichever the client sent (the field the model's
-//!   upstream honours; OpenAI's reasoning models need `max_completion_tokens`).
-//! - `upstreams.NAME.release_on_error` (default `true`): an upstream error response that shows
-//!   no work was done (`spendgate_proxy::NO_WORK_STATUSES`) releases the reservation instead of
-//!   charging it.
-//! - In `[limits.X]`, `rate = "off"` and `concurrency = "off"` switch that limit off; absent keys
-//!   keep their default. A `rate` given without `burst` keeps the scope's default burst (at
-//!   most the new count); a scope with no default rate (`conversation`) takes the rate's own
-//!   burst, its count capped at 1000. `sessions.create_rate_*` have no burst key: their burst
-//!   is their count (capped at 1000), as in their defaults.
-//! - `limits.X.dry_run` (default `false`): that scope's limits in dry-run (SPEC §8 "per
-//!   limit"); `server.dry_run = true` puts every `[limits.X]` in dry-run. Dry-run covers the
-//!   scope limits (rates, concurrency caps, budgets). Run bounds, the spending cutoff, price
-//!   checks and session-creation limits stay enforced: they bound one request or are the
-//!   operator's own brake, and are not tuned by watching refusals.
+//! [`Policy`]: spendgate_core::Policy
+//! [`Micros`]: spendgate_core::Micros
+//! [`Rate`]: spendgate_core::Rate
 
 #![warn(clippy::too_many_lines)]
 
@@ -236,3 +211,6 @@ pub fn load_file(path: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Co
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod docs_tests;

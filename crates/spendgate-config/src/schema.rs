@@ -189,6 +189,10 @@ impl Ty {
             }
             Ty::CountOrOff { min, max } => format!("integer, {min} to {max}, or `\"off\"`"),
             Ty::Secret(form) => format!("secret: {form}, or `\"env:NAME\"`"),
+            Ty::List {
+                of: Ty::Table(_),
+                max,
+            } => format!("array of at most {max} tables (below)"),
             Ty::List { of, max } => format!("array of at most {max}, each {}", of.summary()),
             Ty::Table(_) => "table".to_string(),
             Ty::Map(_) => "tables by name".to_string(),

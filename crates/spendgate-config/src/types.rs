@@ -201,7 +201,7 @@ impl Tokenizer {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelConfig {
-    /// A key of [`Config::upstreams`], or [`MOCK_UPSTREAM`].
+    /// A key of [`Config::upstreams`], or [`MOCK_UPSTREAM`](crate::MOCK_UPSTREAM).
     pub upstream: String,
     pub price: ModelPrice,
     pub tokenizer: Tokenizer,

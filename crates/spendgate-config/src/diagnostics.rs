@@ -1,6 +1,11 @@
 //! Key paths, locations in the file, and the errors that name them.
+//!
+//! An error serde meets while reading the file is described from where it happened, never from
+//! serde's message: the key path `serde_path_to_error` recorded, the schema's type for that key
+//! ([`crate::schema`]) and the value the file holds there (its span gives the line).
 
-use crate::error::ConfigError;
+use crate::schema::{self, nearest, quoted, Lookup, Table, Ty};
+use crate::ConfigError;
 use std::fmt;
 use std::ops::Range;
 use toml::de::{DeTable, DeValue};
@@ -33,16 +38,30 @@ impl KeyPath {
         p.0.push(Seg::Index(i));
         p
     }
-    pub(crate) fn parent(&self) -> KeyPath {
-        let mut p = self.clone();
-        p.0.pop();
-        p
+    /// The path from what `serde_path_to_error` recorded (map keys and sequence indices; the
+    /// file has no other kind of step).
+    pub(crate) fn from_serde(path: &serde_path_to_error::Path) -> KeyPath {
+        use serde_path_to_error::Segment;
+        KeyPath(
+            path.iter()
+                .filter_map(|seg| match seg {
+                    Segment::Map { key } => Some(Seg::Key(key.clone())),
+                    Segment::Seq { index } => Some(Seg::Index(*index)),
+                    Segment::Enum { variant } => Some(Seg::Key(variant.clone())),
+                    Segment::Unknown => None,
+                })
+                .collect(),
+        )
     }
-    pub(crate) fn last_key(&self) -> Option<&str> {
-        match self.0.last() {
-            Some(Seg::Key(k)) => Some(k),
-            _ => None,
-        }
+    pub(crate) fn segs(&self) -> &[Seg] {
+        &self.0
+    }
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    /// The first `n` steps.
+    pub(crate) fn prefix(&self, n: usize) -> KeyPath {
+        KeyPath(self.0.iter().take(n).cloned().collect())
     }
     /// The path without array indices (the list a token came from).
     pub(crate) fn without_indices(&self) -> KeyPath {
@@ -107,53 +126,6 @@ pub(crate) fn line_col(text: &str, offset: usize) -> (usize, usize) {
     (line, col)
 }
 
-pub(crate) fn contains(outer: &Range<usize>, inner: &Range<usize>) -> bool {
-    outer.start <= inner.start && inner.end <= outer.end
-}
-
-/// The deepest key whose key or value span contains `span`.
-pub(crate) fn path_at(root: &DeTable<'_>, span: &Range<usize>) -> KeyPath {
-    pub(crate) fn table(
-        t: &DeTable<'_>,
-        span: &Range<usize>,
-        path: &mut Vec<Seg>,
-        best: &mut Vec<Seg>,
-    ) {
-        for (k, v) in t.iter() {
-            path.push(Seg::Key(k.get_ref().to_string()));
-            if contains(&k.span(), span) && path.len() > best.len() {
-                *best = path.clone();
-            }
-            value(v, span, path, best);
-            path.pop();
-        }
-    }
-    pub(crate) fn value(
-        v: &Spanned<DeValue<'_>>,
-        span: &Range<usize>,
-        path: &mut Vec<Seg>,
-        best: &mut Vec<Seg>,
-    ) {
-        if contains(&v.span(), span) && path.len() > best.len() {
-            *best = path.clone();
-        }
-        match v.get_ref() {
-            DeValue::Table(t) => table(t, span, path, best),
-            DeValue::Array(a) => {
-                for (i, item) in a.iter().enumerate() {
-                    path.push(Seg::Index(i));
-                    value(item, span, path, best);
-                    path.pop();
-                }
-            }
-            _ => {}
-        }
-    }
-    let mut best = Vec::new();
-    table(root, span, &mut Vec::new(), &mut best);
-    KeyPath(best)
-}
-
 /// Where `path` (or its deepest present ancestor) starts in the file.
 pub(crate) fn span_of(root: &DeTable<'_>, path: &KeyPath) -> Option<Range<usize>> {
     let mut found = None;
@@ -201,119 +173,143 @@ pub(crate) fn syntax_error(text: &str, e: &toml::de::Error) -> ConfigError {
     }
 }
 
-/// Rewords a serde error and names the key it is about.
+/// The value at `path`, if the file has one.
+pub(crate) fn value_at<'a, 'i>(
+    root: &'a DeTable<'i>,
+    path: &KeyPath,
+) -> Option<&'a Spanned<DeValue<'i>>> {
+    let mut current: Option<&Spanned<DeValue<'i>>> = None;
+    for seg in &path.0 {
+        current = match (seg, current.map(Spanned::get_ref)) {
+            (Seg::Key(k), None) => root
+                .iter()
+                .find(|(key, _)| key.get_ref() == k)
+                .map(|(_, v)| v),
+            (Seg::Key(k), Some(DeValue::Table(t))) => {
+                t.iter().find(|(key, _)| key.get_ref() == k).map(|(_, v)| v)
+            }
+            (Seg::Index(i), Some(DeValue::Array(a))) => a.get(*i),
+            _ => None,
+        };
+        current?;
+    }
+    current
+}
+
+/// A serde error while reading the file, described from the key path it happened at: an
+/// unknown key (with the nearest known one), or a value of the wrong type (what the key
+/// expects, what the file has).
 pub(crate) fn serde_error(
     text: &str,
-    root: &Spanned<DeTable<'_>>,
-    e: &toml::de::Error,
+    root: &DeTable<'_>,
+    path: &serde_path_to_error::Path,
 ) -> ConfigError {
-    let msg = e.message().trim();
-    let span = e.span();
-    let at = span
-        .as_ref()
-        .map(|s| path_at(root.get_ref(), s))
-        .unwrap_or_default();
-    let line = span.as_ref().map(|s| line_col(text, s.start).0);
-    let field = |prefix: &str| {
-        msg.strip_prefix(prefix)
-            .and_then(|rest| rest.split('`').next())
-            .map(str::to_string)
-    };
-    let (key, message) = if let Some(name) = field("unknown field `") {
-        // The span is the unknown key itself; its table is the parent.
-        let parent = if at.last_key() == Some(name.as_str()) {
-            at.parent()
-        } else {
-            at.clone()
-        };
-        let place = if parent.0.is_empty() {
-            "at the top level".to_string()
-        } else {
-            format!("in [{parent}]")
-        };
-        let expected = msg
-            .split_once(", expected ")
-            .map(|(_, rest)| format!("; expected {}", rest.replace('`', "\"")))
-            .or_else(|| {
-                msg.contains("there are no fields")
-                    .then(|| "; this table takes no keys".to_string())
-            })
-            .unwrap_or_default();
-        let key = parent.key(&name);
-        (
-            key.to_string(),
-            format!("unknown key {} {place}{expected}", toml_str(&name)),
-        )
-    } else if let Some(name) = field("missing field `") {
-        let key = at.key(&name);
-        (key.to_string(), format!("{key}: required key is missing"))
-    } else {
-        let problem = msg
-            .replace("expected u64", "expected a non-negative integer")
-            .replace("expected f64", "expected a number")
-            .replace("expected a sequence", "expected an array")
-            .replace('`', "\"");
-        // A secret written with the wrong type (a string where a list belongs) is not echoed:
-        // errors reach logs.
-        let secret = at.0.iter().rev().find_map(|seg| match seg {
-            Seg::Key(k) => Some(SECRET_KEYS.contains(&k.as_str())),
-            _ => None,
-        });
-        let problem = if secret == Some(true) {
-            redact_quoted(&problem)
-        } else {
-            problem
-        };
-        let problem = match problem.find("expected struct ") {
-            Some(i) => format!("{}expected a table", &problem[..i]),
-            None => match problem.find("expected a map") {
-                Some(i) => format!("{}expected a table", &problem[..i]),
-                None => problem,
-            },
-        };
-        if at.0.is_empty() {
-            (String::new(), problem)
-        } else {
-            (at.to_string(), format!("{at}: {problem}"))
+    let path = KeyPath::from_serde(path);
+    match schema::lookup(&path) {
+        Lookup::Unknown { known, table } => {
+            let name = match path.segs().get(known) {
+                Some(Seg::Key(k)) => k.as_str(),
+                _ => "",
+            };
+            unknown_key(text, root, &path.prefix(known), name, table)
         }
-    };
+        Lookup::Found { ty } => wrong_value(text, root, &path, ty),
+        Lookup::TooDeep { known } => {
+            let at = path.prefix(known);
+            match schema::lookup(&at) {
+                Lookup::Found { ty } => wrong_value(text, root, &at, ty),
+                _ => wrong_value(text, root, &at, &schema::ROOT),
+            }
+        }
+    }
+}
+
+fn located(text: &str, root: &DeTable<'_>, key: &KeyPath, message: String) -> ConfigError {
     ConfigError {
-        key,
+        key: key.to_string(),
         message,
-        line,
+        line: span_of(root, key).map(|s| line_col(text, s.start).0),
         column: None,
         origin: None,
     }
 }
 
-/// Keys whose values are secrets, or may carry one (a URL's credentials): never echoed in an
-/// error.
-pub(crate) const SECRET_KEYS: [&str; 8] = [
-    "service_tokens",
-    "admin_tokens",
-    "keys",
-    "url",
-    "api_key",
-    "verifier_secret",
-    "verifier_url",
-    "webhook_url",
-];
+/// `name` is no key of `table`, the table at `parent`.
+fn unknown_key(
+    text: &str,
+    root: &DeTable<'_>,
+    parent: &KeyPath,
+    name: &str,
+    table: &Table,
+) -> ConfigError {
+    let place = if parent.is_empty() {
+        "at the top level".to_string()
+    } else {
+        format!("in [{parent}]")
+    };
+    let known: Vec<&str> = table.keys.iter().map(|k| k.name).collect();
+    let hint = nearest(name, known.iter().copied())
+        .map(|n| format!(" (did you mean {}?)", toml_str(n)))
+        .unwrap_or_default();
+    let message = format!(
+        "unknown key {} {place}{hint}; expected one of {}",
+        toml_str(name),
+        quoted(&known)
+    );
+    located(text, root, &parent.key(name), message)
+}
 
-/// `problem` with every quoted value replaced by `"…"`.
-pub(crate) fn redact_quoted(problem: &str) -> String {
-    let mut out = String::with_capacity(problem.len());
-    let mut inside = false;
-    for c in problem.chars() {
-        if c == '"' {
-            if inside {
-                out.push_str("…\"");
-            } else {
-                out.push('"');
-            }
-            inside = !inside;
-        } else if !inside {
-            out.push(c);
+/// The value at `path` is not a `ty`.
+fn wrong_value(text: &str, root: &DeTable<'_>, path: &KeyPath, ty: &Ty) -> ConfigError {
+    let value = value_at(root, path);
+    let found = value.map_or_else(|| "nothing".to_string(), |v| found(text, v, ty.is_secret()));
+    let mut problem = format!("expected {}, found {found}", ty.expected());
+    if let (Ty::Amount, Some(v)) = (ty, value) {
+        if let DeValue::Float(_) = v.get_ref() {
+            let written = text.get(v.span()).unwrap_or_default();
+            problem.push_str(&format!(
+                "; a float is not exact: write the amount as a string such as \"{written}\""
+            ));
         }
     }
-    out
+    let message = if path.is_empty() {
+        problem
+    } else {
+        format!("{path}: {problem}")
+    };
+    located(text, root, path, message)
+}
+
+/// Longest string value echoed in an error, in characters.
+const ECHO_CHARS_MAX: usize = 60;
+
+/// A value as an error names it: its type, and (unless `secret`) the value as written.
+fn found(text: &str, v: &Spanned<DeValue<'_>>, secret: bool) -> String {
+    let kind = v.get_ref().type_str();
+    let article = if kind.starts_with(['a', 'e', 'i', 'o', 'u']) {
+        "an"
+    } else {
+        "a"
+    };
+    if secret {
+        return format!("{article} {kind}");
+    }
+    let shown = match v.get_ref() {
+        DeValue::String(s) => {
+            let mut s: String = s.chars().take(ECHO_CHARS_MAX + 1).collect();
+            if s.chars().count() > ECHO_CHARS_MAX {
+                s = s.chars().take(ECHO_CHARS_MAX).collect();
+                s.push('…');
+            }
+            Some(toml_str(&s))
+        }
+        DeValue::Integer(_) | DeValue::Float(_) | DeValue::Boolean(_) => {
+            text.get(v.span()).map(str::to_string)
+        }
+        DeValue::Datetime(_) | DeValue::Array(_) | DeValue::Table(_) => None,
+    };
+    match shown {
+        Some(shown) => format!("the {kind} {shown}"),
+        None => format!("{article} {kind}"),
+    }
 }

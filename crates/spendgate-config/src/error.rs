@@ -30,7 +30,7 @@ impl ConfigError {
         self.line
     }
 
-    /// The file it came from ([`load_file`]).
+    /// The file it came from ([`load_file`](crate::load_file)).
     pub fn origin(&self) -> Option<&Path> {
         self.origin.as_deref()
     }

@@ -1,14 +1,21 @@
 //! The config file (SPEC §9), in two stages.
 //!
-//! 1. Raw serde structs that mirror the file exactly: `deny_unknown_fields`, every key with the
-//!    SPEC default, so an empty file is valid. Amounts, rates, windows and enum-like values stay
-//!    strings at this stage.
+//! 1. Raw serde structs that mirror the file exactly (`raw.rs`): `deny_unknown_fields`, every
+//!    key with its default, so an empty file is valid. Amounts, rates, windows and enum-like
+//!    values stay strings at this stage. These structs are the schema: each key's doc, type,
+//!    static range and default stand beside its field (`schema.rs`), and everything else that
+//!    knows the keys reads them: the diagnostics, the validator's ranges and choices,
+//!    `check-config`'s effective config ([`Config::render_effective`]), the reference
+//!    ([`reference_markdown`], `docs/configuration.md`) and the annotated example
+//!    ([`example_toml`], `docs/spendgate.example.toml`).
 //! 2. [`Config`], a validated value of parsed types ([`Policy`], [`Micros`], [`Rate`],
 //!    `SocketAddr`, `IpNet`, `Duration`, resolved [`Secret`]s).
 //!
 //! Loading is a pure function of the file text and an environment lookup ([`load`]), so tests
 //! never touch the process environment. Every error names the key it is about, in TOML path
-//! syntax (`limits.global.budgets[1].amount`), and the line it came from.
+//! syntax (`limits.global.budgets[1].amount`), and the line it came from; an error serde meets
+//! is described from its key path, the schema and the file's spans, never from serde's
+//! message.
 //!
 //! Secrets (`service_tokens`, `admin_tokens`, `sessions.keys`, `store.url`,
 //! `sessions.verifier_secret`, `upstreams.NAME.api_key`, `alerts.webhook_url`) are either
@@ -19,80 +26,133 @@
 //! is an empty secret elsewhere. Every such variable is listed in [`Config::unset_env`] so that
 //! the server can warn about it.
 //!
-//! Extensions to SPEC §9 (all optional):
-//! - `server.public_requests_max`, `service_requests_max`, `admin_requests_max`,
-//!   `health_requests_max`: requests in flight per class of caller; `address_requests_max`:
-//!   requests in flight per client address prefix without a valid token;
-//!   `address_connections_max`: connections per socket peer (trusted proxies exempt);
-//!   `connections_max`, `connections_reserved`: connections at once, and those kept for
-//!   callers that are not public;
-//!   `body_min_bytes_per_s`, `body_grace_ms`: the minimum rate of a request body after its
-//!   grace (see `spendgate_http::capacity`).
-//! - `sessions.verifier_url`, `sessions.verifier_secret`: an external siteverify-style checker
-//!   used instead of the built-in proof-of-work challenge.
-//! - `identity.ipv6_wider_prefixes` (default `[56, 48]`): wider IPv6 prefixes, limited too, the
-//!   k-th one at the `ip` limits multiplied by 4^k.
-//! - `store.ledger_id` (default unset): the Redis ledger's id as `spendgate store init` printed
-//!   it; `spendgate serve` refuses a redis store without it (SPEC §7: the ledger's identity is
-//!   known from outside Redis). `store.witness_path` (default `"spendgate.witness"`, relative
-//!   to the working directory; `"off"`): the file of the ledger's high-water mark on this
-//!   replica's disk (see RELIABILITY.md).
-//! - `models.NAME.upstream_model`: the model name sent upstream (default: NAME).
-//! - `models.NAME.output_bound_field` (default `"max_tokens"`, or `"max_completion_tokens"`):
-//!   the one output-bound field forwarded, whichever the client sent (the field the model's
-//!   upstream honours; OpenAI's reasoning models need `max_completion_tokens`).
-//! - `upstreams.NAME.release_on_error` (default `true`): an upstream error response that shows
-//!   no work was done (`spendgate_proxy::NO_WORK_STATUSES`) releases the reservation instead of
-//!   charging it.
-//! - In `[limits.X]`, `rate = "off"` and `concurrency = "off"` switch that limit off; absent keys
-//!   keep their default. A `rate` given without `burst` keeps the scope's default burst (at
-//!   most the new count); a scope with no default rate (`conversation`) takes the rate's own
-//!   burst, its count capped at 1000. `sessions.create_rate_*` have no burst key: their burst
-//!   is their count (capped at 1000), as in their defaults.
-//! - `limits.X.dry_run` (default `false`): that scope's limits in dry-run (SPEC §8 "per
-//!   limit"); `server.dry_run = true` puts every `[limits.X]` in dry-run. Dry-run covers the
-//!   scope limits (rates, concurrency caps, budgets). Run bounds, the spending cutoff, price
-//!   checks and session-creation limits stay enforced: they bound one request or are the
-//!   operator's own brake, and are not tuned by watching refusals.
+//! [`Policy`]: spendgate_core::Policy
+//! [`Micros`]: spendgate_core::Micros
+//! [`Rate`]: spendgate_core::Rate
 
 #![warn(clippy::too_many_lines)]
 
-mod bounds;
 mod diagnostics;
+mod docs;
 mod error;
 mod raw;
 mod render;
+mod schema;
 mod text;
 mod types;
 mod validate;
 mod warnings;
 
-pub use bounds::{
-    ADDRESS_CONNECTIONS_MAX_DEFAULT, ADDRESS_REQUESTS_MAX_DEFAULT, ADMIN_REQUESTS_MAX_DEFAULT,
-    BODY_GRACE_MS_DEFAULT, BODY_GRACE_MS_MAX, BODY_GRACE_MS_MIN, BODY_MIN_BYTES_PER_S_DEFAULT,
-    BODY_MIN_BYTES_PER_S_FLOOR, BODY_MIN_BYTES_PER_S_MAX, BURST_MAX, CHALLENGE_BITS_MAX,
-    CLASS_REQUESTS_MAX, CONCURRENCY_MAX, CONFIG_BYTES_MAX, CONNECTIONS_MAX,
-    CONNECTIONS_RESERVED_DEFAULT, HEALTH_REQUESTS_MAX_DEFAULT, IPV6_WIDER_MAX, LEASE_TTL_S_MAX,
-    LIST_LEN_MAX, MOCK_UPSTREAM, NAME_BYTES_MAX, PUBLIC_REQUESTS_MAX_DEFAULT, RATE_COUNT_MAX,
-    RATE_WINDOW_US_MAX, RUN_BYTES_MAX, RUN_COUNT_MAX, RUN_SECONDS_MAX, RUN_TOKENS_MAX,
-    SERVICE_REQUESTS_MAX_DEFAULT, SESSION_KEY_BYTES_MIN, SESSION_TTL_S_MAX, SLOW_GRACE_MS_DEFAULT,
-    SLOW_GRACE_MS_MAX, STORE_TIMEOUT_MS_MAX, TABLE_LEN_MAX, THRESHOLD_PERMILLE_MAX,
-    TOKEN_BYTES_ADVISED, TRUSTED_PROXIES_MAX, UPSTREAM_TIMEOUT_S_MAX,
-};
+pub use docs::{example_toml, reference_markdown};
 pub use error::ConfigError;
-pub use types::{
-    AlertsConfig, CapacityConfig, ChallengeMode, Config, IdentityConfig, ModelConfig,
-    OutputBoundField, Secret, ServerConfig, SessionsConfig, StoreConfig, StoreKind, Tokenizer,
-    UnsetEnv, UpstreamConfig,
-};
+pub use types::*;
 
 use diagnostics::{serde_error, syntax_error};
 use raw::RawConfig;
-use serde::Deserialize;
 use std::path::Path;
 use toml::de::DeTable;
 use validate::Validator;
 
+// ---------------------------------------------------------------------------------------------
+// Named bounds.
+
+/// Connections served at once by one process (most `server.connections_max` may be; the
+/// open files limit is raised for this many).
+pub const CONNECTIONS_MAX: usize = 16_384;
+
+/// `[server]` capacity defaults (see `spendgate_http::capacity`): requests in flight per class of
+/// caller, per client address prefix, connections per peer, and the minimum body rate.
+pub const PUBLIC_REQUESTS_MAX_DEFAULT: u64 = 4_096;
+pub const SERVICE_REQUESTS_MAX_DEFAULT: u64 = 4_096;
+pub const ADMIN_REQUESTS_MAX_DEFAULT: u64 = 64;
+pub const HEALTH_REQUESTS_MAX_DEFAULT: u64 = 256;
+pub const ADDRESS_REQUESTS_MAX_DEFAULT: u64 = 64;
+pub const ADDRESS_CONNECTIONS_MAX_DEFAULT: u64 = 256;
+/// Connections kept for callers that are not public (a valid service or admin token, or a
+/// health route) once the others are all taken (a sixteenth of `connections_max` at most
+/// when not given).
+pub const CONNECTIONS_RESERVED_DEFAULT: u64 = 1_024;
+pub const BODY_MIN_BYTES_PER_S_DEFAULT: u64 = 4_096;
+pub const BODY_GRACE_MS_DEFAULT: u64 = 2_000;
+/// Largest bound of one class's (or one address's) requests in flight.
+pub const CLASS_REQUESTS_MAX: u64 = 65_536;
+/// `server.body_min_bytes_per_s` range: below the floor a body could hold its request for
+/// hours (4 MiB at 256 bytes a second is about 4.5 hours, already long).
+pub const BODY_MIN_BYTES_PER_S_FLOOR: u64 = 256;
+pub const BODY_MIN_BYTES_PER_S_MAX: u64 = 16 * 1024 * 1024;
+/// `server.body_grace_ms` range (below the decision API's request timeout, 15 s, so that a
+/// stalled body is answered 408 by its rate, not 504).
+pub const BODY_GRACE_MS_MIN: u64 = 100;
+pub const BODY_GRACE_MS_MAX: u64 = 10_000;
+
+/// Service and admin tokens shorter than this draw a warning at start and in check-config.
+pub const TOKEN_BYTES_ADVISED: usize = 16;
+
+/// Largest config file accepted.
+pub const CONFIG_BYTES_MAX: usize = 1 << 20;
+/// The built-in mock upstream's name: models may name it without an `[upstreams.mock]` table
+/// (and no such table may be configured).
+pub const MOCK_UPSTREAM: &str = "mock";
+/// `store.timeout_ms` range.
+/// (below `API_REQUEST_TIMEOUT`, 15 s: a store call must fail closed with 503
+/// `store_unavailable` before the request itself times out)
+pub const STORE_TIMEOUT_MS_MAX: u64 = 5_000;
+/// `store.slow_grace_ms` range (the store crate's `SLOW_GRACE_MAX`): `timeout_ms` plus it stays
+/// below `API_REQUEST_TIMEOUT` too.
+pub const SLOW_GRACE_MS_MAX: u64 = 5_000;
+/// `store.slow_grace_ms` by default: a store call slower than `timeout_ms` under ordinary load
+/// is waited for this much longer while the store is not known to be failing. Under the
+/// side-by-side load (`scripts/side-by-side.sh`, 2 cores shared with other builds) up to 74
+/// admissions a case took longer than 100 ms, the slowest 267 ms; about 4x that. A store that
+/// stopped answering costs the calls in flight then `timeout_ms` + this, later ones
+/// `timeout_ms`.
+pub const SLOW_GRACE_MS_DEFAULT: u64 = 1_000;
+const _: () = assert!(SLOW_GRACE_MS_MAX as u128 == spendgate_store::SLOW_GRACE_MAX.as_millis());
+/// `store.lease_ttl_s` range.
+pub const LEASE_TTL_S_MAX: u64 = 3_600;
+/// `sessions.ttl_s` range: browsers cap a cookie's `Max-Age` at 400 days.
+pub const SESSION_TTL_S_MAX: u64 = 400 * 86_400;
+/// `upstreams.NAME.timeout_s` range.
+pub const UPSTREAM_TIMEOUT_S_MAX: u64 = 3_600;
+/// `sessions.challenge_bits` range.
+pub const CHALLENGE_BITS_MAX: u64 = 32;
+/// Shortest session (HMAC) key accepted.
+pub const SESSION_KEY_BYTES_MIN: usize = 16;
+/// Longest token, key or budget list.
+pub const LIST_LEN_MAX: usize = 64;
+/// Longest `server.trusted_proxies` list.
+pub const TRUSTED_PROXIES_MAX: usize = 1_024;
+/// Most entries in `[models]`, `[tools]` or `[upstreams]`.
+pub const TABLE_LEN_MAX: usize = 4_096;
+/// Longest model, tool or upstream name.
+pub const NAME_BYTES_MAX: usize = 200;
+/// Largest `burst` and `concurrency`.
+pub const BURST_MAX: u64 = 1_000_000;
+/// Most requests a rate may allow per period.
+pub const RATE_COUNT_MAX: u64 = 1_000_000_000;
+/// Longest burst window of a rate (`interval × burst`): half of 2^53 µs (about 142 years),
+/// so the Redis script's sums stay exact.
+pub const RATE_WINDOW_US_MAX: u64 = spendgate_core::MICROS_MAX.0 / 2;
+pub const CONCURRENCY_MAX: u64 = 1_000_000;
+/// Largest alert threshold, as a fraction times 1000 (10 = 1000% of a budget).
+pub const THRESHOLD_PERMILLE_MAX: u32 = 10_000;
+/// Most wider IPv6 prefixes: with the client's own prefix, what the ledger limits one request
+/// by (a longer list would pass here and refuse every IPv6 client).
+pub const IPV6_WIDER_MAX: usize = spendgate_core::IP_SCOPES_MAX - 1;
+/// Run bounds ranges.
+pub const RUN_BYTES_MAX: u64 = 1 << 30;
+pub const RUN_TOKENS_MAX: u64 = 100_000_000;
+pub const RUN_COUNT_MAX: u64 = 100_000;
+pub const RUN_SECONDS_MAX: u64 = 86_400;
+
+const _: () = assert!(LEASE_TTL_S_MAX * 1000 <= u32::MAX as u64);
+const _: () = assert!(RUN_COUNT_MAX <= u32::MAX as u64);
+const _: () = assert!(CONCURRENCY_MAX <= u32::MAX as u64);
+const _: () = assert!(CHALLENGE_BITS_MAX <= u8::MAX as u64);
+// 4^IPV6_WIDER_MAX must fit a u64 factor.
+const _: () = assert!(2 * IPV6_WIDER_MAX < 64);
+
+// ---------------------------------------------------------------------------------------------
 // Loading.
 
 /// Parses and validates a config file's text. `env` looks up `env:NAME` secrets.
@@ -111,7 +171,8 @@ pub fn load(text: &str, env: &dyn Fn(&str) -> Option<String>) -> Result<Config, 
     }
     let root = DeTable::parse(text).map_err(|e| syntax_error(text, &e))?;
     let deserializer = toml::Deserializer::from(root.clone());
-    let raw = RawConfig::deserialize(deserializer).map_err(|e| serde_error(text, &root, &e))?;
+    let raw: RawConfig = serde_path_to_error::deserialize(deserializer)
+        .map_err(|e| serde_error(text, root.get_ref(), e.path()))?;
     let mut v = Validator {
         text,
         root: root.get_ref(),
@@ -150,3 +211,6 @@ pub fn load_file(path: &Path, env: &dyn Fn(&str) -> Option<String>) -> Result<Co
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod docs_tests;

@@ -186,9 +186,9 @@ fn store_url_query_is_masked_for_every_scheme() {
         assert!(rendered.contains(&line), "{line} not in:\n{rendered}");
     }
     let (shown, note) = url_shown(&Secret::literal("redis://127.0.0.1:6379/0"));
-    assert_eq!((shown.as_str(), note), ("\"redis://127.0.0.1:6379/0\"", ""));
+    assert_eq!((shown.as_str(), note), ("redis://127.0.0.1:6379/0", ""));
     let (shown, note) = url_shown(&Secret::literal("not a url pass=hunter2"));
-    assert_eq!((shown.as_str(), note), ("\"***\"", "not a URL, masked"));
+    assert_eq!((shown.as_str(), note), ("***", "not a URL, masked"));
 }
 
 #[test]
@@ -735,7 +735,8 @@ fn bad_values_name_their_key_path() {
     let e = load_err("[store]\ntimeout_ms = \"fast\"\n");
     assert_eq!(e.key(), "store.timeout_ms");
     assert!(
-        e.to_string().contains("expected a non-negative integer"),
+        e.to_string()
+            .contains("expected an integer in 1..=5000, found the string \"fast\""),
         "{e}"
     );
 
@@ -1207,4 +1208,91 @@ fn alert_scopes() {
     assert_eq!(e.key, "alerts.scopes[1]", "{e}");
     let e = load_err("[alerts]\nscopes = [\"ip\", \"ip\"]\n");
     assert_eq!(e.key, "alerts.scopes[1]", "{e}");
+}
+
+/// Values of the wrong type: the key, its line, what the key takes (from the schema) and what
+/// the file has there (from its spans), never serde's wording.
+#[test]
+fn wrong_types_say_what_is_expected_and_what_was_found() {
+    for (text, expected) in [
+        (
+            "[server]\nlisten = 8080\n",
+            "line 2: server.listen: expected an address and port such as \"127.0.0.1:8080\" \
+             or \"[::]:8080\" (a string), found the integer 8080",
+        ),
+        (
+            "[store]\n\ntimeout_ms = -4\n",
+            "line 3: store.timeout_ms: expected an integer in 1..=5000, found the integer -4",
+        ),
+        (
+            "[run]\nmode = 3\n",
+            "line 2: run.mode: expected one of \"per_step\", \"whole_run\", found the integer 3",
+        ),
+        (
+            "[limits.ip]\nconcurrency = \"many\"\n",
+            "line 2: limits.ip.concurrency: expected an integer in 1..=1000000 or \"off\", \
+             found the string \"many\"",
+        ),
+        (
+            "[limits.ip]\ndry_run = \"yes\"\n",
+            "line 2: limits.ip.dry_run: expected true or false, found the string \"yes\"",
+        ),
+        (
+            "[alerts]\nthresholds = [0.5,\n  \"x\"]\n",
+            "line 3: alerts.thresholds[1]: expected a number, found the string \"x\"",
+        ),
+        (
+            "[upstreams.x]\nbase_url = \"https://x\"\ntimeout_s = 1979-05-27T07:32:00Z\n",
+            "line 3: upstreams.x.timeout_s: expected an integer in 1..=3600, found a datetime",
+        ),
+        (
+            "[limits.session]\nbudgets = [{ amount = 0.1, window = \"day\" }]\n",
+            "line 2: limits.session.budgets[0].amount: expected an amount as a decimal string \
+             such as \"0.15\", found the float 0.1; a float is not exact: write the amount as a \
+             string such as \"0.1\"",
+        ),
+        (
+            "[server]\nadmin_tokens = \"SUPERSECRETADMINTOKEN123456\"\n",
+            "line 2: server.admin_tokens: expected an array of at most 64, each a token or \
+             \"env:NAME\" (a string), found a string",
+        ),
+    ] {
+        assert_eq!(load_err(text).to_string(), expected, "{text}");
+    }
+    // A long string is shortened.
+    let e = load_err(&format!("[run]\nmax_seconds = \"{}\"\n", "x".repeat(500)));
+    assert!(e.to_string().len() < 200, "{e}");
+}
+
+#[test]
+fn unknown_keys_suggest_the_nearest_known_key() {
+    for (text, key, hint) in [
+        ("[sesions]\nkeys = []\n", "sesions", Some("sessions")),
+        (
+            "[server]\nlisten_addr = \"x\"\n",
+            "server.listen_addr",
+            Some("listen"),
+        ),
+        (
+            "[limits.session]\nbugdets = []\n",
+            "limits.session.bugdets",
+            Some("budgets"),
+        ),
+        (
+            "[upstreams.a]\nbase_url = \"https://a\"\napi-key = \"k\"\n",
+            "upstreams.a.api-key",
+            Some("api_key"),
+        ),
+        ("[server]\nfoo = 1\n", "server.foo", None),
+    ] {
+        let e = load_err(text);
+        assert_eq!(e.key(), key, "{e}");
+        match hint {
+            Some(h) => assert!(
+                e.to_string().contains(&format!("(did you mean \"{h}\"?)")),
+                "{e}"
+            ),
+            None => assert!(!e.to_string().contains("did you mean"), "{e}"),
+        }
+    }
 }

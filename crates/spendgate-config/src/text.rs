@@ -1,7 +1,7 @@
 //! Values as the config file writes them, and the masking of secrets.
 
 use crate::diagnostics::toml_str;
-use spendgate_core::Micros;
+use spendgate_core::{Micros, ReservationMode};
 
 /// Written by `render_effective` in place of a literal secret; refused when loaded back, so a
 /// copied `check-config` output never turns "***" into a real token.
@@ -38,4 +38,12 @@ pub(crate) fn amount_text(m: Micros) -> String {
     let s = m.to_string();
     let s = s.trim_end_matches('0');
     s.strip_suffix('.').unwrap_or(s).to_string()
+}
+
+/// `run.mode` as the file writes it.
+pub(crate) fn mode_name(mode: ReservationMode) -> &'static str {
+    match mode {
+        ReservationMode::PerStep => "per_step",
+        ReservationMode::WholeRun => "whole_run",
+    }
 }

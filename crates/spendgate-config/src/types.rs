@@ -1,11 +1,11 @@
 //! The validated configuration: parsed types, resolved secrets.
 
-use crate::bounds::{
+use crate::text::MASK;
+use crate::{
     ADDRESS_CONNECTIONS_MAX_DEFAULT, ADDRESS_REQUESTS_MAX_DEFAULT, ADMIN_REQUESTS_MAX_DEFAULT,
     BODY_GRACE_MS_DEFAULT, BODY_MIN_BYTES_PER_S_DEFAULT, CONNECTIONS_RESERVED_DEFAULT,
     HEALTH_REQUESTS_MAX_DEFAULT, PUBLIC_REQUESTS_MAX_DEFAULT, SERVICE_REQUESTS_MAX_DEFAULT,
 };
-use crate::text::MASK;
 use spendgate_core::{ModelPrice, Policy, ScopeKind, ToolPrice};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -91,7 +91,7 @@ impl Default for CapacityConfig {
             health_requests_max: HEALTH_REQUESTS_MAX_DEFAULT as usize,
             address_requests_max: ADDRESS_REQUESTS_MAX_DEFAULT as usize,
             address_connections_max: ADDRESS_CONNECTIONS_MAX_DEFAULT as usize,
-            connections_max: crate::bounds::CONNECTIONS_MAX,
+            connections_max: crate::CONNECTIONS_MAX,
             connections_reserved: CONNECTIONS_RESERVED_DEFAULT as usize,
             body_min_bytes_per_s: BODY_MIN_BYTES_PER_S_DEFAULT,
             body_grace: Duration::from_millis(BODY_GRACE_MS_DEFAULT),
@@ -201,7 +201,7 @@ impl Tokenizer {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ModelConfig {
-    /// A key of [`Config::upstreams`], or [`MOCK_UPSTREAM`].
+    /// A key of [`Config::upstreams`], or [`MOCK_UPSTREAM`](crate::MOCK_UPSTREAM).
     pub upstream: String,
     pub price: ModelPrice,
     pub tokenizer: Tokenizer,

@@ -1,7 +1,7 @@
 //! Warnings about a valid config: settings that admit nothing, or risk a promise.
 
-use crate::bounds::{MOCK_UPSTREAM, TOKEN_BYTES_ADVISED};
 use crate::types::{Config, StoreKind};
+use crate::{MOCK_UPSTREAM, TOKEN_BYTES_ADVISED};
 use spendgate_core::{Micros, Window};
 
 impl Config {

@@ -24,6 +24,14 @@ struct Cli {
     command: Cmd,
 }
 
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum ConfigDoc {
+    /// An annotated config file that `check-config` accepts.
+    Example,
+    /// The config reference, in Markdown.
+    Reference,
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Run the gateway with a config file (defaults apply to every key it omits).
@@ -38,6 +46,12 @@ enum Cmd {
     CheckConfig {
         #[arg(long, short, env = "SPENDGATE_CONFIG")]
         config: Option<PathBuf>,
+    },
+    /// Print the annotated example config (every key, its default and what it does; the same
+    /// text as docs/spendgate.example.toml) or the config reference (docs/configuration.md).
+    Config {
+        #[arg(value_enum)]
+        what: ConfigDoc,
     },
     /// Run a demo with no config: the gateway, the built-in mock upstream and a demo chat
     /// page at /demo/, on the embedded sqlite store.
@@ -161,6 +175,10 @@ async fn main() -> anyhow::Result<()> {
         Cmd::Serve { config, listen } => serve(config.as_ref(), listen).await?,
         #[cfg(feature = "demo")]
         Cmd::Demo { listen, db } => demo::run(listen, db, shutdown_signal()).await?,
+        Cmd::Config { what } => match what {
+            ConfigDoc::Example => print!("{}", spendgate_config::example_toml()),
+            ConfigDoc::Reference => print!("{}", spendgate_config::reference_markdown()),
+        },
         Cmd::CheckConfig { config } => {
             let cfg = load_config(config.as_ref())?;
             print!("{}", cfg.render_effective());

@@ -1,11 +1,13 @@
-//! Stage two: validation, from the raw file to [`Config`](crate::types::Config).
+//! Stage two: validation, from the raw file to [`Config`](crate::Config).
 
-use crate::bounds::{LIST_LEN_MAX, NAME_BYTES_MAX, RATE_COUNT_MAX, RATE_WINDOW_US_MAX};
 use crate::diagnostics::{line_col, span_of, toml_str, KeyPath};
-use crate::error::ConfigError;
 use crate::raw::{RawAmount, RawConfig};
-use crate::text::{masked_problem, MASK};
-use crate::types::{Config, Secret, StoreKind, UnsetEnv};
+use crate::schema::{self, Lookup, Ty};
+use crate::text::{masked_problem, mode_name, MASK};
+use crate::{
+    Config, ConfigError, Secret, StoreKind, UnsetEnv, NAME_BYTES_MAX, RATE_COUNT_MAX,
+    RATE_WINDOW_US_MAX,
+};
 use spendgate_core::{parse_amount, Micros, Policy, Rate, ReservationMode};
 use std::fmt;
 use toml::de::DeTable;
@@ -51,18 +53,65 @@ impl Validator<'_, '_> {
         }
     }
 
-    pub(crate) fn one_of<T: Copy>(&self, path: &KeyPath, v: &str, options: &[(&str, T)]) -> R<T> {
+    /// `v` in the static range the schema gives the key at `path`.
+    pub(crate) fn int(&self, path: &KeyPath, v: u64) -> R<u64> {
+        match schema::lookup(path) {
+            Lookup::Found {
+                ty: Ty::Int { min, max } | Ty::CountOrOff { min, max },
+            } => self.range(path, v, *min, *max),
+            _ => Err(self.schema_bug(path, "an integer range")),
+        }
+    }
+
+    /// A list of `len` entries at `path`, within the schema's bound.
+    pub(crate) fn list(&self, path: &KeyPath, len: usize) -> R<()> {
+        match schema::lookup(path) {
+            Lookup::Found {
+                ty: Ty::List { max, .. },
+            } => self.list_len(path, len, *max),
+            _ => Err(self.schema_bug(path, "a list bound")),
+        }
+    }
+
+    /// One of `options`, by name; the schema lists the same names in the same order (the
+    /// reference and the example print them).
+    pub(crate) fn one_of<T: Copy>(
+        &self,
+        path: &KeyPath,
+        v: &str,
+        options: &[T],
+        name: fn(T) -> &'static str,
+    ) -> R<T> {
+        let names: &[&str] = match schema::lookup(path) {
+            Lookup::Found {
+                ty: Ty::Choice(names),
+            } => names,
+            _ => return Err(self.schema_bug(path, "a list of choices")),
+        };
+        let same =
+            names.len() == options.len() && names.iter().zip(options).all(|(n, o)| *n == name(*o));
+        if !same {
+            return Err(self.schema_bug(path, "the choices the validator knows"));
+        }
         options
             .iter()
-            .find(|(name, _)| *name == v)
-            .map(|(_, t)| *t)
+            .find(|o| name(**o) == v)
+            .copied()
             .ok_or_else(|| {
-                let names: Vec<&str> = options.iter().map(|(n, _)| *n).collect();
                 self.err(
                     path,
                     format!("{} is not one of {}", toml_str(v), names.join(", ")),
                 )
             })
+    }
+
+    /// The schema (`raw.rs`) and the validator disagree: a bug, reported rather than panicked
+    /// on (every key is validated by the tests' example config).
+    fn schema_bug(&self, path: &KeyPath, what: &str) -> ConfigError {
+        self.err(
+            path,
+            format!("the config schema has not {what} for this key (a bug in spendgate)"),
+        )
     }
 
     pub(crate) fn amount(&self, path: &KeyPath, raw: &RawAmount) -> R<Micros> {
@@ -228,7 +277,7 @@ impl Validator<'_, '_> {
         what: &str,
         min_bytes: usize,
     ) -> R<Vec<Secret>> {
-        self.list_len(path, texts.len(), LIST_LEN_MAX)?;
+        self.list(path, texts.len())?;
         let mut out = Vec::new();
         for (i, text) in texts.iter().enumerate() {
             let p = path.idx(i);
@@ -284,10 +333,8 @@ impl Validator<'_, '_> {
             mode: self.one_of(
                 &KeyPath::of(&["run", "mode"]),
                 &raw.run.mode,
-                &[
-                    ("per_step", ReservationMode::PerStep),
-                    ("whole_run", ReservationMode::WholeRun),
-                ],
+                &[ReservationMode::PerStep, ReservationMode::WholeRun],
+                mode_name,
             )?,
             lease_ttl_ms,
             session_create_per_ip: create_per_ip,

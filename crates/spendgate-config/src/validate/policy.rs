@@ -1,10 +1,6 @@
 //! Validation of `[limits]`, `[run]`, `[upstreams]`, `[models]`, `[tools]` and `[alerts]`.
 
 use super::{Resolved, Validator, R};
-use crate::bounds::{
-    BURST_MAX, CONCURRENCY_MAX, MOCK_UPSTREAM, RUN_BYTES_MAX, RUN_COUNT_MAX, RUN_SECONDS_MAX,
-    RUN_TOKENS_MAX, TABLE_LEN_MAX, THRESHOLD_PERMILLE_MAX, UPSTREAM_TIMEOUT_S_MAX,
-};
 use crate::diagnostics::{toml_str, KeyPath};
 use crate::raw::{
     RawAlerts, RawAmount, RawCount, RawModel, RawRun, RawScope, RawTool, RawUpstream,
@@ -13,6 +9,7 @@ use crate::text::amount_text;
 use crate::types::{
     AlertsConfig, ModelConfig, OutputBoundField, Secret, Tokenizer, UpstreamConfig,
 };
+use crate::{MOCK_UPSTREAM, TABLE_LEN_MAX, THRESHOLD_PERMILLE_MAX};
 use spendgate_core::{
     Budget, Micros, ModelPrice, RunBounds, ScopeKind, ScopePolicy, ToolPrice, Window,
 };
@@ -43,7 +40,7 @@ impl Validator<'_, '_> {
             self.rate_fits(&p.key("rate"), r)?;
         }
         if let Some(burst) = raw.burst {
-            let burst = self.range(&p.key("burst"), burst, 1, BURST_MAX)?;
+            let burst = self.int(&p.key("burst"), burst)?;
             match rate.as_mut() {
                 Some(r) => {
                     r.burst = burst;
@@ -61,7 +58,7 @@ impl Validator<'_, '_> {
             None => default.concurrency,
             Some(RawCount::Off) => None,
             Some(RawCount::N(n)) => {
-                let n = self.range(&p.key("concurrency"), n, 1, CONCURRENCY_MAX)?;
+                let n = self.int(&p.key("concurrency"), n)?;
                 Some(u32::try_from(n).unwrap_or(u32::MAX))
             }
         };
@@ -69,20 +66,24 @@ impl Validator<'_, '_> {
             None => default.budgets.clone(),
             Some(list) => {
                 let bp = p.key("budgets");
-                self.list_len(&bp, list.len(), 4)?;
+                self.list(&bp, list.len())?;
                 let mut out: Vec<Budget> = Vec::new();
                 for (i, b) in list.iter().enumerate() {
-                    let amount = self.amount(&bp.idx(i).key("amount"), &b.amount)?;
+                    let ap = bp.idx(i).key("amount");
+                    let amount = match &b.amount {
+                        Some(a) => self.amount(&ap, a)?,
+                        None => return Err(self.err(&ap, "required key is missing")),
+                    };
                     let wp = bp.idx(i).key("window");
-                    let window = Window::parse(b.window.trim()).ok_or_else(|| {
-                        self.err(
+                    let window = match &b.window {
+                        Some(w) => self.one_of(
                             &wp,
-                            format!(
-                                "{} is not one of hour, day, month, lifetime",
-                                toml_str(&b.window)
-                            ),
-                        )
-                    })?;
+                            w.trim(),
+                            &[Window::Hour, Window::Day, Window::Month, Window::Lifetime],
+                            Window::name,
+                        )?,
+                        None => return Err(self.err(&wp, "required key is missing")),
+                    };
                     if out.iter().any(|o| o.window == window) {
                         return Err(self.err(
                             &wp,
@@ -104,8 +105,8 @@ impl Validator<'_, '_> {
 
     pub(crate) fn run(&self, raw: &RawRun) -> R<RunBounds> {
         let p = KeyPath::of(&["run"]);
-        let count = |key: &str, v: u64, min: u64| -> R<u32> {
-            let v = self.range(&p.key(key), v, min, RUN_COUNT_MAX)?;
+        let count = |key: &str, v: u64| -> R<u32> {
+            let v = self.int(&p.key(key), v)?;
             Ok(u32::try_from(v).unwrap_or(u32::MAX))
         };
         let max_cost = self.amount(&p.key("max_cost"), &raw.max_cost)?;
@@ -116,42 +117,18 @@ impl Validator<'_, '_> {
             ));
         }
         let bounds = RunBounds {
-            max_input_bytes: self.range(
-                &p.key("max_input_bytes"),
-                raw.max_input_bytes,
-                1,
-                RUN_BYTES_MAX,
-            )?,
-            max_context_tokens: self.range(
-                &p.key("max_context_tokens"),
-                raw.max_context_tokens,
-                1,
-                RUN_TOKENS_MAX,
-            )?,
-            max_output_tokens: self.range(
-                &p.key("max_output_tokens"),
-                raw.max_output_tokens,
-                1,
-                RUN_TOKENS_MAX,
-            )?,
-            max_tool_result_bytes: self.range(
-                &p.key("max_tool_result_bytes"),
-                raw.max_tool_result_bytes,
-                0,
-                RUN_BYTES_MAX,
-            )?,
-            max_model_rounds: count("max_model_rounds", raw.max_model_rounds, 1)?,
-            max_tool_calls: count("max_tool_calls", raw.max_tool_calls, 0)?,
-            max_retries: count("max_retries", raw.max_retries, 0)?,
-            max_seconds: self.range(&p.key("max_seconds"), raw.max_seconds, 1, RUN_SECONDS_MAX)?,
+            max_input_bytes: self.int(&p.key("max_input_bytes"), raw.max_input_bytes)?,
+            max_context_tokens: self.int(&p.key("max_context_tokens"), raw.max_context_tokens)?,
+            max_output_tokens: self.int(&p.key("max_output_tokens"), raw.max_output_tokens)?,
+            max_tool_result_bytes: self
+                .int(&p.key("max_tool_result_bytes"), raw.max_tool_result_bytes)?,
+            max_model_rounds: count("max_model_rounds", raw.max_model_rounds)?,
+            max_tool_calls: count("max_tool_calls", raw.max_tool_calls)?,
+            max_retries: count("max_retries", raw.max_retries)?,
+            max_seconds: self.int(&p.key("max_seconds"), raw.max_seconds)?,
             max_cost,
             shrink_to_fit: raw.shrink_to_fit,
-            min_output_tokens: self.range(
-                &p.key("min_output_tokens"),
-                raw.min_output_tokens,
-                1,
-                RUN_TOKENS_MAX,
-            )?,
+            min_output_tokens: self.int(&p.key("min_output_tokens"), raw.min_output_tokens)?,
         };
         if bounds.min_output_tokens > bounds.max_output_tokens {
             return Err(self.err(
@@ -194,19 +171,14 @@ impl Validator<'_, '_> {
                     Resolved::Unset(var) => Secret::from_env(&var, ""),
                 },
             };
-            let timeout_s = self.range(
-                &p.key("timeout_s"),
-                u.timeout_s.unwrap_or(60),
-                1,
-                UPSTREAM_TIMEOUT_S_MAX,
-            )?;
+            let timeout_s = self.int(&p.key("timeout_s"), u.timeout_s)?;
             out.insert(
                 name.clone(),
                 UpstreamConfig {
                     base_url,
                     api_key,
                     timeout: Duration::from_secs(timeout_s),
-                    release_on_error: u.release_on_error.unwrap_or(true),
+                    release_on_error: u.release_on_error,
                 },
             );
         }
@@ -272,35 +244,28 @@ impl Validator<'_, '_> {
                     ),
                 ));
             }
-            let tokenizer = match &m.tokenizer {
-                None => Tokenizer::Bytes,
-                Some(t) => self.one_of(
-                    &p.key("tokenizer"),
-                    t,
-                    &[
-                        ("o200k_base", Tokenizer::O200kBase),
-                        ("cl100k_base", Tokenizer::Cl100kBase),
-                        ("bytes", Tokenizer::Bytes),
-                    ],
-                )?,
-            };
+            let tokenizer = self.one_of(
+                &p.key("tokenizer"),
+                &m.tokenizer,
+                &[
+                    Tokenizer::O200kBase,
+                    Tokenizer::Cl100kBase,
+                    Tokenizer::Bytes,
+                ],
+                Tokenizer::name,
+            )?;
             if let Some(um) = &m.upstream_model {
                 self.name(&p.key("upstream_model"), "upstream model", um)?;
             }
-            let output_bound_field = match &m.output_bound_field {
-                None => OutputBoundField::MaxTokens,
-                Some(f) => self.one_of(
-                    &p.key("output_bound_field"),
-                    f,
-                    &[
-                        ("max_tokens", OutputBoundField::MaxTokens),
-                        (
-                            "max_completion_tokens",
-                            OutputBoundField::MaxCompletionTokens,
-                        ),
-                    ],
-                )?,
-            };
+            let output_bound_field = self.one_of(
+                &p.key("output_bound_field"),
+                &m.output_bound_field,
+                &[
+                    OutputBoundField::MaxTokens,
+                    OutputBoundField::MaxCompletionTokens,
+                ],
+                OutputBoundField::name,
+            )?;
             out.insert(
                 name.clone(),
                 ModelConfig {
@@ -372,7 +337,7 @@ impl Validator<'_, '_> {
             Some(url)
         };
         let tp = p.key("thresholds");
-        self.list_len(&tp, raw.thresholds.len(), 32)?;
+        self.list(&tp, raw.thresholds.len())?;
         let mut thresholds_permille: Vec<u32> = Vec::new();
         for (i, t) in raw.thresholds.iter().enumerate() {
             let scaled = t * 1000.0;
@@ -401,23 +366,20 @@ impl Validator<'_, '_> {
             thresholds_permille.push(permille);
         }
         let sp = p.key("scopes");
-        self.list_len(&sp, raw.scopes.len(), 4)?;
+        self.list(&sp, raw.scopes.len())?;
         let mut scopes = Vec::new();
         for (i, name) in raw.scopes.iter().enumerate() {
-            let kind = match ScopeKind::parse(name) {
-                Some(
-                    k @ (ScopeKind::Global
-                    | ScopeKind::Ip
-                    | ScopeKind::Session
-                    | ScopeKind::Conversation),
-                ) => k,
-                _ => {
-                    return Err(self.err(
-                        &sp.idx(i),
-                        format!("{name:?} is not one of global, ip, session, conversation"),
-                    ))
-                }
-            };
+            let kind = self.one_of(
+                &sp.idx(i),
+                name,
+                &[
+                    ScopeKind::Global,
+                    ScopeKind::Ip,
+                    ScopeKind::Session,
+                    ScopeKind::Conversation,
+                ],
+                ScopeKind::name,
+            )?;
             if scopes.contains(&kind) {
                 return Err(self.err(&sp.idx(i), format!("{name:?} is listed twice")));
             }

@@ -1,17 +1,12 @@
 //! Validation of `[server]`, `[store]`, `[sessions]` and `[identity]`.
 
 use super::{Resolved, Validator, R};
-use crate::bounds::{
-    ADDRESS_CONNECTIONS_MAX_DEFAULT, BODY_GRACE_MS_MAX, BODY_GRACE_MS_MIN,
-    BODY_MIN_BYTES_PER_S_FLOOR, BODY_MIN_BYTES_PER_S_MAX, CHALLENGE_BITS_MAX, CLASS_REQUESTS_MAX,
-    CONNECTIONS_RESERVED_DEFAULT, IPV6_WIDER_MAX, LEASE_TTL_S_MAX, SESSION_KEY_BYTES_MIN,
-    SESSION_TTL_S_MAX, SLOW_GRACE_MS_MAX, STORE_TIMEOUT_MS_MAX, TRUSTED_PROXIES_MAX,
-};
 use crate::diagnostics::{toml_str, KeyPath};
 use crate::raw::{RawIdentity, RawServer, RawSessions, RawStore};
-use crate::types::{
+use crate::{
     CapacityConfig, ChallengeMode, IdentityConfig, Secret, ServerConfig, SessionsConfig,
-    StoreConfig, StoreKind,
+    StoreConfig, StoreKind, ADDRESS_CONNECTIONS_MAX_DEFAULT, CONNECTIONS_RESERVED_DEFAULT,
+    SESSION_KEY_BYTES_MIN,
 };
 use spendgate_core::Rate;
 use std::net::{IpAddr, SocketAddr};
@@ -31,7 +26,7 @@ impl Validator<'_, '_> {
             )
         })?;
         let proxies = p.key("trusted_proxies");
-        self.list_len(&proxies, raw.trusted_proxies.len(), TRUSTED_PROXIES_MAX)?;
+        self.list(&proxies, raw.trusted_proxies.len())?;
         let mut trusted_proxies = Vec::new();
         for (i, text) in raw.trusted_proxies.iter().enumerate() {
             let t = text.trim();
@@ -99,19 +94,16 @@ impl Validator<'_, '_> {
 
     pub(crate) fn capacity(&mut self, p: &KeyPath, raw: &RawServer) -> R<CapacityConfig> {
         let class = |this: &Self, key: &str, v: u64| -> R<usize> {
-            this.range(&p.key(key), v, 1, CLASS_REQUESTS_MAX)
-                .map(|v| v as usize)
+            this.int(&p.key(key), v).map(|v| v as usize)
         };
-        let connections_max = self.range(
-            &p.key("connections_max"),
-            raw.connections_max,
-            2,
-            crate::bounds::CONNECTIONS_MAX as u64,
-        )?;
+        let connections_max = self.int(&p.key("connections_max"), raw.connections_max)?;
         // (at most half: the other half at least serves everyone)
         let connections_reserved = match raw.connections_reserved {
             None => CONNECTIONS_RESERVED_DEFAULT.min(connections_max / 16),
-            Some(n) => self.range(&p.key("connections_reserved"), n, 0, connections_max / 2)?,
+            Some(n) => {
+                let key = p.key("connections_reserved");
+                self.range(&key, self.int(&key, n)?, 0, connections_max / 2)?
+            }
         };
         Ok(CapacityConfig {
             connections_max: connections_max as usize,
@@ -124,21 +116,15 @@ impl Validator<'_, '_> {
             address_connections_max: match raw.address_connections_max {
                 None => ADDRESS_CONNECTIONS_MAX_DEFAULT.min(connections_max) as usize,
                 Some(n) => {
-                    self.range(&p.key("address_connections_max"), n, 1, connections_max)? as usize
+                    let key = p.key("address_connections_max");
+                    self.range(&key, self.int(&key, n)?, 1, connections_max)? as usize
                 }
             },
-            body_min_bytes_per_s: self.range(
-                &p.key("body_min_bytes_per_s"),
-                raw.body_min_bytes_per_s,
-                BODY_MIN_BYTES_PER_S_FLOOR,
-                BODY_MIN_BYTES_PER_S_MAX,
-            )?,
-            body_grace: Duration::from_millis(self.range(
-                &p.key("body_grace_ms"),
-                raw.body_grace_ms,
-                BODY_GRACE_MS_MIN,
-                BODY_GRACE_MS_MAX,
-            )?),
+            body_min_bytes_per_s: self
+                .int(&p.key("body_min_bytes_per_s"), raw.body_min_bytes_per_s)?,
+            body_grace: Duration::from_millis(
+                self.int(&p.key("body_grace_ms"), raw.body_grace_ms)?,
+            ),
         })
     }
 
@@ -147,11 +133,8 @@ impl Validator<'_, '_> {
         let kind = self.one_of(
             &p.key("kind"),
             &raw.kind,
-            &[
-                ("memory", StoreKind::Memory),
-                ("sqlite", StoreKind::Sqlite),
-                ("redis", StoreKind::Redis),
-            ],
+            &[StoreKind::Memory, StoreKind::Sqlite, StoreKind::Redis],
+            StoreKind::name,
         )?;
         if kind == StoreKind::Sqlite && raw.path.trim().is_empty() {
             return Err(self.err(&p.key("path"), "the sqlite store needs a file path"));
@@ -174,19 +157,9 @@ impl Validator<'_, '_> {
             ));
         }
         let (ledger_id, witness_path) = self.store_pins(&p, raw)?;
-        let timeout_ms = self.range(
-            &p.key("timeout_ms"),
-            raw.timeout_ms,
-            1,
-            STORE_TIMEOUT_MS_MAX,
-        )?;
-        let slow_grace_ms = self.range(
-            &p.key("slow_grace_ms"),
-            raw.slow_grace_ms,
-            0,
-            SLOW_GRACE_MS_MAX,
-        )?;
-        let lease_ttl_s = self.range(&p.key("lease_ttl_s"), raw.lease_ttl_s, 1, LEASE_TTL_S_MAX)?;
+        let timeout_ms = self.int(&p.key("timeout_ms"), raw.timeout_ms)?;
+        let slow_grace_ms = self.int(&p.key("slow_grace_ms"), raw.slow_grace_ms)?;
+        let lease_ttl_s = self.int(&p.key("lease_ttl_s"), raw.lease_ttl_s)?;
         Ok((
             StoreConfig {
                 kind,
@@ -282,22 +255,18 @@ impl Validator<'_, '_> {
             "session key",
             SESSION_KEY_BYTES_MIN,
         )?;
-        let ttl_s = self.range(&p.key("ttl_s"), raw.ttl_s, 1, SESSION_TTL_S_MAX)?;
+        let ttl_s = self.int(&p.key("ttl_s"), raw.ttl_s)?;
         let challenge = self.one_of(
             &p.key("challenge"),
             &raw.challenge,
             &[
-                ("off", ChallengeMode::Off),
-                ("always", ChallengeMode::Always),
-                ("adaptive", ChallengeMode::Adaptive),
+                ChallengeMode::Off,
+                ChallengeMode::Always,
+                ChallengeMode::Adaptive,
             ],
+            ChallengeMode::name,
         )?;
-        let bits = self.range(
-            &p.key("challenge_bits"),
-            raw.challenge_bits,
-            1,
-            CHALLENGE_BITS_MAX,
-        )?;
+        let bits = self.int(&p.key("challenge_bits"), raw.challenge_bits)?;
         let challenge_bits =
             u8::try_from(bits).map_err(|_| self.err(&p.key("challenge_bits"), "out of range"))?;
         let per_ip = self.rate(&p.key("create_rate_per_ip"), &raw.create_rate_per_ip)?;
@@ -349,13 +318,13 @@ impl Validator<'_, '_> {
 
     pub(crate) fn identity(&self, raw: &RawIdentity) -> R<IdentityConfig> {
         let p = KeyPath::of(&["identity"]);
-        let v4 = self.range(&p.key("ipv4_prefix"), raw.ipv4_prefix, 1, 32)?;
-        let v6 = self.range(&p.key("ipv6_prefix"), raw.ipv6_prefix, 1, 128)?;
+        let v4 = self.int(&p.key("ipv4_prefix"), raw.ipv4_prefix)?;
+        let v6 = self.int(&p.key("ipv6_prefix"), raw.ipv6_prefix)?;
         let wider: Vec<u64> = match &raw.ipv6_wider_prefixes {
             None => [56, 48].into_iter().filter(|w| *w < v6).collect(),
             Some(list) => {
                 let wp = p.key("ipv6_wider_prefixes");
-                self.list_len(&wp, list.len(), IPV6_WIDER_MAX)?;
+                self.list(&wp, list.len())?;
                 for (i, w) in list.iter().enumerate() {
                     if *w == 0 || *w >= v6 {
                         return Err(self.err(

@@ -204,3 +204,40 @@ async fn report_and_tune_read_a_running_gateway() {
         .expect("run");
     assert!(!bad.status.success());
 }
+
+/// `spendgate config example` prints docs/spendgate.example.toml and `config reference`
+/// docs/configuration.md, as checked in; the example passes `check-config`.
+#[test]
+fn config_example_and_reference_are_the_checked_in_docs() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    for (what, file) in [
+        ("example", "docs/spendgate.example.toml"),
+        ("reference", "docs/configuration.md"),
+    ] {
+        let out = spendgate().args(["config", what]).output().expect("run");
+        assert!(out.status.success(), "config {what}");
+        let want = std::fs::read_to_string(root.join(file)).expect("read the docs file");
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            want,
+            "`spendgate config {what}` differs from {file}: regenerate it with SPENDGATE_BLESS=1 cargo test -p spendgate-config"
+        );
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("example.toml");
+    let out = spendgate()
+        .args(["config", "example"])
+        .output()
+        .expect("run");
+    std::fs::write(&path, &out.stdout).expect("write");
+    let check = spendgate()
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .expect("run");
+    assert!(
+        check.status.success(),
+        "the example is refused: {}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+}

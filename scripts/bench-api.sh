@@ -11,9 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${1:-1000}
 SECONDS_EACH=${2:-5}
-cargo build --release -q -p spendgate-server -p spendgate-bench --bins
-dir=$(mktemp -d)
 . scripts/bench-lib.sh
+cargo build --release -q -p "$SERVER_PKG" -p spendgate-bench --bins
+dir=$(mktemp -d)
 port=$(free_port)
 token=$BENCH_TOKEN
 bench_config "$port" "kind = \"sqlite\"

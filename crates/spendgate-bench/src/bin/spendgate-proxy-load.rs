@@ -25,6 +25,11 @@
 //! error code, and when each 503 came (a burst at one instant is one slow store call). Its
 //! last line is `calls=N ok=N refused=N status_503=N errors=N`.
 //!
+//! With `--clients N --compare-direct` the same closed loop runs on each path, straight to the
+//! mock and then through spendgate, each after `--warmup` s of unmeasured load (the proxy's
+//! throughput and added latency at N concurrent calls, for `scripts/bench.sh`). Its last two
+//! lines are `closed path=direct|proxy clients=N calls=N ok=N errors=N rate=F p50_ms=F p99_ms=F`.
+//!
 //! Every loop is bounded in count and time; only loopback targets are accepted.
 
 #![warn(clippy::too_many_lines)]
@@ -89,6 +94,10 @@ struct Args {
     /// error code. 0: the open-loop latency benchmark.
     #[arg(long, default_value_t = 0)]
     clients: u64,
+    /// With `--clients`: runs the closed loop straight to the mock too, then through
+    /// spendgate, each after `--warmup` s of unmeasured load, and compares them.
+    #[arg(long)]
+    compare_direct: bool,
 }
 
 /// What a phase measures.
@@ -159,6 +168,30 @@ impl Ctx {
         b
     }
 
+    /// A chat completion on `path` (through spendgate: in `conversation`).
+    fn request(
+        &self,
+        path: Path,
+        measure: Measure,
+        conversation: String,
+    ) -> reqwest::RequestBuilder {
+        let body = self.body(measure);
+        match path {
+            Path::Direct => self
+                .http
+                .post(format!("{}/v1/chat/completions", self.args.direct))
+                .json(&body),
+            Path::Proxy => self
+                .http
+                .post(format!("{}/v1/chat/completions", self.args.proxy))
+                .bearer_auth(&self.args.service_token)
+                .header("spendgate-session", &self.session)
+                .header("spendgate-client-ip", "10.0.0.1")
+                .header("spendgate-conversation", conversation)
+                .json(&body),
+        }
+    }
+
     fn error(&self, path: Path, what: String) {
         self.errors[path as usize].fetch_add(1, Ordering::Relaxed);
         if let Ok(mut e) = self.first_error.lock() {
@@ -175,24 +208,8 @@ impl Ctx {
         k: u64,
         scheduled: Instant,
     ) -> Vec<Duration> {
-        let body = self.body(measure);
-        let mut req = match path {
-            Path::Direct => self
-                .http
-                .post(format!("{}/v1/chat/completions", self.args.direct))
-                .json(&body),
-            Path::Proxy => self
-                .http
-                .post(format!("{}/v1/chat/completions", self.args.proxy))
-                .bearer_auth(&self.args.service_token)
-                .header("spendgate-session", &self.session)
-                .header("spendgate-client-ip", "10.0.0.1")
-                .header(
-                    "spendgate-conversation",
-                    format!("bench-{}", k % self.args.conversations.max(1)),
-                )
-                .json(&body),
-        };
+        let conversation = format!("bench-{}", k % self.args.conversations.max(1));
+        let mut req = self.request(path, measure, conversation);
         if measure == Measure::ChunkTransit {
             req = req
                 .header("x-mock-stamp", "1")
@@ -413,10 +430,17 @@ async fn main() -> anyhow::Result<()> {
     });
     if args.clients > 0 {
         anyhow::ensure!(
-            args.clients <= CLIENTS_MAX && args.seconds <= SECONDS_MAX,
-            "--clients must be 1..={CLIENTS_MAX} and --seconds at most {SECONDS_MAX}"
+            args.clients <= CLIENTS_MAX
+                && args.seconds <= SECONDS_MAX
+                && args.warmup <= SECONDS_MAX,
+            "--clients must be 1..={CLIENTS_MAX}, --seconds and --warmup at most {SECONDS_MAX}"
         );
-        closed_loop(&ctx).await;
+        if args.compare_direct {
+            compare_closed(&ctx).await;
+        } else {
+            let (t, h, _) = closed_loop(&ctx, Path::Proxy, args.seconds).await;
+            print_closed_loop(&ctx, &t, &h);
+        }
         return Ok(());
     }
 
@@ -503,10 +527,11 @@ struct Tally {
     at_503: Vec<u64>,
 }
 
-/// One closed-loop client: calls one after the other until `end`, each counted in `tally`.
+/// One closed-loop client on `path`: calls one after the other until `end`, each counted in
+/// `tally`.
 async fn closed_client(
     ctx: &Ctx,
-    c: u64,
+    (path, c): (Path, u64),
     (start, end): (Instant, Instant),
     tally: &Mutex<Tally>,
     latency: &Mutex<Histogram<u64>>,
@@ -516,20 +541,8 @@ async fn closed_client(
         if sent >= end {
             break;
         }
-        let body = ctx.body(Measure::Whole);
-        let answer = ctx
-            .http
-            .post(format!("{}/v1/chat/completions", ctx.args.proxy))
-            .bearer_auth(&ctx.args.service_token)
-            .header("spendgate-session", &ctx.session)
-            .header("spendgate-client-ip", "10.0.0.1")
-            .header(
-                "spendgate-conversation",
-                format!("side-{}", (c * 7919 + k) % ctx.args.conversations.max(1)),
-            )
-            .json(&body)
-            .send()
-            .await;
+        let conversation = format!("side-{}", (c * 7919 + k) % ctx.args.conversations.max(1));
+        let answer = ctx.request(path, Measure::Whole, conversation).send().await;
         let outcome = match answer {
             Err(e) => Err(format!("send: {e}")),
             Ok(r) => {
@@ -547,7 +560,7 @@ async fn closed_client(
             Err(e) => {
                 t.errors += 1;
                 drop(t);
-                ctx.error(Path::Proxy, e);
+                ctx.error(path, e);
             }
             Ok((200, _)) => {
                 t.ok += 1;
@@ -569,7 +582,7 @@ async fn closed_client(
                 }
                 drop(t);
                 ctx.error(
-                    Path::Proxy,
+                    path,
                     format!("{status}: {}", String::from_utf8_lossy(&body)),
                 );
             }
@@ -577,29 +590,80 @@ async fn closed_client(
     }
 }
 
-/// `--clients` clients, each sending one call after the other until `--seconds` have passed.
-async fn closed_loop(ctx: &Arc<Ctx>) {
-    let args = &ctx.args;
+/// `--clients` clients on `path`, each sending one call after the other until `seconds` have
+/// passed: what came back, the latency of the calls answered 200, and the time from the start
+/// to the last answer.
+async fn closed_loop(
+    ctx: &Arc<Ctx>,
+    path: Path,
+    seconds: u64,
+) -> (Tally, Histogram<u64>, Duration) {
     let start = Instant::now();
-    let end = start + Duration::from_secs(args.seconds);
+    let end = start + Duration::from_secs(seconds);
     let tally = Arc::new(Mutex::new(Tally::default()));
     let latency = Arc::new(Mutex::new(hist()));
     let mut tasks = Vec::new();
-    for c in 0..args.clients {
+    for c in 0..ctx.args.clients {
         let (ctx, tally, latency) = (ctx.clone(), tally.clone(), latency.clone());
         tasks.push(tokio::spawn(async move {
-            closed_client(&ctx, c, (start, end), &tally, &latency).await;
+            closed_client(&ctx, (path, c), (start, end), &tally, &latency).await;
         }));
     }
     for t in tasks {
         let _ = t.await;
     }
+    let elapsed = start.elapsed();
     let t = match tally.lock() {
         Ok(mut t) => std::mem::take(&mut *t),
         Err(_) => Tally::default(),
     };
     let h = latency.lock().map(|h| h.clone()).unwrap_or_else(|_| hist());
-    print_closed_loop(ctx, &t, &h);
+    (t, h, elapsed)
+}
+
+/// `--compare-direct`: the closed loop straight to the mock, then through spendgate, each after
+/// `--warmup` s of unmeasured load; a table, then one `closed path=...` line per path.
+async fn compare_closed(ctx: &Arc<Ctx>) {
+    let args = &ctx.args;
+    let mut lines = Vec::new();
+    let mut rows = Vec::new();
+    for (name, path) in [("direct", Path::Direct), ("proxy", Path::Proxy)] {
+        if args.warmup > 0 {
+            let _ = closed_loop(ctx, path, args.warmup).await;
+        }
+        let (t, h, elapsed) = closed_loop(ctx, path, args.seconds).await;
+        let not_ok = t.calls - t.ok;
+        let rate = t.ok as f64 / elapsed.as_secs_f64().max(1e-9);
+        let (p50, p99) = (ms(h.value_at_quantile(0.5)), ms(h.value_at_quantile(0.99)));
+        rows.push(format!(
+            "| {name} | {} | {} | {not_ok} | {rate:.1} | {p50:.3} | {p99:.3} | {:.3} |",
+            t.calls,
+            t.ok,
+            ms(h.max())
+        ));
+        lines.push(format!(
+            "closed path={name} clients={} calls={} ok={} errors={not_ok} rate={rate:.3} \
+             p50_ms={p50:.3} p99_ms={p99:.3}",
+            args.clients, t.calls, t.ok
+        ));
+    }
+    println!(
+        "Closed loop, {} clients, {} s per path after {} s warm-up, non-streaming calls, \
+         one path after the other.",
+        args.clients, args.seconds, args.warmup
+    );
+    println!();
+    println!("| path | calls | ok | not ok | ok calls/s | p50 ms | p99 ms | max ms |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in &rows {
+        println!("{r}");
+    }
+    if let Ok(Some(e)) = ctx.first_error.lock().map(|e| e.clone()) {
+        println!("first error: {}", e.chars().take(300).collect::<String>());
+    }
+    for l in &lines {
+        println!("{l}");
+    }
 }
 
 /// The closed loop's table and its last line, `calls=N ok=N refused=N status_503=N errors=N`.

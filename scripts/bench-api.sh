@@ -21,7 +21,7 @@ path = \"$dir/bench.db\"" > "$dir/bench.toml"
 env ${SPENDGATE_BENCH_ENV:-} ${SPENDGATE_BENCH_BIN:-./target/release/spendgate} serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
 sleep 0.2; if ! kill -0 $! 2>/dev/null; then cat "$dir/server.log"; exit 1; fi
 pid=$!
-trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
+trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true; rm -rf "$dir"' EXIT
 wait_url "http://127.0.0.1:$port/healthz"
 echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
 ./target/release/spendgate-load --base "http://127.0.0.1:$port" --service-token "$token" \

@@ -41,7 +41,7 @@ timeout_s = 30" > "$dir/bench.toml"
 mpid=$!
 RUST_LOG=warn ${SPENDGATE_BENCH_BIN:-./target/release/spendgate} serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
 pid=$!
-trap 'kill $pid $mpid 2>/dev/null; wait $pid $mpid 2>/dev/null; rm -rf "$dir"' EXIT
+trap 'kill $pid $mpid 2>/dev/null; wait $pid $mpid 2>/dev/null || true; rm -rf "$dir"' EXIT
 wait_url "http://127.0.0.1:$port/healthz" "http://127.0.0.1:$mport/v1/models"
 echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
 ./target/release/spendgate-proxy-load --proxy "http://127.0.0.1:$port" --direct "http://127.0.0.1:$mport" \

@@ -47,9 +47,10 @@ count() {
   # The baseline on the same server: a trivial `FCALL` (a function that returns 1), called
   # TRIVIAL_CALLS times one after the other on one connection, as the store calls are.
   redis-cli -p "$port" function load replace "$TRIVIAL_LIB" >/dev/null
-  callgrind_control -z "$vpid" >/dev/null
+  callgrind_control -z "$vpid" >/dev/null 2>&1 || { echo "callgrind_control -z failed" >&2; exit 1; }
   redis-cli -p "$port" -r "$TRIVIAL_CALLS" fcall bench_trivial 0 >/dev/null
-  callgrind_control -d opcount-fcall_trivial "$vpid" >/dev/null
+  callgrind_control -d opcount-fcall_trivial "$vpid" >/dev/null 2>&1 \
+    || { echo "callgrind_control -d failed" >&2; exit 1; }
   echo "phase opcount-fcall_trivial $TRIVIAL_CALLS" >> "$out/phases"
   kill "$vpid"; wait "$vpid" 2>/dev/null || true; vpid=
   while read -r _ name calls; do

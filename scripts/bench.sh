@@ -7,10 +7,11 @@
 # - Decision API: `scripts/bench-api.sh` (sqlite store): reserve+commit requests/s closed-loop
 #   against the same server's `/healthz` requests/s (best of 32 and 128 connections each).
 # - sqlite: the same run's open loop at RATE pairs/s: reserve p99 against the idle `fdatasync`
-#   p99 measured on the same disk right after.
-# - Proxy: `scripts/bench-proxy.sh` closed loops (`--compare-direct`) on a mock upstream that
-#   waits UPSTREAM_MS: calls/s through spendgate against calls/s straight to the mock at 50
-#   concurrent calls; added p99 (through minus direct) at 10, against that run's `fdatasync` p99.
+#   p99 on the same disk (the lowest of the run's four measurements of it).
+# - Proxy: `scripts/bench-proxy.sh` closed loops (`--compare-direct`, the two paths alternated)
+#   on a mock upstream that waits UPSTREAM_MS: calls/s through spendgate against calls/s
+#   straight to the mock at 50 concurrent calls; added p99 (through minus direct) at 10,
+#   against the `fdatasync` p99.
 # - Redis: `scripts/opcount.sh`: server instructions per reserve+commit pair (callgrind),
 #   beside a trivial `FCALL`'s on the same server.
 # Raw outputs go to stderr as each part ends; SPENDGATE_BENCH_KEEP=DIR keeps them in DIR.
@@ -21,7 +22,8 @@ RATE=1000          # open-loop pairs/s of the sqlite row
 API_SECONDS=5      # seconds of each decision-API phase
 UPSTREAM_MS=200    # the mock upstream's latency in the proxy rows
 PROXY_SECONDS=10   # seconds of each proxy closed loop, per path
-PROXY_WARMUP=1     # unmeasured seconds before each
+PROXY_ROUNDS=5     # ... split into this many rounds, the paths alternated
+PROXY_WARMUP=1     # unmeasured seconds on each path first
 OPCOUNT_RUNS=100   # opcount: runs of OPCOUNT_STEPS tool steps each
 OPCOUNT_STEPS=4
 
@@ -43,9 +45,9 @@ part floor fsync_floor "$floor_dir"
 rm -rf "$floor_dir"
 part api scripts/bench-api.sh "$RATE" "$API_SECONDS"
 part proxy50 env SPENDGATE_BENCH_UPSTREAM_MS="$UPSTREAM_MS" scripts/bench-proxy.sh 1 "$PROXY_SECONDS" \
-  --clients 50 --compare-direct --warmup "$PROXY_WARMUP"
+  --clients 50 --compare-direct --rounds "$PROXY_ROUNDS" --warmup "$PROXY_WARMUP"
 part proxy10 env SPENDGATE_BENCH_UPSTREAM_MS="$UPSTREAM_MS" scripts/bench-proxy.sh 1 "$PROXY_SECONDS" \
-  --clients 10 --compare-direct --warmup "$PROXY_WARMUP"
+  --clients 10 --compare-direct --rounds "$PROXY_ROUNDS" --warmup "$PROXY_WARMUP"
 part opcount scripts/opcount.sh "$OPCOUNT_RUNS" bench "$OPCOUNT_STEPS"
 took=$(( $(date +%s) - started ))
 

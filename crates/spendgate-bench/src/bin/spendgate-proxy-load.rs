@@ -26,9 +26,9 @@
 //! last line is `calls=N ok=N refused=N status_503=N errors=N`.
 //!
 //! With `--clients N --compare-direct` the same closed loop runs on each path, straight to the
-//! mock and then through spendgate, each after `--warmup` s of unmeasured load (the proxy's
-//! throughput and added latency at N concurrent calls, for `scripts/bench.sh`). Its last two
-//! lines are `closed path=direct|proxy clients=N calls=N ok=N errors=N rate=F p50_ms=F p99_ms=F`.
+//! mock and through spendgate, alternated `--rounds` times after `--warmup` s of unmeasured load
+//! on each (the proxy's throughput and added latency at N concurrent calls, for
+//! `scripts/bench.sh`). Its last two lines are `closed path=direct|proxy clients=N calls=N ok=N errors=N rate=F p50_ms=F p99_ms=F`.
 //!
 //! Every loop is bounded in count and time; only loopback targets are accepted.
 
@@ -53,6 +53,8 @@ const CHUNKS_PER_STREAM_MAX: usize = 4096;
 const CLIENTS_MAX: u64 = 1024;
 /// Calls one closed-loop client sends at most (besides `--seconds`).
 const CALLS_PER_CLIENT_MAX: u64 = 1_000_000;
+/// Rounds of `--compare-direct` at most.
+const ROUNDS_MAX: u64 = 100;
 /// 503 instants listed at most.
 const INSTANTS_SHOWN_MAX: usize = 20;
 
@@ -98,6 +100,10 @@ struct Args {
     /// spendgate, each after `--warmup` s of unmeasured load, and compares them.
     #[arg(long)]
     compare_direct: bool,
+    /// With `--compare-direct`: how many times the two paths alternate, `--seconds` split
+    /// between the rounds.
+    #[arg(long, default_value_t = 1)]
+    rounds: u64,
 }
 
 /// What a phase measures.
@@ -432,8 +438,10 @@ async fn main() -> anyhow::Result<()> {
         anyhow::ensure!(
             args.clients <= CLIENTS_MAX
                 && args.seconds <= SECONDS_MAX
-                && args.warmup <= SECONDS_MAX,
-            "--clients must be 1..={CLIENTS_MAX}, --seconds and --warmup at most {SECONDS_MAX}"
+                && args.warmup <= SECONDS_MAX
+                && (1..=ROUNDS_MAX).contains(&args.rounds),
+            "--clients must be 1..={CLIENTS_MAX}, --seconds and --warmup at most {SECONDS_MAX}, \
+             --rounds 1..={ROUNDS_MAX}"
         );
         if args.compare_direct {
             compare_closed(&ctx).await;
@@ -621,42 +629,70 @@ async fn closed_loop(
     (t, h, elapsed)
 }
 
-/// `--compare-direct`: the closed loop straight to the mock, then through spendgate, each after
-/// `--warmup` s of unmeasured load; a table, then one `closed path=...` line per path.
+/// One path's closed loops of `--compare-direct`, summed over the rounds.
+struct Sum {
+    calls: u64,
+    ok: u64,
+    latency: Histogram<u64>,
+    elapsed: Duration,
+}
+
+/// `--compare-direct`: the closed loop straight to the mock and through spendgate, alternated
+/// `--rounds` times (`--seconds` split between them) so that both paths see the machine alike,
+/// each path after `--warmup` s of unmeasured load; a table, then one `closed path=...` line per
+/// path.
 async fn compare_closed(ctx: &Arc<Ctx>) {
     let args = &ctx.args;
-    let mut lines = Vec::new();
-    let mut rows = Vec::new();
-    for (name, path) in [("direct", Path::Direct), ("proxy", Path::Proxy)] {
-        if args.warmup > 0 {
+    let paths = [("direct", Path::Direct), ("proxy", Path::Proxy)];
+    let mut sums: Vec<Sum> = (0..2)
+        .map(|_| Sum {
+            calls: 0,
+            ok: 0,
+            latency: hist(),
+            elapsed: Duration::ZERO,
+        })
+        .collect();
+    if args.warmup > 0 {
+        for (_, path) in paths {
             let _ = closed_loop(ctx, path, args.warmup).await;
         }
-        let (t, h, elapsed) = closed_loop(ctx, path, args.seconds).await;
-        let not_ok = t.calls - t.ok;
-        let rate = t.ok as f64 / elapsed.as_secs_f64().max(1e-9);
-        let (p50, p99) = (ms(h.value_at_quantile(0.5)), ms(h.value_at_quantile(0.99)));
-        rows.push(format!(
-            "| {name} | {} | {} | {not_ok} | {rate:.1} | {p50:.3} | {p99:.3} | {:.3} |",
-            t.calls,
-            t.ok,
-            ms(h.max())
-        ));
-        lines.push(format!(
-            "closed path={name} clients={} calls={} ok={} errors={not_ok} rate={rate:.3} \
-             p50_ms={p50:.3} p99_ms={p99:.3}",
-            args.clients, t.calls, t.ok
-        ));
+    }
+    let each = (args.seconds / args.rounds).max(1);
+    for _ in 0..args.rounds {
+        for (k, (_, path)) in paths.iter().enumerate() {
+            let (t, h, elapsed) = closed_loop(ctx, *path, each).await;
+            let sum = &mut sums[k];
+            sum.calls += t.calls;
+            sum.ok += t.ok;
+            let _ = sum.latency.add(&h);
+            sum.elapsed += elapsed;
+        }
     }
     println!(
-        "Closed loop, {} clients, {} s per path after {} s warm-up, non-streaming calls, \
-         one path after the other.",
-        args.clients, args.seconds, args.warmup
+        "Closed loop, {} clients, non-streaming calls, the paths alternated {} times {} s each \
+         after {} s warm-up.",
+        args.clients, args.rounds, each, args.warmup
     );
     println!();
     println!("| path | calls | ok | not ok | ok calls/s | p50 ms | p99 ms | max ms |");
     println!("|---|---|---|---|---|---|---|---|");
-    for r in &rows {
-        println!("{r}");
+    let mut lines = Vec::new();
+    for ((name, _), sum) in paths.iter().zip(&sums) {
+        let not_ok = sum.calls - sum.ok;
+        let rate = sum.ok as f64 / sum.elapsed.as_secs_f64().max(1e-9);
+        let h = &sum.latency;
+        let (p50, p99) = (ms(h.value_at_quantile(0.5)), ms(h.value_at_quantile(0.99)));
+        println!(
+            "| {name} | {} | {} | {not_ok} | {rate:.1} | {p50:.3} | {p99:.3} | {:.3} |",
+            sum.calls,
+            sum.ok,
+            ms(h.max())
+        );
+        lines.push(format!(
+            "closed path={name} clients={} calls={} ok={} errors={not_ok} rate={rate:.3} \
+             p50_ms={p50:.3} p99_ms={p99:.3}",
+            args.clients, sum.calls, sum.ok
+        ));
     }
     if let Ok(Some(e)) = ctx.first_error.lock().map(|e| e.clone()) {
         println!("first error: {}", e.chars().take(300).collect::<String>());

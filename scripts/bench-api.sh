@@ -11,9 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${1:-1000}
 SECONDS_EACH=${2:-5}
-cargo build --release -q -p spendgate -p spendgate-bench --bins
-dir=$(mktemp -d)
 . scripts/bench-lib.sh
+cargo build --release -q -p "$SERVER_PKG" -p spendgate-bench --bins
+dir=$(mktemp -d)
 port=$(free_port)
 token=$BENCH_TOKEN
 bench_config "$port" "kind = \"sqlite\"
@@ -21,7 +21,7 @@ path = \"$dir/bench.db\"" > "$dir/bench.toml"
 env ${SPENDGATE_BENCH_ENV:-} ${SPENDGATE_BENCH_BIN:-./target/release/spendgate} serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
 sleep 0.2; if ! kill -0 $! 2>/dev/null; then cat "$dir/server.log"; exit 1; fi
 pid=$!
-trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$dir"' EXIT
+trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true; rm -rf "$dir"' EXIT
 wait_url "http://127.0.0.1:$port/healthz"
 echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
 ./target/release/spendgate-load --base "http://127.0.0.1:$port" --service-token "$token" \

@@ -1,5 +1,10 @@
-# Shared by the benchmark scripts (sourced): free loopback ports, and the config of a gateway
-# whose limits never bind, so that what is measured is the work of admitting, not refusals.
+# Shared by the benchmark scripts (sourced from the repository's root): the package that builds
+# the `spendgate` binary, free loopback ports, and the config of a gateway whose limits never
+# bind, so that what is measured is the work of admitting, not refusals.
+
+# The package whose `spendgate` binary is measured: `spendgate-server` before the crate split,
+# `spendgate` (crates/spendgate) after it. SERVER_PKG in the environment overrides it.
+SERVER_PKG=${SERVER_PKG:-$([ -d crates/spendgate ] && echo spendgate || echo spendgate-server)}
 
 # wait_url URL...: waits (at most 10 s) until every URL answers 2xx; fails otherwise.
 wait_url() {

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Proxy benchmark: the latency `POST /v1/chat/completions` through spendgate adds over calling
-# the upstream directly. Starts the mock upstream (zero latency, unpaced tokens) and
+# the upstream directly. Starts the mock upstream (unpaced tokens) and
 # `spendgate serve` (release build, sqlite store: every call is a one-step run admitted,
 # reserved, forwarded, committed and finished) on free loopback ports, then runs the open-loop
 # driver `spendgate-proxy-load`, which sends the same requests at RATE per second to each path,
@@ -10,6 +10,9 @@
 #
 # e.g. `scripts/bench-proxy.sh 5000 5 --sequential --paced-tokens-per-second 0`: each path
 # alone at 5,000 requests/s, one after the other (see `spendgate-proxy-load --help`).
+# `scripts/bench-proxy.sh 1 8 --clients 50 --compare-direct` runs the driver's closed loop
+# instead: 50 concurrent calls straight to the mock, then through spendgate (RATE unused).
+# SPENDGATE_BENCH_UPSTREAM_MS: the mock's latency before its answer (default 0).
 # SPENDGATE_BENCH_BIN runs another server binary (an A/B against an older build; the mock
 # upstream and the driver stay this build's).
 set -euo pipefail
@@ -17,9 +20,9 @@ cd "$(dirname "$0")/.."
 RATE=${1:-200}
 SECONDS_EACH=${2:-10}
 shift $(( $# < 2 ? $# : 2 ))
-cargo build --release -q -p spendgate -p spendgate-bench -p spendgate-mock-upstream --bins
-dir=$(mktemp -d)
 . scripts/bench-lib.sh
+cargo build --release -q -p "$SERVER_PKG" -p spendgate-bench -p spendgate-mock-upstream --bins
+dir=$(mktemp -d)
 port=$(free_port)
 mport=$(free_port)
 token=$BENCH_TOKEN
@@ -34,15 +37,15 @@ tokenizer = \"bytes\"
 base_url = \"http://127.0.0.1:$mport/v1\"
 api_key = \"bench-upstream-key\"
 timeout_s = 30" > "$dir/bench.toml"
-./target/release/mock-upstream --listen "127.0.0.1:$mport" > "$dir/mock.log" 2>&1 &
+./target/release/mock-upstream --listen "127.0.0.1:$mport" --latency-ms "${SPENDGATE_BENCH_UPSTREAM_MS:-0}" > "$dir/mock.log" 2>&1 &
 mpid=$!
 RUST_LOG=warn ${SPENDGATE_BENCH_BIN:-./target/release/spendgate} serve --config "$dir/bench.toml" > "$dir/server.log" 2>&1 &
 pid=$!
-trap 'kill $pid $mpid 2>/dev/null; wait $pid $mpid 2>/dev/null; rm -rf "$dir"' EXIT
+trap 'kill $pid $mpid 2>/dev/null; wait $pid $mpid 2>/dev/null || true; rm -rf "$dir"' EXIT
 wait_url "http://127.0.0.1:$port/healthz" "http://127.0.0.1:$mport/v1/models"
 echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ)"
 ./target/release/spendgate-proxy-load --proxy "http://127.0.0.1:$port" --direct "http://127.0.0.1:$mport" \
-  --service-token "$token" --rate "$RATE" --seconds "$SECONDS_EACH" --warmup 2 "$@"
+  --service-token "$token" --rate "$RATE" --seconds "$SECONDS_EACH" "$@"
 echo
 echo "mock upstream counted: $(curl -fs "http://127.0.0.1:$mport/mock/stats" | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["requests"], "requests,", s["completed"], "completed")')"
 echo "spendgate: $(curl -fs "http://127.0.0.1:$port/metrics" | grep -E '^spendgate_(admissions_total\{what="proxy_step"\}|unknown_outcomes_total|reservations\{state="held"\})' | tr '\n' ' ')"

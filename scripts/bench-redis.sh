@@ -8,9 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${1:-1000}
 SECONDS_EACH=${2:-5}
-cargo build --release -q -p spendgate -p spendgate-bench --bins
-dir=$(mktemp -d)
 . scripts/bench-lib.sh
+cargo build --release -q -p "$SERVER_PKG" -p spendgate-bench --bins
+dir=$(mktemp -d)
 rport=$(free_port)
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; rm -rf "$dir"; }

@@ -2,7 +2,8 @@
 # Redis server instructions per ledger call, machine-independent (this host's timings are
 # noisy; instruction counts are not): runs `examples/opcount` against a private redis-server
 # under `valgrind --tool=callgrind`, one dump per phase, and prints a Markdown table of
-# instructions per call. With two opcount binaries (an A/B of two builds), each runs on a
+# instructions per call, the last row a trivial `FCALL` on the same server (the baseline that
+# `scripts/bench.sh` reports a reserve+commit pair against). With two opcount binaries (an A/B of two builds), each runs on a
 # server of its own and the table has a column for each.
 #
 #   scripts/opcount.sh [RUNS] [POLICY] [STEPS] [OPCOUNT_BIN ...]
@@ -29,6 +30,8 @@ vpid=
 cleanup() { [ -n "$vpid" ] && kill "$vpid" 2>/dev/null; wait 2>/dev/null || true; rm -rf "$dir"; }
 trap cleanup EXIT
 [ -n "${OPCOUNT_KEEP:-}" ] && mkdir -p "$OPCOUNT_KEEP"
+TRIVIAL_CALLS=2000
+TRIVIAL_LIB=$'#!lua name=benchtrivial\nredis.register_function("bench_trivial", function() return 1 end)'
 
 # count BIN OUT: instructions per call of each phase of one opcount run, as "phase value" lines
 count() {
@@ -41,6 +44,14 @@ count() {
   vpid=$!
   for _ in $(seq 300); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
   OPCOUNT_URL="redis://127.0.0.1:$port/0" OPCOUNT_PID=$vpid "$bin" "$RUNS" "$POLICY" opcount "$STEPS" > "$out/phases" 2> "$out/opcount.log"
+  # The baseline on the same server: a trivial `FCALL` (a function that returns 1), called
+  # TRIVIAL_CALLS times one after the other on one connection, as the store calls are.
+  redis-cli -p "$port" function load replace "$TRIVIAL_LIB" >/dev/null
+  callgrind_control -z "$vpid" >/dev/null 2>&1 || { echo "callgrind_control -z failed" >&2; exit 1; }
+  redis-cli -p "$port" -r "$TRIVIAL_CALLS" fcall bench_trivial 0 >/dev/null
+  callgrind_control -d opcount-fcall_trivial "$vpid" >/dev/null 2>&1 \
+    || { echo "callgrind_control -d failed" >&2; exit 1; }
+  echo "phase opcount-fcall_trivial $TRIVIAL_CALLS" >> "$out/phases"
   kill "$vpid"; wait "$vpid" 2>/dev/null || true; vpid=
   while read -r _ name calls; do
     # the dump named after the phase: its total instructions over the phase's calls

@@ -25,6 +25,11 @@
 //! error code, and when each 503 came (a burst at one instant is one slow store call). Its
 //! last line is `calls=N ok=N refused=N status_503=N errors=N`.
 //!
+//! With `--clients N --compare-direct` the same closed loop runs on each path, straight to the
+//! mock and through spendgate, alternated `--rounds` times after `--warmup` s of unmeasured load
+//! on each (the proxy's throughput and added latency at N concurrent calls, for
+//! `scripts/bench.sh`). Its last two lines are `closed path=direct|proxy clients=N calls=N ok=N errors=N rate=F p50_ms=F p99_ms=F`.
+//!
 //! Every loop is bounded in count and time; only loopback targets are accepted.
 
 #![warn(clippy::too_many_lines)]
@@ -48,6 +53,8 @@ const CHUNKS_PER_STREAM_MAX: usize = 4096;
 const CLIENTS_MAX: u64 = 1024;
 /// Calls one closed-loop client sends at most (besides `--seconds`).
 const CALLS_PER_CLIENT_MAX: u64 = 1_000_000;
+/// Rounds of `--compare-direct` at most.
+const ROUNDS_MAX: u64 = 100;
 /// 503 instants listed at most.
 const INSTANTS_SHOWN_MAX: usize = 20;
 
@@ -89,6 +96,14 @@ struct Args {
     /// error code. 0: the open-loop latency benchmark.
     #[arg(long, default_value_t = 0)]
     clients: u64,
+    /// With `--clients`: runs the closed loop straight to the mock too, then through
+    /// spendgate, each after `--warmup` s of unmeasured load, and compares them.
+    #[arg(long)]
+    compare_direct: bool,
+    /// With `--compare-direct`: how many times the two paths alternate, `--seconds` split
+    /// between the rounds.
+    #[arg(long, default_value_t = 1)]
+    rounds: u64,
 }
 
 /// What a phase measures.
@@ -159,6 +174,30 @@ impl Ctx {
         b
     }
 
+    /// A chat completion on `path` (through spendgate: in `conversation`).
+    fn request(
+        &self,
+        path: Path,
+        measure: Measure,
+        conversation: String,
+    ) -> reqwest::RequestBuilder {
+        let body = self.body(measure);
+        match path {
+            Path::Direct => self
+                .http
+                .post(format!("{}/v1/chat/completions", self.args.direct))
+                .json(&body),
+            Path::Proxy => self
+                .http
+                .post(format!("{}/v1/chat/completions", self.args.proxy))
+                .bearer_auth(&self.args.service_token)
+                .header("spendgate-session", &self.session)
+                .header("spendgate-client-ip", "10.0.0.1")
+                .header("spendgate-conversation", conversation)
+                .json(&body),
+        }
+    }
+
     fn error(&self, path: Path, what: String) {
         self.errors[path as usize].fetch_add(1, Ordering::Relaxed);
         if let Ok(mut e) = self.first_error.lock() {
@@ -175,24 +214,8 @@ impl Ctx {
         k: u64,
         scheduled: Instant,
     ) -> Vec<Duration> {
-        let body = self.body(measure);
-        let mut req = match path {
-            Path::Direct => self
-                .http
-                .post(format!("{}/v1/chat/completions", self.args.direct))
-                .json(&body),
-            Path::Proxy => self
-                .http
-                .post(format!("{}/v1/chat/completions", self.args.proxy))
-                .bearer_auth(&self.args.service_token)
-                .header("spendgate-session", &self.session)
-                .header("spendgate-client-ip", "10.0.0.1")
-                .header(
-                    "spendgate-conversation",
-                    format!("bench-{}", k % self.args.conversations.max(1)),
-                )
-                .json(&body),
-        };
+        let conversation = format!("bench-{}", k % self.args.conversations.max(1));
+        let mut req = self.request(path, measure, conversation);
         if measure == Measure::ChunkTransit {
             req = req
                 .header("x-mock-stamp", "1")
@@ -413,10 +436,19 @@ async fn main() -> anyhow::Result<()> {
     });
     if args.clients > 0 {
         anyhow::ensure!(
-            args.clients <= CLIENTS_MAX && args.seconds <= SECONDS_MAX,
-            "--clients must be 1..={CLIENTS_MAX} and --seconds at most {SECONDS_MAX}"
+            args.clients <= CLIENTS_MAX
+                && args.seconds <= SECONDS_MAX
+                && args.warmup <= SECONDS_MAX
+                && (1..=ROUNDS_MAX).contains(&args.rounds),
+            "--clients must be 1..={CLIENTS_MAX}, --seconds and --warmup at most {SECONDS_MAX}, \
+             --rounds 1..={ROUNDS_MAX}"
         );
-        closed_loop(&ctx).await;
+        if args.compare_direct {
+            compare_closed(&ctx).await;
+        } else {
+            let (t, h, _) = closed_loop(&ctx, Path::Proxy, args.seconds).await;
+            print_closed_loop(&ctx, &t, &h);
+        }
         return Ok(());
     }
 
@@ -503,10 +535,11 @@ struct Tally {
     at_503: Vec<u64>,
 }
 
-/// One closed-loop client: calls one after the other until `end`, each counted in `tally`.
+/// One closed-loop client on `path`: calls one after the other until `end`, each counted in
+/// `tally`.
 async fn closed_client(
     ctx: &Ctx,
-    c: u64,
+    (path, c): (Path, u64),
     (start, end): (Instant, Instant),
     tally: &Mutex<Tally>,
     latency: &Mutex<Histogram<u64>>,
@@ -516,20 +549,8 @@ async fn closed_client(
         if sent >= end {
             break;
         }
-        let body = ctx.body(Measure::Whole);
-        let answer = ctx
-            .http
-            .post(format!("{}/v1/chat/completions", ctx.args.proxy))
-            .bearer_auth(&ctx.args.service_token)
-            .header("spendgate-session", &ctx.session)
-            .header("spendgate-client-ip", "10.0.0.1")
-            .header(
-                "spendgate-conversation",
-                format!("side-{}", (c * 7919 + k) % ctx.args.conversations.max(1)),
-            )
-            .json(&body)
-            .send()
-            .await;
+        let conversation = format!("side-{}", (c * 7919 + k) % ctx.args.conversations.max(1));
+        let answer = ctx.request(path, Measure::Whole, conversation).send().await;
         let outcome = match answer {
             Err(e) => Err(format!("send: {e}")),
             Ok(r) => {
@@ -547,7 +568,7 @@ async fn closed_client(
             Err(e) => {
                 t.errors += 1;
                 drop(t);
-                ctx.error(Path::Proxy, e);
+                ctx.error(path, e);
             }
             Ok((200, _)) => {
                 t.ok += 1;
@@ -569,7 +590,7 @@ async fn closed_client(
                 }
                 drop(t);
                 ctx.error(
-                    Path::Proxy,
+                    path,
                     format!("{status}: {}", String::from_utf8_lossy(&body)),
                 );
             }
@@ -577,29 +598,108 @@ async fn closed_client(
     }
 }
 
-/// `--clients` clients, each sending one call after the other until `--seconds` have passed.
-async fn closed_loop(ctx: &Arc<Ctx>) {
-    let args = &ctx.args;
+/// `--clients` clients on `path`, each sending one call after the other until `seconds` have
+/// passed: what came back, the latency of the calls answered 200, and the time from the start
+/// to the last answer.
+async fn closed_loop(
+    ctx: &Arc<Ctx>,
+    path: Path,
+    seconds: u64,
+) -> (Tally, Histogram<u64>, Duration) {
     let start = Instant::now();
-    let end = start + Duration::from_secs(args.seconds);
+    let end = start + Duration::from_secs(seconds);
     let tally = Arc::new(Mutex::new(Tally::default()));
     let latency = Arc::new(Mutex::new(hist()));
     let mut tasks = Vec::new();
-    for c in 0..args.clients {
+    for c in 0..ctx.args.clients {
         let (ctx, tally, latency) = (ctx.clone(), tally.clone(), latency.clone());
         tasks.push(tokio::spawn(async move {
-            closed_client(&ctx, c, (start, end), &tally, &latency).await;
+            closed_client(&ctx, (path, c), (start, end), &tally, &latency).await;
         }));
     }
     for t in tasks {
         let _ = t.await;
     }
+    let elapsed = start.elapsed();
     let t = match tally.lock() {
         Ok(mut t) => std::mem::take(&mut *t),
         Err(_) => Tally::default(),
     };
     let h = latency.lock().map(|h| h.clone()).unwrap_or_else(|_| hist());
-    print_closed_loop(ctx, &t, &h);
+    (t, h, elapsed)
+}
+
+/// One path's closed loops of `--compare-direct`, summed over the rounds.
+struct Sum {
+    calls: u64,
+    ok: u64,
+    latency: Histogram<u64>,
+    elapsed: Duration,
+}
+
+/// `--compare-direct`: the closed loop straight to the mock and through spendgate, alternated
+/// `--rounds` times (`--seconds` split between them) so that both paths see the machine alike,
+/// each path after `--warmup` s of unmeasured load; a table, then one `closed path=...` line per
+/// path.
+async fn compare_closed(ctx: &Arc<Ctx>) {
+    let args = &ctx.args;
+    let paths = [("direct", Path::Direct), ("proxy", Path::Proxy)];
+    let mut sums: Vec<Sum> = (0..2)
+        .map(|_| Sum {
+            calls: 0,
+            ok: 0,
+            latency: hist(),
+            elapsed: Duration::ZERO,
+        })
+        .collect();
+    if args.warmup > 0 {
+        for (_, path) in paths {
+            let _ = closed_loop(ctx, path, args.warmup).await;
+        }
+    }
+    let each = (args.seconds / args.rounds).max(1);
+    for _ in 0..args.rounds {
+        for (k, (_, path)) in paths.iter().enumerate() {
+            let (t, h, elapsed) = closed_loop(ctx, *path, each).await;
+            let sum = &mut sums[k];
+            sum.calls += t.calls;
+            sum.ok += t.ok;
+            let _ = sum.latency.add(&h);
+            sum.elapsed += elapsed;
+        }
+    }
+    println!(
+        "Closed loop, {} clients, non-streaming calls, the paths alternated {} times {} s each \
+         after {} s warm-up.",
+        args.clients, args.rounds, each, args.warmup
+    );
+    println!();
+    println!("| path | calls | ok | not ok | ok calls/s | p50 ms | p99 ms | max ms |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let mut lines = Vec::new();
+    for ((name, _), sum) in paths.iter().zip(&sums) {
+        let not_ok = sum.calls - sum.ok;
+        let rate = sum.ok as f64 / sum.elapsed.as_secs_f64().max(1e-9);
+        let h = &sum.latency;
+        let (p50, p99) = (ms(h.value_at_quantile(0.5)), ms(h.value_at_quantile(0.99)));
+        println!(
+            "| {name} | {} | {} | {not_ok} | {rate:.1} | {p50:.3} | {p99:.3} | {:.3} |",
+            sum.calls,
+            sum.ok,
+            ms(h.max())
+        );
+        lines.push(format!(
+            "closed path={name} clients={} calls={} ok={} errors={not_ok} rate={rate:.3} \
+             p50_ms={p50:.3} p99_ms={p99:.3}",
+            args.clients, sum.calls, sum.ok
+        ));
+    }
+    if let Ok(Some(e)) = ctx.first_error.lock().map(|e| e.clone()) {
+        println!("first error: {}", e.chars().take(300).collect::<String>());
+    }
+    for l in &lines {
+        println!("{l}");
+    }
 }
 
 /// The closed loop's table and its last line, `calls=N ok=N refused=N status_503=N errors=N`.

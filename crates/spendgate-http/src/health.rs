@@ -55,9 +55,6 @@ pub async fn fallback() -> ApiError {
 /// A method a route does not take, on any route: an OpenAI-shaped 405 (the router adds the
 /// `Allow` header).
 pub async fn method_not_allowed(method: axum::http::Method) -> ApiError {
-    ApiError::new(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "invalid_request",
-        format!("this path does not take {method}"),
-    )
+    ApiError::invalid(format!("this path does not take {method}"))
+        .with_status(StatusCode::METHOD_NOT_ALLOWED)
 }

@@ -14,7 +14,7 @@ use spendgate_store::StoreError;
 
 /// Every error code the server emits. The wire string is the serde name (snake case), the
 /// same as [`ErrorCode::as_str`] (a test holds them equal); never the `Debug` text.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum ErrorCode {
     RateLimited,
@@ -341,7 +341,7 @@ impl From<LedgerError> for ApiError {
 }
 
 /// A run's state as the wire names it (its serde name; never its `Debug` text).
-fn run_state_name(state: spendgate_core::RunState) -> &'static str {
+pub(crate) fn run_state_name(state: spendgate_core::RunState) -> &'static str {
     match state {
         spendgate_core::RunState::Active => "active",
         spendgate_core::RunState::Finished => "finished",

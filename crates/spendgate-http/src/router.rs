@@ -223,6 +223,7 @@ pub fn router(state: Shared, extra: Router<Shared>) -> Router {
         .route("/admin/", get(admin::dashboard))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
+        .route("/openapi.json", get(crate::openapi::openapi_json))
         .route("/metrics", get(health::metrics))
         // (after every route: it applies to the routes registered so far)
         .method_not_allowed_fallback(health::method_not_allowed)

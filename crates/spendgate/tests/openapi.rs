@@ -107,8 +107,11 @@ async fn the_served_document_is_the_checked_in_one() {
 /// Runs one schemathesis pass over the paths `include` matches, with `token`; the output
 /// when it fails.
 fn schemathesis(python: &str, port: u16, include: &str, token: &str) -> Result<(), String> {
+    // (its example database and reports go to a fresh directory, not the source tree)
+    let work = tempfile::tempdir().map_err(|e| e.to_string())?;
     let mut cmd = Command::new(python);
-    cmd.args(["-m", "schemathesis.cli", "run"])
+    cmd.current_dir(work.path())
+        .args(["-m", "schemathesis.cli", "run"])
         .arg(format!("http://127.0.0.1:{port}/openapi.json"))
         .args([
             "--checks",

@@ -36,6 +36,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -c 'import openai, selenium' 2>/dev/null \
   || "$VENV/bin/pip" install -q 'openai>=1.40,<3' 'selenium>=4.20,<5'
+# schemathesis, which the API document's test runs against a live server (pinned: its CLI
+# and checks change between releases).
+"$VENV/bin/python" -c 'import schemathesis' 2>/dev/null \
+  || "$VENV/bin/pip" install -q 'schemathesis==4.32.5'
 export SPENDGATE_TEST_PYTHON="$PWD/$VENV/bin/python"
 
 rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt clippy || true

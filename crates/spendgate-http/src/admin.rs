@@ -4,7 +4,11 @@ use crate::auth::AdminAuth;
 use crate::body::Body;
 use crate::error::{ApiError, ApiResult};
 use crate::state::Shared;
-use crate::usage::usage_json;
+use crate::usage::usage_scopes;
+use crate::wire::{
+    AdjustAnswer, AdminReservationRow, AdminReservationsAnswer, AdminScopeRow, AdminScopesAnswer,
+    CutoffAnswer, ErrorBody,
+};
 use axum::extract::{Query, State};
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{Html, IntoResponse, Response};
@@ -18,6 +22,14 @@ pub const ADMIN_ROWS_MAX: usize = 1000;
 /// Longest adjustment or cutoff reason.
 pub const REASON_BYTES_MAX: usize = 500;
 
+/// The ledger at a glance: holds, charges, the cutoff, the global budgets, policy drift.
+#[utoipa::path(get, path = "/admin/v1/summary", tag = "admin",
+    responses(
+        (status = 200, description = "the summary", body = Object),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("admin" = [])))]
 pub async fn summary(_auth: AdminAuth, State(state): State<Shared>) -> ApiResult<Response> {
     let s = state.store.summary().await?;
     let global = state.store.usage(vec![(ScopeKey::global(), 1)]).await?;
@@ -34,7 +46,7 @@ pub async fn summary(_auth: AdminAuth, State(state): State<Shared>) -> ApiResult
         "dry_run": state.config.server.dry_run,
         // The scopes whose limits are reported, not enforced.
         "dry_run_limits": dry_run_limits(&state.config.policy),
-        "global": usage_json(&global)["scopes"],
+        "global": usage_scopes(&global),
         // Live replicas on this ledger enforcing different policies (issue 18).
         "policy_drift": policy.drift(),
         "policy": policy.json(),
@@ -42,13 +54,24 @@ pub async fn summary(_auth: AdminAuth, State(state): State<Shared>) -> ApiResult
     .into_response())
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ScopesQuery {
     pub kind: Option<String>,
     pub top: Option<usize>,
 }
 
+/// The busiest counters, of one kind of scope or all.
+#[utoipa::path(get, path = "/admin/v1/scopes", tag = "admin",
+    params(ScopesQuery),
+    responses(
+        (status = 200, description = "the counters", body = AdminScopesAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("admin" = [])))]
 pub async fn scopes(
     _auth: AdminAuth,
     State(state): State<Shared>,
@@ -65,29 +88,38 @@ pub async fn scopes(
     let rows = state.store.top_counters(kind, top).await?;
     let rows: Vec<_> = rows
         .into_iter()
-        .map(|(k, c)| {
-            json!({
-                "scope": k.scope.to_string(),
-                "kind": k.scope.kind.name(),
-                "window": k.window.to_string(),
-                "limit_micros": c.limit.0,
-                "used_micros": c.used.0,
-                "reserved_micros": c.reserved.0,
-                "overrun": c.overrun,
-                "resets_at": k.window.resets_at().map(rfc3339),
-            })
+        .map(|(k, c)| AdminScopeRow {
+            scope: k.scope.to_string(),
+            kind: k.scope.kind.name(),
+            window: k.window.to_string(),
+            limit_micros: c.limit.0,
+            used_micros: c.used.0,
+            reserved_micros: c.reserved.0,
+            overrun: c.overrun,
+            resets_at: k.window.resets_at().map(rfc3339),
         })
         .collect();
-    Ok(Json(json!({"scopes": rows})).into_response())
+    Ok(Json(AdminScopesAnswer { scopes: rows }).into_response())
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct ReservationsQuery {
     pub state: Option<String>,
     pub limit: Option<usize>,
 }
 
+/// Reservations, in one state or all.
+#[utoipa::path(get, path = "/admin/v1/reservations", tag = "admin",
+    params(ReservationsQuery),
+    responses(
+        (status = 200, description = "the reservations", body = AdminReservationsAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("admin" = [])))]
 pub async fn reservations(
     _auth: AdminAuth,
     State(state): State<Shared>,
@@ -106,29 +138,30 @@ pub async fn reservations(
         .await?;
     let rows: Vec<_> = rows
         .into_iter()
-        .map(|r| {
-            json!({
-                "id": r.id.0,
-                "run_id": r.run_id.0,
-                "kind": match &r.kind {
-                    spendgate_core::ReservationKind::Model { model, .. } => format!("model:{model}"),
-                    spendgate_core::ReservationKind::Tool { tool, .. } => format!("tool:{tool}"),
-                    spendgate_core::ReservationKind::RunHold => "run_hold".to_string(),
-                },
-                "retry": matches!(r.kind, spendgate_core::ReservationKind::Model { retry: true, .. }),
-                "state": r.state.name(),
-                "reserved_micros": r.amount.0,
-                "charged_micros": r.charged.0,
-                "overrun": r.overrun,
-                "created": rfc3339(r.created),
-                "resolved_at": r.resolved_at.map(rfc3339),
-            })
+        .map(|r| AdminReservationRow {
+            kind: match &r.kind {
+                spendgate_core::ReservationKind::Model { model, .. } => format!("model:{model}"),
+                spendgate_core::ReservationKind::Tool { tool, .. } => format!("tool:{tool}"),
+                spendgate_core::ReservationKind::RunHold => "run_hold".to_string(),
+            },
+            retry: matches!(
+                r.kind,
+                spendgate_core::ReservationKind::Model { retry: true, .. }
+            ),
+            id: r.id.0,
+            run_id: r.run_id.0,
+            state: r.state.name(),
+            reserved_micros: r.amount.0,
+            charged_micros: r.charged.0,
+            overrun: r.overrun,
+            created: rfc3339(r.created),
+            resolved_at: r.resolved_at.map(rfc3339),
         })
         .collect();
-    Ok(Json(json!({"reservations": rows})).into_response())
+    Ok(Json(AdminReservationsAnswer { reservations: rows }).into_response())
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CutoffBody {
     pub engaged: bool,
@@ -136,6 +169,18 @@ pub struct CutoffBody {
     pub reason: String,
 }
 
+/// Engages or lifts the spending cutoff: while engaged nothing new is admitted (503).
+#[utoipa::path(put, path = "/admin/v1/cutoff", tag = "admin",
+    request_body = CutoffBody,
+    responses(
+        (status = 200, description = "the cutoff, as set", body = CutoffAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 413, description = "payload_too_large", body = ErrorBody),
+        (status = 415, description = "the route takes JSON", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("admin" = [])))]
 pub async fn cutoff(
     _auth: AdminAuth,
     State(state): State<Shared>,
@@ -154,10 +199,15 @@ pub async fn cutoff(
     };
     tracing::warn!(engaged = b.engaged, reason = %reason, "spending cutoff changed");
     let applied = state.store.set_cutoff(b.engaged, reason.clone()).await?;
-    Ok(Json(json!({"engaged": b.engaged, "reason": if b.engaged { Some(reason) } else { None }, "ledger_seq": applied.seq})).into_response())
+    Ok(Json(CutoffAnswer {
+        engaged: b.engaged,
+        reason: b.engaged.then_some(reason),
+        ledger_seq: applied.seq,
+    })
+    .into_response())
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AdjustBody {
     pub scope: String,
@@ -165,6 +215,20 @@ pub struct AdjustBody {
     pub reason: String,
 }
 
+/// Credits or charges a scope's budget, with a reason.
+#[utoipa::path(post, path = "/admin/v1/adjustments", tag = "admin",
+    request_body = AdjustBody,
+    params(("Idempotency-Key" = Option<String>, Header, description = "applies once")),
+    responses(
+        (status = 200, description = "the scope's budgets after it", body = AdjustAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 409, description = "idempotency_conflict, reservation_closed, run_closed", body = ErrorBody),
+        (status = 413, description = "payload_too_large", body = ErrorBody),
+        (status = 415, description = "the route takes JSON", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("admin" = [])))]
 pub async fn adjust(
     _auth: AdminAuth,
     State(state): State<Shared>,
@@ -239,10 +303,12 @@ pub async fn adjust(
             before retrying (an Idempotency-Key makes a retry safe)"),
     }
     let applied = applied?;
-    let mut body = usage_json(&applied.value.lines);
-    body["repeated"] = json!(applied.value.repeated);
-    body["ledger_seq"] = json!(applied.seq);
-    Ok(Json(body).into_response())
+    Ok(Json(AdjustAnswer {
+        scopes: usage_scopes(&applied.value.lines),
+        repeated: applied.value.repeated,
+        ledger_seq: applied.seq,
+    })
+    .into_response())
 }
 
 /// The operator dashboard page.

@@ -15,7 +15,7 @@ use std::sync::Arc;
 /// The class of a request, from its path and whether it carries a valid token: two digests
 /// per configured token at most, no body read, no store call.
 pub fn classify(state: &AppState, path: &str, headers: &axum::http::HeaderMap) -> Class {
-    if matches!(path, "/healthz" | "/readyz" | "/metrics") {
+    if matches!(path, "/healthz" | "/readyz" | "/metrics" | "/openapi.json") {
         return Class::Health;
     }
     let Some(token) = crate::auth::bearer(headers) else {

@@ -5,16 +5,23 @@ use crate::metrics::Metrics;
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use serde::Serialize;
 use serde_json::{json, Value};
 use spendgate_core::Refusal;
 
 /// A 200 answer that changed (or read) the ledger at `seq`: the body carries `ledger_seq`, and
 /// so does a header.
-pub fn ledger_answer(mut body: Value, seq: u64) -> Response {
+pub fn ledger_answer(body: impl Serialize, seq: u64) -> Response {
+    let mut body = to_json(body);
     body["ledger_seq"] = json!(seq);
     let mut resp = (StatusCode::OK, Json(body)).into_response();
     seq_header(&mut resp, seq);
     resp
+}
+
+/// A typed answer as JSON (an answer struct always serializes; an empty object otherwise).
+fn to_json(body: impl Serialize) -> Value {
+    serde_json::to_value(body).unwrap_or_else(|_| json!({}))
 }
 
 pub fn seq_header(resp: &mut Response, seq: u64) {
@@ -29,12 +36,13 @@ pub fn seq_header(resp: &mut Response, seq: u64) {
 pub fn grant(
     metrics: &Metrics,
     what: &'static str,
-    out: Result<Value, Refusal>,
+    out: Result<impl Serialize, Refusal>,
     status: StatusCode,
     (seq, replayed): (u64, bool),
 ) -> Response {
     match out {
-        Ok(mut body) => {
+        Ok(body) => {
+            let mut body = to_json(body);
             if !replayed {
                 metrics.admitted(what);
             }

@@ -133,7 +133,7 @@ mod tests {
     fn refusal<T>(r: ApiResult<T>) -> (StatusCode, &'static str, String) {
         match r {
             Ok(_) => panic!("accepted"),
-            Err(e) => (e.status, e.code, e.message),
+            Err(e) => (e.status, e.code.as_str(), e.message),
         }
     }
 

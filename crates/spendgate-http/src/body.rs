@@ -25,8 +25,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if crate::capacity::is_too_slow(&e) {
                 ApiError::new(
-                    StatusCode::REQUEST_TIMEOUT,
-                    "request_timeout",
+                    crate::error::ErrorCode::RequestTimeout,
                     "the request body arrived too slowly: after a short grace a body must \
                      keep arriving at the gateway's minimum rate",
                 )

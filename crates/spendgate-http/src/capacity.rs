@@ -29,7 +29,7 @@
 //! anything is read: the class of a connection is not known until its first head arrives.
 
 use crate::error::ApiError;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use hyper::body::{Body as HttpBody, Frame, SizeHint};
@@ -233,7 +233,7 @@ pub fn refusal(full: Full) -> Response {
     };
     let mut res = ApiError {
         retry_after_s: Some(CAPACITY_RETRY_AFTER_S),
-        ..ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", message)
+        ..ApiError::new(crate::error::ErrorCode::RateLimited, message)
     }
     .with_scope(scope)
     .into_response();

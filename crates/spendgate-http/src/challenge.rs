@@ -10,7 +10,6 @@ use crate::clock::now_unix;
 use crate::error::ApiError;
 use crate::error::ApiResult;
 use crate::state::AppState;
-use axum::http::StatusCode;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use base64::Engine;
 use hmac::{Hmac, Mac};
@@ -106,8 +105,7 @@ pub const VERIFIER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs
 
 fn external_required(message: &str) -> ApiError {
     let mut e = ApiError::new(
-        StatusCode::FORBIDDEN,
-        "challenge_required",
+        crate::error::ErrorCode::ChallengeRequired,
         message.to_string(),
     );
     e.challenge =
@@ -179,8 +177,7 @@ async fn check_external(
 
 fn required(code_msg: &str, state: &AppState) -> ApiError {
     let mut e = ApiError::new(
-        StatusCode::FORBIDDEN,
-        "challenge_required",
+        crate::error::ErrorCode::ChallengeRequired,
         code_msg.to_string(),
     );
     e.challenge = Some(issue(state));

@@ -1,17 +1,208 @@
 //! The one error type of the HTTP edge, rendered in OpenAI's error shape so that OpenAI client
 //! libraries surface refusals as their own errors:
 //! `{"error": {"type", "code", "message", "scope", "retry_after_s"}}`.
+//!
+//! [`ErrorCode`] is the one list of the codes the server answers with (docs/errors.md lists
+//! the same, a test holds them equal): each with its HTTP status and OpenAI error `type`.
 
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use spendgate_core::{LedgerError, Refusal, RefusalCode, ScopeKind};
 use spendgate_store::StoreError;
 
+/// Every error code the server emits. The wire string is the serde name (snake case), the
+/// same as [`ErrorCode::as_str`] (a test holds them equal); never the `Debug` text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    RateLimited,
+    ConcurrencyLimited,
+    BudgetExhausted,
+    BudgetHeld,
+    RunBoundExceeded,
+    PayloadTooLarge,
+    ContextTooLarge,
+    ModelNotAllowed,
+    CutoffEngaged,
+    StoreUnavailable,
+    InvalidRequest,
+    IdempotencyConflict,
+    Unauthorized,
+    ChallengeRequired,
+    ReservationClosed,
+    RunClosed,
+    NotFound,
+    RequestTimeout,
+    Timeout,
+    InternalError,
+    RunDeadlineExceeded,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+}
+
+impl ErrorCode {
+    /// Every code, in docs/errors.md's order.
+    pub const ALL: [ErrorCode; 24] = [
+        ErrorCode::RateLimited,
+        ErrorCode::ConcurrencyLimited,
+        ErrorCode::BudgetExhausted,
+        ErrorCode::BudgetHeld,
+        ErrorCode::RunBoundExceeded,
+        ErrorCode::PayloadTooLarge,
+        ErrorCode::ContextTooLarge,
+        ErrorCode::ModelNotAllowed,
+        ErrorCode::CutoffEngaged,
+        ErrorCode::StoreUnavailable,
+        ErrorCode::InvalidRequest,
+        ErrorCode::IdempotencyConflict,
+        ErrorCode::Unauthorized,
+        ErrorCode::ChallengeRequired,
+        ErrorCode::ReservationClosed,
+        ErrorCode::RunClosed,
+        ErrorCode::NotFound,
+        ErrorCode::RequestTimeout,
+        ErrorCode::Timeout,
+        ErrorCode::InternalError,
+        ErrorCode::RunDeadlineExceeded,
+        ErrorCode::UpstreamError,
+        ErrorCode::UpstreamTimeout,
+        ErrorCode::UpstreamUnreachable,
+    ];
+
+    /// The wire string (`"code"` in the error body, the metrics label).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ErrorCode::RateLimited => "rate_limited",
+            ErrorCode::ConcurrencyLimited => "concurrency_limited",
+            ErrorCode::BudgetExhausted => "budget_exhausted",
+            ErrorCode::BudgetHeld => "budget_held",
+            ErrorCode::RunBoundExceeded => "run_bound_exceeded",
+            ErrorCode::PayloadTooLarge => "payload_too_large",
+            ErrorCode::ContextTooLarge => "context_too_large",
+            ErrorCode::ModelNotAllowed => "model_not_allowed",
+            ErrorCode::CutoffEngaged => "cutoff_engaged",
+            ErrorCode::StoreUnavailable => "store_unavailable",
+            ErrorCode::InvalidRequest => "invalid_request",
+            ErrorCode::IdempotencyConflict => "idempotency_conflict",
+            ErrorCode::Unauthorized => "unauthorized",
+            ErrorCode::ChallengeRequired => "challenge_required",
+            ErrorCode::ReservationClosed => "reservation_closed",
+            ErrorCode::RunClosed => "run_closed",
+            ErrorCode::NotFound => "not_found",
+            ErrorCode::RequestTimeout => "request_timeout",
+            ErrorCode::Timeout => "timeout",
+            ErrorCode::InternalError => "internal_error",
+            ErrorCode::RunDeadlineExceeded => "run_deadline_exceeded",
+            ErrorCode::UpstreamError => "upstream_error",
+            ErrorCode::UpstreamTimeout => "upstream_timeout",
+            ErrorCode::UpstreamUnreachable => "upstream_unreachable",
+        }
+    }
+
+    /// The HTTP status of an answer with this code. `invalid_request` also answers the
+    /// protocol's own refusals (405, 414, 415, 431: [`ApiError::with_status`]).
+    pub const fn status(self) -> StatusCode {
+        match self {
+            ErrorCode::RateLimited
+            | ErrorCode::ConcurrencyLimited
+            | ErrorCode::BudgetExhausted
+            | ErrorCode::BudgetHeld => StatusCode::TOO_MANY_REQUESTS,
+            ErrorCode::RunBoundExceeded
+            | ErrorCode::ContextTooLarge
+            | ErrorCode::ModelNotAllowed
+            | ErrorCode::InvalidRequest => StatusCode::BAD_REQUEST,
+            ErrorCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorCode::CutoffEngaged | ErrorCode::StoreUnavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            ErrorCode::IdempotencyConflict
+            | ErrorCode::ReservationClosed
+            | ErrorCode::RunClosed => StatusCode::CONFLICT,
+            ErrorCode::Unauthorized => StatusCode::UNAUTHORIZED,
+            ErrorCode::ChallengeRequired => StatusCode::FORBIDDEN,
+            ErrorCode::NotFound => StatusCode::NOT_FOUND,
+            ErrorCode::RequestTimeout => StatusCode::REQUEST_TIMEOUT,
+            ErrorCode::Timeout | ErrorCode::RunDeadlineExceeded | ErrorCode::UpstreamTimeout => {
+                StatusCode::GATEWAY_TIMEOUT
+            }
+            ErrorCode::InternalError => StatusCode::INTERNAL_SERVER_ERROR,
+            ErrorCode::UpstreamError | ErrorCode::UpstreamUnreachable => StatusCode::BAD_GATEWAY,
+        }
+    }
+
+    /// The OpenAI error `type` of this code.
+    pub const fn kind(self) -> &'static str {
+        match self {
+            ErrorCode::Unauthorized => "authentication_error",
+            ErrorCode::ChallengeRequired => "permission_error",
+            ErrorCode::NotFound => "not_found_error",
+            // OpenAI's own type for a spent quota: client libraries do not retry it.
+            ErrorCode::BudgetExhausted => "insufficient_quota",
+            // Rate, concurrency and a budget held by calls in flight: waits.
+            ErrorCode::RateLimited | ErrorCode::ConcurrencyLimited | ErrorCode::BudgetHeld => {
+                "rate_limit_error"
+            }
+            ErrorCode::RunBoundExceeded
+            | ErrorCode::PayloadTooLarge
+            | ErrorCode::ContextTooLarge
+            | ErrorCode::ModelNotAllowed
+            | ErrorCode::InvalidRequest
+            | ErrorCode::IdempotencyConflict
+            | ErrorCode::ReservationClosed
+            | ErrorCode::RunClosed
+            | ErrorCode::RequestTimeout => "invalid_request_error",
+            ErrorCode::CutoffEngaged
+            | ErrorCode::StoreUnavailable
+            | ErrorCode::Timeout
+            | ErrorCode::InternalError
+            | ErrorCode::RunDeadlineExceeded
+            | ErrorCode::UpstreamError
+            | ErrorCode::UpstreamTimeout
+            | ErrorCode::UpstreamUnreachable => "server_error",
+        }
+    }
+
+    /// Whether the answer invites a retry (`x-should-retry`): a wait (a rate or concurrency
+    /// limit, a budget held by calls in flight, an outage), not a spent budget.
+    pub const fn retry(self) -> bool {
+        matches!(
+            self,
+            ErrorCode::RateLimited
+                | ErrorCode::ConcurrencyLimited
+                | ErrorCode::BudgetHeld
+                | ErrorCode::StoreUnavailable
+        )
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<RefusalCode> for ErrorCode {
+    fn from(c: RefusalCode) -> ErrorCode {
+        match c {
+            RefusalCode::RateLimited => ErrorCode::RateLimited,
+            RefusalCode::ConcurrencyLimited => ErrorCode::ConcurrencyLimited,
+            RefusalCode::BudgetExhausted => ErrorCode::BudgetExhausted,
+            RefusalCode::BudgetHeld => ErrorCode::BudgetHeld,
+            RefusalCode::RunBoundExceeded => ErrorCode::RunBoundExceeded,
+            RefusalCode::ContextTooLarge => ErrorCode::ContextTooLarge,
+            RefusalCode::PayloadTooLarge => ErrorCode::PayloadTooLarge,
+            RefusalCode::CutoffEngaged => ErrorCode::CutoffEngaged,
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct ApiError {
     pub status: StatusCode,
-    pub code: &'static str,
+    pub code: ErrorCode,
     pub message: String,
     pub scope: Option<ScopeKind>,
     pub retry_after_s: Option<u64>,
@@ -23,9 +214,10 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> ApiError {
+    /// An answer with `code`, at the code's own status.
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
         ApiError {
-            status,
+            status: code.status(),
             code,
             message: message.into(),
             scope: None,
@@ -34,27 +226,32 @@ impl ApiError {
             ledger_seq: None,
         }
     }
+    /// The same answer at another status: `invalid_request` for the protocol's refusals
+    /// (405, 414, 415, 431).
+    pub fn with_status(mut self, status: StatusCode) -> ApiError {
+        self.status = status;
+        self
+    }
     pub fn invalid(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::BAD_REQUEST, "invalid_request", message)
+        ApiError::new(ErrorCode::InvalidRequest, message)
     }
     pub fn unauthorized(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", message)
+        ApiError::new(ErrorCode::Unauthorized, message)
     }
     pub fn not_found(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::NOT_FOUND, "not_found", message)
+        ApiError::new(ErrorCode::NotFound, message)
     }
     pub fn model_not_allowed(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::BAD_REQUEST, "model_not_allowed", message)
+        ApiError::new(ErrorCode::ModelNotAllowed, message)
     }
     pub fn payload_too_large(message: impl Into<String>) -> ApiError {
-        ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "payload_too_large", message)
+        ApiError::new(ErrorCode::PayloadTooLarge, message)
     }
     pub fn store_unavailable() -> ApiError {
         ApiError {
             retry_after_s: Some(1),
             ..ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store_unavailable",
+                ErrorCode::StoreUnavailable,
                 "the spending ledger cannot be reached; nothing new is admitted",
             )
         }
@@ -68,35 +265,16 @@ impl ApiError {
         self
     }
 
-    /// The OpenAI error `type` for this status.
+    /// The OpenAI error `type` of this answer.
     fn kind(&self) -> &'static str {
-        match self.status.as_u16() {
-            400 | 409 | 413 | 431 => "invalid_request_error",
-            401 => "authentication_error",
-            403 => "permission_error",
-            404 => "not_found_error",
-            // OpenAI's own type for a spent quota: client libraries do not retry it.
-            429 if self.code == "budget_exhausted" => "insufficient_quota",
-            // Rate, concurrency and a budget held by calls in flight (`budget_held`): waits.
-            429 => "rate_limit_error",
-            // Any other refusal of the request as sent (405, 408, 415, 422, ...).
-            400..=499 => "invalid_request_error",
-            _ => "server_error",
-        }
+        self.code.kind()
     }
 }
 
 impl From<&Refusal> for ApiError {
     fn from(r: &Refusal) -> ApiError {
-        let status = match r.code {
-            RefusalCode::RateLimited
-            | RefusalCode::ConcurrencyLimited
-            | RefusalCode::BudgetExhausted
-            | RefusalCode::BudgetHeld => StatusCode::TOO_MANY_REQUESTS,
-            RefusalCode::RunBoundExceeded | RefusalCode::ContextTooLarge => StatusCode::BAD_REQUEST,
-            RefusalCode::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
-            RefusalCode::CutoffEngaged => StatusCode::SERVICE_UNAVAILABLE,
-        };
+        let code = ErrorCode::from(r.code);
+        let status = code.status();
         let retry = match status {
             StatusCode::TOO_MANY_REQUESTS | StatusCode::SERVICE_UNAVAILABLE => {
                 Some(r.retry_after_s.unwrap_or(1).max(1))
@@ -105,7 +283,7 @@ impl From<&Refusal> for ApiError {
         };
         ApiError {
             status,
-            code: crate::plant::code(r.code.name()),
+            code,
             message: r.message.clone(),
             scope: r.scope,
             retry_after_s: retry,
@@ -142,21 +320,18 @@ impl From<LedgerError> for ApiError {
         match e {
             LedgerError::NotFound(what) => ApiError::not_found(format!("{what} not found")),
             LedgerError::Closed { state, charged } => ApiError::new(
-                StatusCode::CONFLICT,
-                "reservation_closed",
+                ErrorCode::ReservationClosed,
                 format!(
                     "reservation is already {} and was charged {charged}",
                     state.name()
                 ),
             ),
             LedgerError::RunClosed(state) => ApiError::new(
-                StatusCode::CONFLICT,
-                "run_closed",
-                format!("run is already {}", format!("{state:?}").to_lowercase()),
+                ErrorCode::RunClosed,
+                format!("run is already {}", run_state_name(state)),
             ),
             LedgerError::IdempotencyConflict => ApiError::new(
-                StatusCode::CONFLICT,
-                "idempotency_conflict",
+                ErrorCode::IdempotencyConflict,
                 "this Idempotency-Key was used with a different request",
             ),
             LedgerError::Invalid(m) => ApiError::invalid(m),
@@ -165,12 +340,21 @@ impl From<LedgerError> for ApiError {
     }
 }
 
+/// A run's state as the wire names it (its serde name; never its `Debug` text).
+pub(crate) fn run_state_name(state: spendgate_core::RunState) -> &'static str {
+    match state {
+        spendgate_core::RunState::Active => "active",
+        spendgate_core::RunState::Finished => "finished",
+        spendgate_core::RunState::Expired => "expired",
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut body = json!({
             "error": {
                 "type": self.kind(),
-                "code": self.code,
+                "code": crate::plant::code(self.code),
                 "message": self.message,
                 "param": null,
                 "scope": self.scope.map(|s| s.name()),
@@ -185,7 +369,7 @@ impl IntoResponse for ApiError {
             body["ledger_seq"] = json!(seq);
         }
         let mut resp = (self.status, axum::Json(body)).into_response();
-        resp.extensions_mut().insert(ErrorCode(self.code));
+        resp.extensions_mut().insert(self.code);
         let h = resp.headers_mut();
         if let Some(seq) = self.ledger_seq {
             h.insert("spendgate-ledger-seq", HeaderValue::from(seq));
@@ -198,10 +382,7 @@ impl IntoResponse for ApiError {
         // A spent budget does not come back by retrying: tell OpenAI clients not to hammer it.
         // Everything else that is not a wait (a rate or concurrency limit, a budget held by
         // calls in flight, an outage) is not worth retrying either.
-        let retry = matches!(
-            self.code,
-            "rate_limited" | "concurrency_limited" | "budget_held" | "store_unavailable"
-        );
+        let retry = self.code.retry();
         h.insert(
             "x-should-retry",
             HeaderValue::from_static(if retry { "true" } else { "false" }),
@@ -211,10 +392,6 @@ impl IntoResponse for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
-
-/// The code of an error answer, kept on the response for the metrics layer.
-#[derive(Clone, Copy, Debug)]
-pub struct ErrorCode(pub &'static str);
 
 /// A failure to start: the store, the config, the HTTP client.
 
@@ -232,18 +409,94 @@ pub enum ServerError {
 mod tests {
     use super::*;
 
+    /// The refusals of the request as sent are `invalid_request_error` whatever their
+    /// status; the gateway's own failures are `server_error`.
     #[test]
     fn every_client_error_is_an_invalid_request_type() {
-        for (status, want) in [
-            (StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error"),
-            (StatusCode::REQUEST_TIMEOUT, "invalid_request_error"),
-            (StatusCode::UNSUPPORTED_MEDIA_TYPE, "invalid_request_error"),
-            (StatusCode::UNAUTHORIZED, "authentication_error"),
-            (StatusCode::GATEWAY_TIMEOUT, "server_error"),
-            (StatusCode::SERVICE_UNAVAILABLE, "server_error"),
+        for status in [
+            StatusCode::METHOD_NOT_ALLOWED,
+            StatusCode::URI_TOO_LONG,
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
         ] {
-            assert_eq!(ApiError::new(status, "x", "m").kind(), want, "{status}");
+            let e = ApiError::invalid("m").with_status(status);
+            assert_eq!((e.status, e.kind()), (status, "invalid_request_error"));
         }
+        for (code, want) in [
+            (ErrorCode::RequestTimeout, "invalid_request_error"),
+            (ErrorCode::Unauthorized, "authentication_error"),
+            (ErrorCode::Timeout, "server_error"),
+            (ErrorCode::StoreUnavailable, "server_error"),
+        ] {
+            assert_eq!(ApiError::new(code, "m").kind(), want, "{code}");
+        }
+    }
+
+    /// The wire string is the serde name, it reads back as the same code, and no two codes
+    /// share one; every status is an error status and its type is one OpenAI names.
+    #[test]
+    fn every_code_round_trips_by_its_wire_name() {
+        let mut seen = std::collections::HashSet::new();
+        for code in ErrorCode::ALL {
+            let wire = serde_json::to_value(code).expect("serialize");
+            assert_eq!(wire, json!(code.as_str()), "{code:?}");
+            let back: ErrorCode = serde_json::from_value(wire).expect("deserialize");
+            assert_eq!(back, code);
+            assert!(seen.insert(code.as_str()), "{code} twice");
+            assert!(code.status().is_client_error() || code.status().is_server_error());
+            assert!(
+                [
+                    "invalid_request_error",
+                    "authentication_error",
+                    "permission_error",
+                    "not_found_error",
+                    "insufficient_quota",
+                    "rate_limit_error",
+                    "server_error",
+                ]
+                .contains(&code.kind()),
+                "{code}"
+            );
+        }
+        assert!(serde_json::from_value::<ErrorCode>(json!("quota_exceeded")).is_err());
+    }
+
+    /// docs/errors.md documents exactly the codes of the enum, in its order (one
+    /// `### \`code\`` heading each).
+    #[test]
+    fn the_error_reference_lists_every_code() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/errors.md");
+        let text = std::fs::read_to_string(path).expect("docs/errors.md");
+        let documented: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("### `"))
+            .filter_map(|l| l.strip_suffix('`'))
+            .collect();
+        let codes: Vec<&str> = ErrorCode::ALL.iter().map(|c| c.as_str()).collect();
+        assert_eq!(documented, codes);
+    }
+
+    /// The contract's statuses: 429 for every limit and budget, 503 only for an outage and
+    /// the cutoff, 504 for a deadline.
+    #[test]
+    fn each_code_answers_its_contract_status() {
+        for code in ErrorCode::ALL {
+            let s = code.status().as_u16();
+            match s {
+                503 => assert!(matches!(
+                    code,
+                    ErrorCode::StoreUnavailable | ErrorCode::CutoffEngaged
+                )),
+                429 => assert!(
+                    code.as_str().ends_with("_limited") || code.as_str().starts_with("budget_")
+                ),
+                _ => {}
+            }
+            let r = ApiError::new(code, "m").into_response();
+            assert_eq!(r.status(), code.status(), "{code}");
+            assert_eq!(r.extensions().get::<ErrorCode>(), Some(&code));
+        }
+        assert_eq!(ErrorCode::RunDeadlineExceeded.status().as_u16(), 504);
     }
 
     #[test]
@@ -255,13 +508,13 @@ mod tests {
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
         };
-        let limited = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "rate_limited", "m");
+        let limited = ApiError::new(ErrorCode::RateLimited, "m");
         assert_eq!(retry(limited).as_deref(), Some("true"));
         assert_eq!(
             retry(ApiError::store_unavailable()).as_deref(),
             Some("true")
         );
-        let spent = ApiError::new(StatusCode::TOO_MANY_REQUESTS, "budget_exhausted", "m");
+        let spent = ApiError::new(ErrorCode::BudgetExhausted, "m");
         assert_eq!(retry(spent).as_deref(), Some("false"));
     }
 
@@ -327,7 +580,7 @@ mod tests {
         let e = ApiError::from(StoreError::Ledger(closed(), Some(42)));
         assert_eq!(
             (e.status, e.code),
-            (StatusCode::CONFLICT, "reservation_closed")
+            (StatusCode::CONFLICT, ErrorCode::ReservationClosed)
         );
         let r = e.into_response();
         assert_eq!(

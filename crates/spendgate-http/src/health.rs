@@ -2,23 +2,36 @@
 
 use crate::error::ApiError;
 use crate::state::Shared;
+use crate::wire::{ErrorBody, HealthAnswer, ReadyAnswer};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
 use spendgate_core::ScopeKey;
 
 // ---------------------------------------------------------------------------------------
 // Operations
 
+/// The process is up.
+#[utoipa::path(get, path = "/healthz", tag = "operations",
+    responses((status = 200, description = "up", body = HealthAnswer)))]
 pub async fn healthz() -> Response {
-    Json(json!({"status": "ok"})).into_response()
+    Json(HealthAnswer { status: "ok" }).into_response()
 }
 
+/// The store is reachable.
+#[utoipa::path(get, path = "/readyz", tag = "operations",
+    responses(
+        (status = 200, description = "ready", body = ReadyAnswer),
+        (status = 503, description = "store_unavailable", body = ErrorBody),
+    ))]
 pub async fn readyz(State(state): State<Shared>) -> Response {
     match state.store.ready().await {
-        Ok(()) => Json(json!({"status": "ready", "store": state.store.kind()})).into_response(),
+        Ok(()) => Json(ReadyAnswer {
+            status: "ready",
+            store: state.store.kind(),
+        })
+        .into_response(),
         Err(e) => {
             tracing::warn!(error = %e, "not ready");
             let mut resp = ApiError::store_unavailable().into_response();
@@ -28,6 +41,13 @@ pub async fn readyz(State(state): State<Shared>) -> Response {
     }
 }
 
+/// Prometheus text format (admin token, or a separate listen address).
+#[utoipa::path(get, path = "/metrics", tag = "operations",
+    responses(
+        (status = 200, description = "the metrics", body = String, content_type = "text/plain"),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+    ),
+    security(("admin" = [])))]
 pub async fn metrics(State(state): State<Shared>) -> Response {
     let summary = state.store.summary().await.ok();
     let global = state
@@ -55,9 +75,6 @@ pub async fn fallback() -> ApiError {
 /// A method a route does not take, on any route: an OpenAI-shaped 405 (the router adds the
 /// `Allow` header).
 pub async fn method_not_allowed(method: axum::http::Method) -> ApiError {
-    ApiError::new(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "invalid_request",
-        format!("this path does not take {method}"),
-    )
+    ApiError::invalid(format!("this path does not take {method}"))
+        .with_status(StatusCode::METHOD_NOT_ALLOWED)
 }

@@ -35,6 +35,7 @@ pub mod ids;
 pub mod listener;
 pub mod metered;
 pub mod metrics;
+pub mod openapi;
 pub mod plant;
 pub mod ratelimit;
 pub mod rlimit;
@@ -47,6 +48,7 @@ pub mod steps;
 pub mod store;
 pub mod tls;
 pub mod usage;
+pub mod wire;
 
 pub use spendgate_config as config;
 

@@ -15,6 +15,7 @@
 //! 414 or 431) in the error shape like every other refusal ([`ShapedIo`]), and drains
 //! in-flight requests on shutdown for at most a bounded time.
 
+use crate::error::ErrorCode;
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
@@ -517,8 +518,8 @@ fn refusal_message(code: u16) -> &'static str {
 fn refusal_body(code: u16) -> Vec<u8> {
     let body = serde_json::json!({
         "error": {
-            "type": "invalid_request_error",
-            "code": "invalid_request",
+            "type": ErrorCode::InvalidRequest.kind(),
+            "code": ErrorCode::InvalidRequest.as_str(),
             "message": refusal_message(code),
             "param": null,
             "scope": null,
@@ -1218,7 +1219,8 @@ mod tests {
         use axum::response::IntoResponse;
         for code in [400u16, 414, 431] {
             let status = axum::http::StatusCode::from_u16(code).expect("status");
-            let r = crate::error::ApiError::new(status, "invalid_request", refusal_message(code))
+            let r = crate::error::ApiError::invalid(refusal_message(code))
+                .with_status(status)
                 .into_response();
             let want = axum::body::to_bytes(r.into_body(), 4096)
                 .await

@@ -107,12 +107,12 @@ pub fn announce() -> Result<(), String> {
     Ok(())
 }
 
-/// `made-up-code`: the code a refusal answers with.
-pub fn code(code: &'static str) -> &'static str {
-    if on(Plant::MadeUpCode) && code == "budget_exhausted" {
+/// `made-up-code`: the wire code an error answers with.
+pub fn code(code: crate::error::ErrorCode) -> &'static str {
+    if on(Plant::MadeUpCode) && code == crate::error::ErrorCode::BudgetExhausted {
         "quota_exceeded"
     } else {
-        code
+        code.as_str()
     }
 }
 

@@ -1,6 +1,6 @@
 //! The routes of the decision, admin and health API, and the layers every route is behind.
 
-use crate::error::ApiError;
+use crate::error::{ApiError, ErrorCode};
 use crate::listener::HEADER_BYTES_MAX;
 use crate::state::Shared;
 use crate::{admin, admit, auth, body, health, runs, sessions, steps, usage};
@@ -23,12 +23,9 @@ async fn limit_headers(req: Request, next: Next) -> Response {
         .map(|(k, v)| k.as_str().len() + v.len())
         .sum();
     if total > HEADER_BYTES_MAX {
-        return ApiError::new(
-            axum::http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            "invalid_request",
-            format!("request headers are over {HEADER_BYTES_MAX} bytes"),
-        )
-        .into_response();
+        return ApiError::invalid(format!("request headers are over {HEADER_BYTES_MAX} bytes"))
+            .with_status(axum::http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE)
+            .into_response();
     }
     next.run(req).await
 }
@@ -45,8 +42,8 @@ async fn count_errors(
     if status.is_client_error() || status.is_server_error() {
         let code = res
             .extensions()
-            .get::<crate::error::ErrorCode>()
-            .map_or("upstream", |c| c.0);
+            .get::<ErrorCode>()
+            .map_or("upstream", |c| c.as_str());
         state.metrics.error_answer(status.as_u16(), code);
     }
     res
@@ -80,13 +77,15 @@ async fn json_errors(req: Request, next: Next) -> Response {
         text
     };
     let code = match status.as_u16() {
-        401 => "unauthorized",
-        404 => "not_found",
-        413 => "payload_too_large",
-        s if s >= 500 => "internal_error",
-        _ => "invalid_request",
+        401 => ErrorCode::Unauthorized,
+        404 => ErrorCode::NotFound,
+        413 => ErrorCode::PayloadTooLarge,
+        s if s >= 500 => ErrorCode::InternalError,
+        _ => ErrorCode::InvalidRequest,
     };
-    let mut r = ApiError::new(status, code, message).into_response();
+    let mut r = ApiError::new(code, message)
+        .with_status(status)
+        .into_response();
     for name in [axum::http::header::ALLOW, axum::http::header::RETRY_AFTER] {
         if let Some(v) = parts.headers.get(&name) {
             r.headers_mut().insert(name, v.clone());
@@ -97,21 +96,11 @@ async fn json_errors(req: Request, next: Next) -> Response {
 
 async fn shed(err: tower::BoxError) -> Response {
     if err.is::<tower::timeout::error::Elapsed>() {
-        ApiError::new(
-            axum::http::StatusCode::GATEWAY_TIMEOUT,
-            "timeout",
-            "request took too long",
-        )
-        .into_response()
+        ApiError::new(ErrorCode::Timeout, "request took too long").into_response()
     } else {
         // (the timeout's inner service cannot fail)
         tracing::error!(error = %err, "request failed in the middleware");
-        ApiError::new(
-            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
-            "internal_error",
-            "the request failed",
-        )
-        .into_response()
+        ApiError::new(ErrorCode::InternalError, "the request failed").into_response()
     }
 }
 
@@ -158,12 +147,9 @@ pub async fn require_json(
 ) -> Response {
     let needed = rule == JsonRule::Always || announces_body(req.headers());
     if needed && !is_json(req.headers()) {
-        return ApiError::new(
-            axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "invalid_request",
-            "this route takes JSON: send Content-Type: application/json",
-        )
-        .into_response();
+        return ApiError::invalid("this route takes JSON: send Content-Type: application/json")
+            .with_status(axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE)
+            .into_response();
     }
     next.run(req).await
 }
@@ -237,6 +223,7 @@ pub fn router(state: Shared, extra: Router<Shared>) -> Router {
         .route("/admin/", get(admin::dashboard))
         .route("/healthz", get(health::healthz))
         .route("/readyz", get(health::readyz))
+        .route("/openapi.json", get(crate::openapi::openapi_json))
         .route("/metrics", get(health::metrics))
         // (after every route: it applies to the routes registered so far)
         .method_not_allowed_fallback(health::method_not_allowed)

@@ -10,17 +10,17 @@ use crate::idempotency::idempotency;
 use crate::ids::{check_id_path, new_id};
 use crate::ratelimit::{note_dry_run, rate_limit_headers};
 use crate::state::Shared;
+use crate::wire::{ErrorBody, FinishAnswer, HeartbeatAnswer, RunAnswer, RunBoundsAnswer};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use serde::Deserialize;
-use serde_json::{json, Value};
 use spendgate_core::{rfc3339, RunBounds, RunId, RunRequest};
 
 // ---------------------------------------------------------------------------------------
 // Runs and steps
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateRunBody {
     pub session: String,
@@ -30,6 +30,21 @@ pub struct CreateRunBody {
     pub input_bytes: Option<u64>,
 }
 
+/// A run: its bounds, and the hold on its budgets.
+#[utoipa::path(post, path = "/v1/runs", tag = "runs",
+    request_body = CreateRunBody,
+    params(("Idempotency-Key" = Option<String>, Header, description = "a repeat returns the first answer")),
+    responses(
+        (status = 201, description = "the run, admitted", body = RunAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 409, description = "idempotency_conflict, reservation_closed, run_closed", body = ErrorBody),
+        (status = 413, description = "payload_too_large", body = ErrorBody),
+        (status = 415, description = "the route takes JSON", body = ErrorBody),
+        (status = 429, description = "a rate, concurrency or budget limit (Retry-After)", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("service" = [])))]
 pub async fn create_run(
     _auth: ServiceAuth,
     State(state): State<Shared>,
@@ -65,13 +80,13 @@ pub async fn create_run(
     let rate_left = applied.value.as_ref().ok().and_then(|a| a.rate_left);
     let changed = applied.changed;
     let dry_run = applied.value.as_ref().ok().and_then(|a| a.dry_run.clone());
-    let out = applied.value.map(|a| {
-        json!({
-            "run_id": a.run_id.0,
-            "deadline": rfc3339(a.deadline),
-            "bounds": bounds_json(&a.bounds),
-            "reserved_micros": a.reserved.0,
-        })
+    let seq = applied.seq;
+    let out = applied.value.map(|a| RunAnswer {
+        run_id: a.run_id.0,
+        deadline: rfc3339(a.deadline),
+        bounds: bounds_answer(&a.bounds),
+        reserved_micros: a.reserved.0,
+        ledger_seq: seq,
     });
     let mut resp = grant(
         &state.metrics,
@@ -87,20 +102,33 @@ pub async fn create_run(
     Ok(resp)
 }
 
-fn bounds_json(b: &RunBounds) -> Value {
-    json!({
-        "max_input_bytes": b.max_input_bytes,
-        "max_context_tokens": b.max_context_tokens,
-        "max_output_tokens": b.max_output_tokens,
-        "max_tool_result_bytes": b.max_tool_result_bytes,
-        "max_model_rounds": b.max_model_rounds,
-        "max_tool_calls": b.max_tool_calls,
-        "max_retries": b.max_retries,
-        "max_seconds": b.max_seconds,
-        "max_cost_micros": b.max_cost.0,
-    })
+fn bounds_answer(b: &RunBounds) -> RunBoundsAnswer {
+    RunBoundsAnswer {
+        max_input_bytes: b.max_input_bytes,
+        max_context_tokens: b.max_context_tokens,
+        max_output_tokens: b.max_output_tokens,
+        max_tool_result_bytes: b.max_tool_result_bytes,
+        max_model_rounds: b.max_model_rounds,
+        max_tool_calls: b.max_tool_calls,
+        max_retries: b.max_retries,
+        max_seconds: b.max_seconds,
+        max_cost_micros: b.max_cost.0,
+    }
 }
 
+/// Extends the run's lease.
+#[utoipa::path(post, path = "/v1/runs/{run_id}/heartbeat", tag = "runs",
+    params(("run_id" = String, Path)),
+    responses(
+        (status = 200, description = "the lease, extended", body = HeartbeatAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 404, description = "not_found", body = ErrorBody),
+        (status = 409, description = "idempotency_conflict, reservation_closed, run_closed", body = ErrorBody),
+        (status = 415, description = "the route takes JSON", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("service" = [])))]
 pub async fn heartbeat(
     _auth: ServiceAuth,
     State(state): State<Shared>,
@@ -110,10 +138,27 @@ pub async fn heartbeat(
     check_id_path("run", &run_id)?;
     let applied = state.store.heartbeat(RunId(run_id)).await?;
     let h = applied.value;
-    let body = json!({"lease_until": rfc3339(h.lease_until), "deadline": rfc3339(h.deadline)});
+    let body = HeartbeatAnswer {
+        lease_until: rfc3339(h.lease_until),
+        deadline: rfc3339(h.deadline),
+        ledger_seq: applied.seq,
+    };
     Ok(ledger_answer(body, applied.seq))
 }
 
+/// Closes the run: its hold is released, what its steps used stays charged.
+#[utoipa::path(post, path = "/v1/runs/{run_id}/finish", tag = "runs",
+    params(("run_id" = String, Path)),
+    responses(
+        (status = 200, description = "the run, closed", body = FinishAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 404, description = "not_found", body = ErrorBody),
+        (status = 409, description = "idempotency_conflict, reservation_closed, run_closed", body = ErrorBody),
+        (status = 415, description = "the route takes JSON", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("service" = [])))]
 pub async fn finish(
     _auth: ServiceAuth,
     State(state): State<Shared>,
@@ -123,11 +168,12 @@ pub async fn finish(
     check_id_path("run", &run_id)?;
     let applied = state.store.finish(RunId(run_id)).await?;
     let f = applied.value;
-    let body = json!({
-        "state": format!("{:?}", f.state).to_lowercase(),
-        "charged_micros": f.charged.0,
-        "steps": f.steps,
-        "repeated": f.repeated,
-    });
+    let body = FinishAnswer {
+        state: crate::error::run_state_name(f.state),
+        charged_micros: f.charged.0,
+        steps: f.steps,
+        repeated: f.repeated,
+        ledger_seq: applied.seq,
+    };
     Ok(ledger_answer(body, applied.seq))
 }

@@ -7,12 +7,13 @@ use crate::client::{client_ip_of, cookie_name, ip_scopes, parse_ip};
 use crate::clock::now_unix;
 use crate::error::{ApiError, ApiResult};
 use crate::state::Shared;
+use crate::wire::{ErrorBody, SessionAnswer};
 use axum::extract::{ConnectInfo, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
-use serde_json::{json, Value};
+use serde_json::Value;
 use spendgate_config::ChallengeMode;
 use spendgate_core::{rfc3339, Refusal, UnixMs};
 use std::net::SocketAddr;
@@ -20,9 +21,11 @@ use std::net::SocketAddr;
 // ---------------------------------------------------------------------------------------
 // Sessions
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CreateSessionBody {
+    /// The challenge answered (as it was given).
+    #[schema(value_type = Option<Object>)]
     pub challenge: Option<Value>,
     pub solution: Option<String>,
     /// The guest's address, from the operator's backend (service token) only: a guest must
@@ -30,6 +33,20 @@ pub struct CreateSessionBody {
     pub client_ip: Option<String>,
 }
 
+/// A guest session: the token in the body and a cookie; or 403 `challenge_required` with a
+/// challenge to solve and post back.
+#[utoipa::path(post, path = "/v1/sessions", tag = "sessions",
+    request_body = CreateSessionBody,
+    responses(
+        (status = 201, description = "a session", body = SessionAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 403, description = "challenge_required", body = ErrorBody),
+        (status = 413, description = "payload_too_large", body = ErrorBody),
+        (status = 415, description = "the route takes JSON", body = ErrorBody),
+        (status = 429, description = "a rate, concurrency or budget limit (Retry-After)", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ))]
 pub async fn create_session(
     State(state): State<Shared>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -90,7 +107,11 @@ pub async fn create_session(
     );
     let mut resp = (
         StatusCode::CREATED,
-        Json(json!({"session": token, "expires_at": expires_at, "ledger_seq": applied.seq})),
+        Json(SessionAnswer {
+            session: token,
+            expires_at,
+            ledger_seq: applied.seq,
+        }),
     )
         .into_response();
     if let Ok(v) = HeaderValue::from_str(&cookie) {

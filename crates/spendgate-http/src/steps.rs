@@ -8,18 +8,18 @@ use crate::idempotency::idempotency;
 use crate::ids::{check_id_path, new_id};
 use crate::ratelimit::note_dry_run;
 use crate::state::{AppState, Shared};
+use crate::wire::{ErrorBody, ResolvedAnswer, StepAnswer};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use serde::Deserialize;
-use serde_json::json;
 use spendgate_config::Config;
 use spendgate_core::{
     Applied, Micros, ReservationId, Resolution, Resolved, RunId, Settlement, StepKind, StepRequest,
     TokenUsage,
 };
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]
 pub enum StepBody {
     Model {
@@ -105,6 +105,23 @@ pub async fn step_kind(config: &Config, body: &StepBody) -> ApiResult<StepKind> 
     }
 }
 
+/// A step of a run: a model call or a paid tool, reserved before it is made.
+#[utoipa::path(post, path = "/v1/runs/{run_id}/steps", tag = "steps",
+    request_body = StepBody,
+    params(("run_id" = String, Path),
+        ("Idempotency-Key" = Option<String>, Header, description = "a repeat returns the first answer")),
+    responses(
+        (status = 201, description = "the step, reserved", body = StepAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 404, description = "not_found", body = ErrorBody),
+        (status = 409, description = "idempotency_conflict, reservation_closed, run_closed", body = ErrorBody),
+        (status = 413, description = "payload_too_large", body = ErrorBody),
+        (status = 415, description = "the route takes JSON", body = ErrorBody),
+        (status = 429, description = "a rate, concurrency or budget limit (Retry-After)", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("service" = [])))]
 pub async fn create_step(
     _auth: ServiceAuth,
     State(state): State<Shared>,
@@ -125,13 +142,13 @@ pub async fn create_step(
     let shrunk = matches!(&applied.value, Ok(s) if s.shrunk);
     let changed = applied.changed;
     let dry_run = applied.value.as_ref().ok().and_then(|s| s.dry_run.clone());
-    let out = applied.value.map(|s| {
-        json!({
-            "step_id": s.step_id.0,
-            "reserved_micros": s.reserved.0,
-            "max_output_tokens": s.max_output_tokens,
-            "output_shrunk": s.shrunk,
-        })
+    let seq = applied.seq;
+    let out = applied.value.map(|s| StepAnswer {
+        step_id: s.step_id.0,
+        reserved_micros: s.reserved.0,
+        max_output_tokens: s.max_output_tokens,
+        output_shrunk: s.shrunk,
+        ledger_seq: seq,
     });
     let mut resp = grant(
         &state.metrics,
@@ -156,7 +173,7 @@ pub async fn create_step(
     Ok(resp)
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct UsageBody {
     pub prompt_tokens: u64,
@@ -165,7 +182,7 @@ pub struct UsageBody {
     pub cached_tokens: u64,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct CommitBody {
     pub usage: Option<UsageBody>,
@@ -184,20 +201,36 @@ fn resolved_response(state: &AppState, step: &str, applied: Applied<Resolved>) -
             "overrun: observed usage above the reservation, charged in full"
         );
     }
-    let mut body = json!({
-        "state": r.state.name(),
-        "charged_micros": r.charged.0,
-        "reserved_micros": r.reserved.0,
-        "overrun": r.overrun,
-        "repeated": r.repeated,
-    });
-    if r.result_too_large {
-        body["result_too_large"] = json!(true);
-        body["message"] = json!("tool result is over max_tool_result_bytes: charged, but it must not be fed back to the model");
-    }
+    let body = ResolvedAnswer {
+        state: r.state.name(),
+        charged_micros: r.charged.0,
+        reserved_micros: r.reserved.0,
+        overrun: r.overrun,
+        repeated: r.repeated,
+        result_too_large: r.result_too_large.then_some(true),
+        message: r.result_too_large.then_some(
+            "tool result is over max_tool_result_bytes: charged, but it must not be fed back to the model",
+        ),
+        ledger_seq: applied.seq,
+    };
     ledger_answer(body, applied.seq)
 }
 
+/// Settles a step from what it used: token usage, units, or a tool result's size.
+#[utoipa::path(post, path = "/v1/steps/{step_id}/commit", tag = "steps",
+    request_body = CommitBody,
+    params(("step_id" = String, Path)),
+    responses(
+        (status = 200, description = "the step, charged", body = ResolvedAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 404, description = "not_found", body = ErrorBody),
+        (status = 409, description = "idempotency_conflict, reservation_closed, run_closed", body = ErrorBody),
+        (status = 413, description = "payload_too_large", body = ErrorBody),
+        (status = 415, description = "the route takes JSON", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("service" = [])))]
 pub async fn commit_step(
     _auth: ServiceAuth,
     State(state): State<Shared>,
@@ -231,6 +264,19 @@ async fn resolve(state: &AppState, step_id: String, how: Resolution) -> ApiResul
     Ok(resolved_response(state, &step_id, applied))
 }
 
+/// Releases a step that was not made: nothing is charged.
+#[utoipa::path(post, path = "/v1/steps/{step_id}/release", tag = "steps",
+    params(("step_id" = String, Path)),
+    responses(
+        (status = 200, description = "the step, released", body = ResolvedAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 404, description = "not_found", body = ErrorBody),
+        (status = 409, description = "idempotency_conflict, reservation_closed, run_closed", body = ErrorBody),
+        (status = 415, description = "the route takes JSON", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("service" = [])))]
 pub async fn release_step(
     _auth: ServiceAuth,
     state: State<Shared>,
@@ -240,6 +286,19 @@ pub async fn release_step(
     resolve_route(state, step, Resolution::Release).await
 }
 
+/// A step whose outcome is unknown: charged in full.
+#[utoipa::path(post, path = "/v1/steps/{step_id}/unknown", tag = "steps",
+    params(("step_id" = String, Path)),
+    responses(
+        (status = 200, description = "the step, charged in full", body = ResolvedAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 404, description = "not_found", body = ErrorBody),
+        (status = 409, description = "idempotency_conflict, reservation_closed, run_closed", body = ErrorBody),
+        (status = 415, description = "the route takes JSON", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security(("service" = [])))]
 pub async fn unknown_step(
     _auth: ServiceAuth,
     state: State<Shared>,

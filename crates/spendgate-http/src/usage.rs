@@ -7,19 +7,20 @@ use crate::client::{
 use crate::clock::now_unix;
 use crate::error::{ApiError, ApiResult};
 use crate::state::Shared;
+use crate::wire::{ErrorBody, UsageAnswer, UsageScope};
 use axum::extract::{ConnectInfo, Query, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
-use serde_json::{json, Value};
 use spendgate_core::{rfc3339, Ledger, ScopeKind, UsageLine};
 use std::net::SocketAddr;
 
 // ---------------------------------------------------------------------------------------
 // Usage
 
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::IntoParams)]
+#[into_params(parameter_in = Query)]
 #[serde(deny_unknown_fields)]
 pub struct UsageQuery {
     pub session: Option<String>,
@@ -27,27 +28,35 @@ pub struct UsageQuery {
     pub conversation: Option<String>,
 }
 
-pub fn usage_json(lines: &[UsageLine]) -> Value {
-    let scopes: Vec<Value> = lines
+pub fn usage_scopes(lines: &[UsageLine]) -> Vec<UsageScope> {
+    lines
         .iter()
-        .map(|l| {
-            json!({
-                "kind": l.scope.kind.name(),
-                "id": if l.scope.kind == ScopeKind::Global { None } else { Some(&l.scope.id) },
-                "window": l.window.window.name(),
-                "window_id": l.window.to_string(),
-                "limit_micros": l.limit.0,
-                "used_micros": l.used.0,
-                "reserved_micros": l.reserved.0,
-                "remaining_micros": l.limit.saturating_sub(l.used).saturating_sub(l.reserved).0,
-                "overrun": l.overrun,
-                "resets_at": l.resets_at.map(rfc3339),
-            })
+        .map(|l| UsageScope {
+            kind: l.scope.kind.name(),
+            id: (l.scope.kind != ScopeKind::Global).then(|| l.scope.id.clone()),
+            window: l.window.window.name(),
+            window_id: l.window.to_string(),
+            limit_micros: l.limit.0,
+            used_micros: l.used.0,
+            reserved_micros: l.reserved.0,
+            remaining_micros: l.limit.saturating_sub(l.used).saturating_sub(l.reserved).0,
+            overrun: l.overrun,
+            resets_at: l.resets_at.map(rfc3339),
         })
-        .collect();
-    json!({ "scopes": scopes })
+        .collect()
 }
 
+/// Every budget that applies to a caller, global included: a guest by its cookie, or the
+/// service for `?session=`.
+#[utoipa::path(get, path = "/v1/usage", tag = "usage",
+    params(UsageQuery),
+    responses(
+        (status = 200, description = "the budgets", body = UsageAnswer),
+        (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
+        (status = 401, description = "unauthorized", body = ErrorBody),
+        (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
+    ),
+    security((), ("service" = [])))]
 pub async fn usage(
     State(state): State<Shared>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -83,5 +92,8 @@ pub async fn usage(
     let ips = ip.map(|ip| ip_scopes(&state, ip)).unwrap_or_default();
     let scopes = Ledger::request_scopes(&session.id, &ips, conversation.as_deref());
     let lines = state.store.usage(scopes).await?;
-    Ok(Json(usage_json(&lines)).into_response())
+    Ok(Json(UsageAnswer {
+        scopes: usage_scopes(&lines),
+    })
+    .into_response())
 }

@@ -29,7 +29,7 @@ use spendgate_core::{
     RunAdmitted, RunId, RunRequest, ScopeKind, StepKind, StepRequest, StepReserved,
 };
 use spendgate_http::body::Body;
-use spendgate_http::error::{ApiError, ApiResult};
+use spendgate_http::error::{ApiError, ApiResult, ErrorCode};
 use spendgate_http::ids::{check_id_path, new_id};
 use spendgate_http::plant;
 use spendgate_http::ratelimit::{note_dry_run, rate_limit_headers};
@@ -516,8 +516,7 @@ async fn forward(state: &AppState, p: Prepared, entered: Instant) -> Result<Sent
                 guard,
                 Resolution::Unknown,
                 extra,
-                StatusCode::GATEWAY_TIMEOUT,
-                "run_deadline_exceeded",
+                ErrorCode::RunDeadlineExceeded,
                 "the run's deadline passed before the upstream answered; the call was charged in full",
             )
             .await);
@@ -536,8 +535,7 @@ async fn forward(state: &AppState, p: Prepared, entered: Instant) -> Result<Sent
                 guard,
                 Resolution::Unknown,
                 extra,
-                StatusCode::GATEWAY_TIMEOUT,
-                "upstream_timeout",
+                ErrorCode::UpstreamTimeout,
                 "the upstream did not answer in time; the call was charged in full",
             )
             .await);
@@ -572,8 +570,7 @@ async fn send_failed(
             guard,
             Resolution::Release,
             extra,
-            StatusCode::BAD_GATEWAY,
-            "upstream_unreachable",
+            ErrorCode::UpstreamUnreachable,
             "the upstream could not be reached; nothing was charged",
         )
         .await
@@ -583,8 +580,7 @@ async fn send_failed(
             guard,
             Resolution::Unknown,
             extra,
-            StatusCode::BAD_GATEWAY,
-            "upstream_error",
+            ErrorCode::UpstreamError,
             "the upstream connection failed before an answer; the call was charged in full",
         )
         .await
@@ -662,15 +658,7 @@ async fn relay_error(
     };
     if let Some(message) = operator_problem {
         let headers = extra_only(headers);
-        return fail(
-            guard,
-            how,
-            headers,
-            StatusCode::BAD_GATEWAY,
-            "upstream_error",
-            message,
-        )
-        .await;
+        return fail(guard, how, headers, ErrorCode::UpstreamError, message).await;
     }
     let body = redact(bytes.unwrap_or_default(), &call.upstream.api_key);
     settle(guard, how, status, body, headers).await
@@ -694,8 +682,7 @@ async fn relay_whole(
             guard,
             Resolution::Unknown,
             headers,
-            StatusCode::BAD_GATEWAY,
-            "upstream_error",
+            ErrorCode::UpstreamError,
             "the upstream answer was cut off or too slow; the call was charged in full",
         )
         .await;
@@ -716,8 +703,7 @@ async fn relay_whole(
             guard,
             how,
             headers,
-            StatusCode::BAD_GATEWAY,
-            "upstream_error",
+            ErrorCode::UpstreamError,
             "the upstream's answer could not be read and is longer than the output bound it was given; it was charged for what was sent",
         )
         .await;

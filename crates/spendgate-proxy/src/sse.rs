@@ -8,6 +8,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use spendgate_core::{Resolution, TokenUsage};
+use spendgate_http::error::ErrorCode;
 use spendgate_tokens::{OutputCounter, Tokenizer};
 use std::time::{Duration, Instant};
 
@@ -320,9 +321,8 @@ pub(crate) enum Fate {
 
 /// An SSE event carrying an OpenAI-shaped error: what OpenAI itself sends when a stream fails
 /// after its head (the `openai` libraries raise it as an API error).
-pub(crate) fn sse_error(code: &str, message: &str, mid_line: bool) -> Bytes {
-    let event =
-        json!({"error": {"type": "server_error", "code": code, "message": message, "param": null}});
+pub(crate) fn sse_error(code: ErrorCode, message: &str, mid_line: bool) -> Bytes {
+    let event = json!({"error": {"type": code.kind(), "code": code.as_str(), "message": message, "param": null}});
     let lead = if mid_line { "\n\n" } else { "" };
     Bytes::from(format!("{lead}data: {event}\n\n"))
 }
@@ -561,7 +561,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
         let _ = guard.resolve(how).await;
         self.upstream = None;
         sse_error(
-            "run_deadline_exceeded",
+            ErrorCode::RunDeadlineExceeded,
             "the run's deadline passed; the stream was cut (charged in full unless its usage had arrived)",
             self.tap.mid_line(),
         )
@@ -585,7 +585,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
         );
         let _ = guard.resolve(how).await;
         self.upstream = None;
-        sse_error("upstream_error", message, self.tap.mid_line())
+        sse_error(ErrorCode::UpstreamError, message, self.tap.mid_line())
     }
 }
 
@@ -620,7 +620,7 @@ where
     let how = guard.settlement(trusted, tap.usage, output);
     let _ = guard.resolve(how).await;
     sse_error(
-        "upstream_error",
+        ErrorCode::UpstreamError,
         &format!(
             "the upstream sent more output than the {} tokens it was given; the stream was cut at that bound, and the call charged for all the upstream sent",
             tap.bound

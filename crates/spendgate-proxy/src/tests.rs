@@ -572,7 +572,12 @@ fn tap_does_not_trust_a_cut_usage_line() {
     let _ = tap.feed(Bytes::copy_from_slice(&STREAM.as_bytes()[..cut]));
     assert!(tap.usage.is_none());
     assert!(tap.mid_line());
-    assert!(sse_error("x", "y", tap.mid_line()).starts_with(b"\n\ndata: "));
+    assert!(sse_error(
+        spendgate_http::error::ErrorCode::UpstreamError,
+        "y",
+        tap.mid_line()
+    )
+    .starts_with(b"\n\ndata: "));
 }
 
 #[test]
@@ -714,7 +719,7 @@ fn byte_bound_is_never_below_the_mocks_count() {
         assert!(ours >= base + 3000, "{extra}: {ours} vs {base}");
     }
     let e = prompt_tokens(Tokenizer::Bytes, &json!({"messages": ["hi"]})).expect_err("shape");
-    assert_eq!(e.code, "invalid_request");
+    assert_eq!(e.code.as_str(), "invalid_request");
     let (_, tool, user) = prompt_tokens(Tokenizer::Bytes, &bodies[2]).expect("bound");
     assert_eq!((tool, user), (6, 6));
     assert!(prompt_tokens(Tokenizer::Bytes, &json!({"messages": []})).is_err());
@@ -821,7 +826,7 @@ fn what_cannot_be_priced_as_text_is_refused() {
     ];
     for b in &refused {
         let e = prompt_tokens(Tokenizer::Bytes, b).expect_err("refused");
-        assert_eq!(e.code, "invalid_request", "{b}");
+        assert_eq!(e.code.as_str(), "invalid_request", "{b}");
     }
     let accepted = [
         user(json!([{"type": "text", "text": "a"}])),

@@ -3,12 +3,12 @@
 
 use crate::bounds::UPSTREAM_BODY_BYTES_MAX;
 use crate::guard::StepGuard;
-use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt;
 use spendgate_core::{Applied, LedgerError, ReservationId, Resolution, Resolved, RunId};
-use spendgate_http::error::ApiError;
+use spendgate_http::error::{ApiError, ErrorCode};
 use spendgate_http::AppState;
 use spendgate_store::StoreError;
 
@@ -102,8 +102,7 @@ pub(crate) async fn fail(
     guard: StepGuard,
     how: Resolution,
     mut headers: HeaderMap,
-    status: StatusCode,
-    code: &'static str,
+    code: ErrorCode,
     message: &str,
 ) -> Response {
     if let Some(a) = guard.resolve(how).await {
@@ -112,7 +111,7 @@ pub(crate) async fn fail(
     // Only the step's own headers: an upstream's content type or length must not survive.
     headers.remove(header::CONTENT_TYPE);
     headers.remove(header::CONTENT_LENGTH);
-    let mut r = ApiError::new(status, code, message).into_response();
+    let mut r = ApiError::new(code, message).into_response();
     r.headers_mut().extend(headers);
     r
 }

@@ -1,0 +1,117 @@
+//! The API document (OpenAPI 3.1), generated from the handlers' annotations and the types of
+//! [`crate::wire`]: served at `GET /openapi.json`, checked in at `docs/openapi.json` (a test
+//! holds them equal; `SPENDGATE_BLESS=1` rewrites the file).
+//!
+//! It covers the decision, admin and operations API of this crate; the proxy's routes
+//! (`/v1/chat/completions`) take OpenAI's own shapes and are documented by OpenAI.
+
+use crate::error::ErrorCode;
+use crate::wire::{ErrorBody, ErrorDetail};
+use crate::{admin, health, runs, sessions, steps, usage};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use std::sync::LazyLock;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::{Modify, OpenApi};
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "spendgate",
+        description = "A gateway that keeps an anonymous LLM chat service from spending more \
+                       than its owner allows: the decision API (sessions, runs, steps, usage), \
+                       the admin API and the operations routes. Errors use OpenAI's shape."
+    ),
+    paths(
+        sessions::create_session,
+        runs::create_run,
+        runs::heartbeat,
+        runs::finish,
+        steps::create_step,
+        steps::commit_step,
+        steps::release_step,
+        steps::unknown_step,
+        usage::usage,
+        admin::summary,
+        admin::scopes,
+        admin::reservations,
+        admin::cutoff,
+        admin::adjust,
+        health::healthz,
+        health::readyz,
+        health::metrics,
+        openapi_json,
+    ),
+    components(schemas(ErrorCode, ErrorBody, ErrorDetail)),
+    modifiers(&Tokens)
+)]
+pub struct ApiDoc;
+
+/// The bearer tokens: the service's (`server.service_tokens`) and the admin's.
+struct Tokens;
+
+impl Modify for Tokens {
+    fn modify(&self, api: &mut utoipa::openapi::OpenApi) {
+        let components = api.components.get_or_insert_with(Default::default);
+        for name in ["service", "admin"] {
+            components.add_security_scheme(
+                name,
+                SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+            );
+        }
+    }
+}
+
+/// The document, pretty-printed (what `docs/openapi.json` holds, with a final newline).
+pub fn document() -> String {
+    let text = ApiDoc::openapi()
+        .to_pretty_json()
+        .unwrap_or_else(|_| "{}".to_string());
+    format!("{text}\n")
+}
+
+static DOCUMENT: LazyLock<String> = LazyLock::new(document);
+
+/// This API's OpenAPI 3.1 document.
+#[utoipa::path(get, path = "/openapi.json", tag = "operations",
+    responses((status = 200, description = "the API document", body = Object)))]
+pub async fn openapi_json() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        DOCUMENT.as_str(),
+    )
+        .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    /// `docs/openapi.json` is the document the code generates, built in-process (no server).
+    /// `SPENDGATE_BLESS=1` rewrites the file.
+    #[test]
+    fn the_checked_in_document_is_the_generated_one() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/openapi.json");
+        let want = super::document();
+        if std::env::var_os("SPENDGATE_BLESS").is_some_and(|v| v == "1") {
+            std::fs::write(path, &want).expect("write docs/openapi.json");
+        }
+        let have = std::fs::read_to_string(path).unwrap_or_default();
+        assert!(
+            have == want,
+            "docs/openapi.json differs from the generated document: \
+             run `SPENDGATE_BLESS=1 cargo test -p spendgate-http openapi` and commit it"
+        );
+    }
+
+    /// Every error code is in the document's enum of codes.
+    #[test]
+    fn the_document_lists_every_error_code() {
+        let doc: serde_json::Value = serde_json::from_str(&super::document()).expect("json");
+        assert_eq!(doc["openapi"].as_str().map(|v| &v[..3]), Some("3.1"));
+        let codes = &doc["components"]["schemas"]["ErrorCode"]["enum"];
+        let want: Vec<&str> = crate::error::ErrorCode::ALL
+            .iter()
+            .map(|c| c.as_str())
+            .collect();
+        assert_eq!(codes, &serde_json::json!(want));
+    }
+}

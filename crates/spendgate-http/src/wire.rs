@@ -1,0 +1,223 @@
+//! The answers of the decision, admin and health API as types: what each route sends, and the
+//! schema `docs/openapi.json` publishes ([`crate::openapi`]). A handler builds one of these and
+//! serializes it; none builds its answer ad hoc.
+
+use crate::error::ErrorCode;
+use serde::Serialize;
+use utoipa::ToSchema;
+
+/// `POST /v1/sessions`: a guest session (also set as a cookie).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SessionAnswer {
+    /// The session token.
+    pub session: String,
+    /// RFC 3339.
+    pub expires_at: String,
+    pub ledger_seq: u64,
+}
+
+/// A run's bounds, as admitted.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunBoundsAnswer {
+    pub max_input_bytes: u64,
+    pub max_context_tokens: u64,
+    pub max_output_tokens: u64,
+    pub max_tool_result_bytes: u64,
+    pub max_model_rounds: u32,
+    pub max_tool_calls: u32,
+    pub max_retries: u32,
+    pub max_seconds: u64,
+    pub max_cost_micros: u64,
+}
+
+/// `POST /v1/runs`: an admitted run.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct RunAnswer {
+    pub run_id: String,
+    /// RFC 3339.
+    pub deadline: String,
+    pub bounds: RunBoundsAnswer,
+    pub reserved_micros: u64,
+    pub ledger_seq: u64,
+}
+
+/// `POST /v1/runs/{run_id}/heartbeat`: the run's lease, extended.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HeartbeatAnswer {
+    /// RFC 3339.
+    pub lease_until: String,
+    /// RFC 3339.
+    pub deadline: String,
+    pub ledger_seq: u64,
+}
+
+/// `POST /v1/runs/{run_id}/finish`: the run, closed.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FinishAnswer {
+    /// `active`, `finished` or `expired`.
+    pub state: &'static str,
+    pub charged_micros: u64,
+    pub steps: u32,
+    pub repeated: bool,
+    pub ledger_seq: u64,
+}
+
+/// `POST /v1/runs/{run_id}/steps`: an admitted step.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StepAnswer {
+    pub step_id: String,
+    pub reserved_micros: u64,
+    /// The output bound the call must be forwarded with (model steps).
+    pub max_output_tokens: Option<u64>,
+    /// The bound shrank to what the budget covers (`run.shrink_to_fit`).
+    pub output_shrunk: bool,
+    pub ledger_seq: u64,
+}
+
+/// `POST /v1/steps/{step_id}/commit`, `release` and `unknown`: the step, resolved.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ResolvedAnswer {
+    /// The reservation's state.
+    pub state: &'static str,
+    pub charged_micros: u64,
+    pub reserved_micros: u64,
+    pub overrun: bool,
+    pub repeated: bool,
+    /// A tool result over `max_tool_result_bytes`: charged, not to be fed back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub result_too_large: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<&'static str>,
+    pub ledger_seq: u64,
+}
+
+/// One budget that applies to a caller, in its current window.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UsageScope {
+    /// `global`, `ip`, `session`, `conversation` or `run`.
+    pub kind: &'static str,
+    /// The scope's id (none for the global scope).
+    pub id: Option<String>,
+    pub window: &'static str,
+    pub window_id: String,
+    pub limit_micros: u64,
+    pub used_micros: u64,
+    pub reserved_micros: u64,
+    pub remaining_micros: u64,
+    pub overrun: bool,
+    /// RFC 3339; none for a window that never resets.
+    pub resets_at: Option<String>,
+}
+
+/// `GET /v1/usage`: every budget that applies, global included.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct UsageAnswer {
+    pub scopes: Vec<UsageScope>,
+}
+
+/// `POST /admin/v1/adjustments`: the scope's budgets after the adjustment.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AdjustAnswer {
+    pub scopes: Vec<UsageScope>,
+    /// An earlier answer under the same `Idempotency-Key`: applied once.
+    pub repeated: bool,
+    pub ledger_seq: u64,
+}
+
+/// `PUT /admin/v1/cutoff`: the cutoff as set.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CutoffAnswer {
+    pub engaged: bool,
+    pub reason: Option<String>,
+    pub ledger_seq: u64,
+}
+
+/// One counter of `GET /admin/v1/scopes`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AdminScopeRow {
+    pub scope: String,
+    pub kind: &'static str,
+    pub window: String,
+    pub limit_micros: u64,
+    pub used_micros: u64,
+    pub reserved_micros: u64,
+    pub overrun: bool,
+    pub resets_at: Option<String>,
+}
+
+/// `GET /admin/v1/scopes`: the busiest counters.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AdminScopesAnswer {
+    pub scopes: Vec<AdminScopeRow>,
+}
+
+/// One reservation of `GET /admin/v1/reservations`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AdminReservationRow {
+    pub id: String,
+    pub run_id: String,
+    /// `model:NAME`, `tool:NAME` or `run_hold`.
+    pub kind: String,
+    pub retry: bool,
+    pub state: &'static str,
+    pub reserved_micros: u64,
+    pub charged_micros: u64,
+    pub overrun: bool,
+    /// RFC 3339.
+    pub created: String,
+    pub resolved_at: Option<String>,
+}
+
+/// `GET /admin/v1/reservations`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AdminReservationsAnswer {
+    pub reservations: Vec<AdminReservationRow>,
+}
+
+/// `GET /healthz`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HealthAnswer {
+    /// `ok`.
+    pub status: &'static str,
+}
+
+/// `GET /readyz`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReadyAnswer {
+    /// `ready`.
+    pub status: &'static str,
+    /// The store's kind (`memory`, `sqlite`, `redis`).
+    pub store: &'static str,
+}
+
+/// The error shape of every refusal (OpenAI's): `{"error": {...}}`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+    /// The challenge to solve (`challenge_required`), as in `error.challenge`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub challenge: Option<serde_json::Value>,
+    /// The refusal changed the ledger: its sequence number.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ledger_seq: Option<u64>,
+}
+
+/// The inside of [`ErrorBody`].
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// OpenAI's error type (`invalid_request_error`, `rate_limit_error`, ...).
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub code: ErrorCode,
+    pub message: String,
+    /// Always null (OpenAI's field).
+    #[schema(value_type = Option<String>)]
+    pub param: Option<String>,
+    /// The budget or limit that refused (`global`, `ip`, `session`, `conversation`, `run`).
+    pub scope: Option<String>,
+    pub retry_after_s: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub challenge: Option<serde_json::Value>,
+}

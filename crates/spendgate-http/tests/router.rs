@@ -1,0 +1,164 @@
+//! Validation and error shapes at the router, in-process (`tower::ServiceExt::oneshot`, no
+//! socket, no process): what a bad request is answered, in OpenAI's error shape.
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::http::{header, Request, StatusCode};
+use serde_json::Value;
+use spendgate_http::error::ErrorCode;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tower::ServiceExt;
+
+const SERVICE: &str = "router-service-token-0123456789";
+const ADMIN: &str = "router-admin-token-0123456789";
+
+fn app() -> axum::Router {
+    let config = spendgate_config::load(
+        &format!(
+            "[server]\nservice_tokens = [\"{SERVICE}\"]\nadmin_tokens = [\"{ADMIN}\"]\n\
+             [sessions]\nkeys = [\"router-session-key-0123456789abcdef\"]\n"
+        ),
+        &|_| None,
+    )
+    .expect("config");
+    let store = Arc::new(spendgate_store::MemoryStore::new(
+        config.policy.clone(),
+        Arc::new(spendgate_store::SystemClock),
+    ));
+    let state = spendgate_http::build_state(config, store).expect("state");
+    spendgate_http::router(state, axum::Router::new())
+}
+
+fn request(method: &str, path: &str) -> axum::http::request::Builder {
+    let peer: SocketAddr = "127.0.0.1:40000".parse().expect("addr");
+    let mut b = Request::builder().method(method).uri(path);
+    if let Some(ext) = b.extensions_mut() {
+        ext.insert(ConnectInfo(peer));
+    }
+    b
+}
+
+/// Sends `req` through the router: the status, the body as JSON (null when it is not JSON)
+/// and the raw bytes.
+async fn send(req: Request<Body>) -> (StatusCode, Value, Vec<u8>) {
+    let res = app().oneshot(req).await.expect("infallible");
+    let status = res.status();
+    let bytes = axum::body::to_bytes(res.into_body(), 1 << 20)
+        .await
+        .expect("body");
+    let json = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    (status, json, bytes.to_vec())
+}
+
+/// OpenAI's error shape with `code`, and the type that code has.
+fn assert_error(v: &Value, code: ErrorCode) {
+    let e = &v["error"];
+    assert_eq!(e["code"], code.as_str(), "{v}");
+    assert_eq!(e["type"], code.kind(), "{v}");
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e.get("param").is_some(), "{v}");
+}
+
+#[tokio::test]
+async fn malformed_json_is_an_invalid_request() {
+    let req = request("POST", "/v1/runs")
+        .header(header::AUTHORIZATION, format!("Bearer {SERVICE}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from("{\"session\": "))
+        .expect("request");
+    let (status, v, _) = send(req).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_error(&v, ErrorCode::InvalidRequest);
+}
+
+#[tokio::test]
+async fn an_unknown_field_is_an_invalid_request() {
+    let req = request("POST", "/v1/runs")
+        .header(header::AUTHORIZATION, format!("Bearer {SERVICE}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(
+            r#"{"session": "s", "client_ip": "127.0.0.1", "conversation": "c", "input_bytes": 1, "extra": 1}"#,
+        ))
+        .expect("request");
+    let (status, v, _) = send(req).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_error(&v, ErrorCode::InvalidRequest);
+}
+
+#[tokio::test]
+async fn a_body_that_is_not_json_is_415() {
+    for (path, auth) in [
+        ("/v1/runs", Some(SERVICE)),
+        ("/admin/v1/adjustments", Some(ADMIN)),
+        ("/v1/sessions", None),
+    ] {
+        // (a client announces its body: the service and admin routes take a POST without one)
+        let mut b = request("POST", path)
+            .header(header::CONTENT_TYPE, "text/plain")
+            .header(header::CONTENT_LENGTH, "2");
+        if let Some(token) = auth {
+            b = b.header(header::AUTHORIZATION, format!("Bearer {token}"));
+        }
+        let (status, v, _) = send(b.body(Body::from("{}")).expect("request")).await;
+        assert_eq!(status, StatusCode::UNSUPPORTED_MEDIA_TYPE, "{path}");
+        assert_error(&v, ErrorCode::InvalidRequest);
+    }
+}
+
+#[tokio::test]
+async fn a_credentialed_route_without_a_token_is_401() {
+    for (method, path) in [
+        ("POST", "/v1/runs"),
+        ("POST", "/v1/runs/run_x/heartbeat"),
+        ("GET", "/admin/v1/summary"),
+    ] {
+        let req = request(method, path)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from("{}"))
+            .expect("request");
+        let (status, v, _) = send(req).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{method} {path}");
+        assert_error(&v, ErrorCode::Unauthorized);
+    }
+    // The service token does not open the admin API.
+    let req = request("GET", "/admin/v1/summary")
+        .header(header::AUTHORIZATION, format!("Bearer {SERVICE}"))
+        .body(Body::empty())
+        .expect("request");
+    let (status, v, _) = send(req).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_error(&v, ErrorCode::Unauthorized);
+}
+
+#[tokio::test]
+async fn an_unknown_route_is_404_in_the_error_shape() {
+    let req = request("GET", "/v1/nothing-here")
+        .body(Body::empty())
+        .expect("request");
+    let (status, v, _) = send(req).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_error(&v, ErrorCode::NotFound);
+}
+
+#[tokio::test]
+async fn a_method_a_route_does_not_take_is_405_in_the_error_shape() {
+    let req = request("DELETE", "/v1/sessions")
+        .body(Body::empty())
+        .expect("request");
+    let (status, v, _) = send(req).await;
+    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_error(&v, ErrorCode::InvalidRequest);
+}
+
+/// The API document is served without a token, and it is the one the code generates.
+#[tokio::test]
+async fn the_document_is_served_unauthenticated() {
+    let req = request("GET", "/openapi.json")
+        .body(Body::empty())
+        .expect("request");
+    let (status, v, bytes) = send(req).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(bytes, spendgate_http::openapi::document().into_bytes());
+    assert!(v["paths"]["/v1/runs"]["post"].is_object(), "{v}");
+}

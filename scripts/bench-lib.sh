@@ -4,7 +4,7 @@
 
 # The package whose `spendgate` binary is measured: `spendgate-server` before the crate split,
 # `spendgate` (crates/spendgate) after it. SERVER_PKG in the environment overrides it.
-SERVER_PKG=${SERVER_PKG:-$([ -d crates/spendgate ] && echo spendgate || echo spendgate-server)}
+SERVER_PKG=${SERVER_PKG:-spendgate}
 
 # wait_url URL...: waits (at most 10 s) until every URL answers 2xx; fails otherwise.
 wait_url() {

@@ -44,6 +44,10 @@ export SPENDGATE_TEST_PYTHON="$PWD/$VENV/bin/python"
 
 rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt clippy || true
 
+# cargo-deny, for the licenses and bans of every dependency (deny.toml; both checks work offline).
+command -v cargo-deny >/dev/null 2>&1 || cargo install --locked cargo-deny@0.20.2
+
 cargo fmt --all -- --check
+cargo deny check licenses bans
 cargo clippy --workspace --all-targets --locked -- -D warnings
 cargo test --workspace --locked

@@ -21,8 +21,10 @@ use crate::{signal, TestkitError};
 /// If it is missing, `redis-server` is also looked up on `$PATH`.
 pub const REDIS_SERVER_PATH: &str = "/usr/bin/redis-server";
 
-/// How long `start`/`restart` wait for the server to answer PING.
-const START_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long `start`/`restart` wait for the server to answer PING (a restart loads its AOF,
+/// which on a loaded 2-core machine has taken more than 5 s; a 20-minute chaos run's Redis
+/// then stayed down and voided the run).
+const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default read/write timeout of [`RedisServer::command`].
 const COMMAND_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long `shutdown` waits after SIGTERM before resorting to SIGKILL.

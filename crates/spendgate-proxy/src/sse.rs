@@ -9,6 +9,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 use spendgate_core::{Resolution, TokenUsage};
 use spendgate_http::error::ErrorCode;
+use spendgate_http::plant;
 use spendgate_tokens::{OutputCounter, Tokenizer};
 use std::time::{Duration, Instant};
 
@@ -522,7 +523,12 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
         let mut tap = std::mem::replace(&mut self.tap, SseTap::new(false, Tokenizer::Bytes, 0));
         let mut stop: Stop = std::mem::replace(&mut self.stop, Box::pin(std::future::pending()));
         let upstream = self.upstream.take();
-        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+        // With the planted bug `drop-releases` (chaos tests only), a client gone is not
+        // drained, and its step is released ([`StepGuard`]'s `Drop`).
+        let handle = tokio::runtime::Handle::try_current()
+            .ok()
+            .filter(|_| !plant::on(plant::Plant::DropReleases));
+        let Some(handle) = handle else {
             guard.usage = tap.final_usage();
             guard.seen = tap.usage;
             guard.output = tap.output.tally();

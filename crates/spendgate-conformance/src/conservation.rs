@@ -220,10 +220,44 @@ pub async fn i2_expired_reservations_are_closed(b: &dyn Backend) {
         (r.state, r.charged, r.repeated),
         (ReservationState::Committed, Micros(2_500), true)
     );
+    // A commit that costs no more than the expiry charged is refused (above: units(1)); one
+    // that costs more is a late overrun: the difference is charged, the state stays, and a
+    // repeat of it changes nothing more.
+    closed(
+        &resolve_err(&s, "e", units(4_000)).await,
+        ReservationState::Expired,
+        4_000,
+    );
+    let before = seq(&s).await;
+    let late = resolve(&s, "e", units(4_600)).await;
+    assert_eq!(
+        (
+            late.value.state,
+            late.value.charged,
+            late.value.overrun,
+            late.value.repeated
+        ),
+        (ReservationState::Expired, Micros(4_600), true, false),
+        "a late overrun"
+    );
+    assert!(
+        late.seq > before,
+        "a late overrun is a change of the ledger"
+    );
+    closed(
+        &resolve_err(&s, "e", units(4_600)).await,
+        ReservationState::Expired,
+        4_600,
+    );
+    let e = reservation(&s, "e").await;
+    assert_eq!(
+        (e.state, e.charged, e.overrun),
+        (ReservationState::Expired, Micros(4_600), true)
+    );
     let lines = check_ledger(&s, &w.scopes()).await;
-    assert_eq!(ur(&lines, ScopeKind::Global), (6_500, 0));
+    assert_eq!(ur(&lines, ScopeKind::Global), (7_100, 0));
     let sum = summary(&s).await;
-    assert_eq!(sum.charged_micros, Micros(6_500));
+    assert_eq!(sum.charged_micros, Micros(7_100));
     assert_eq!(sum.reservations.get("expired").copied(), Some(1));
     assert_eq!(sum.reservations.get("committed").copied(), Some(1));
 }

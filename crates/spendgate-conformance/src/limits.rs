@@ -519,6 +519,23 @@ pub async fn whole_run_expiry_charges_the_hold(b: &dyn Backend) {
     assert_eq!(ur(&lines, ScopeKind::Session), (50_000, 0));
     let lines = check_ledger(&s, &w2.scopes()).await;
     assert_eq!(ur(&lines, ScopeKind::Session), (60_000, 0));
+
+    // A late overrun of the expired step: its run's settled hold follows to what the run was
+    // charged, so the scopes count it.
+    let late = resolve(&s, "b", units(45_000)).await.value;
+    assert_eq!(
+        (late.state, late.charged),
+        (ReservationState::Expired, Micros(45_000))
+    );
+    let all = reservations(&s).await;
+    let h1 = hold_of(&all, "r1");
+    assert_eq!(
+        (h1.state, h1.charged),
+        (ReservationState::Expired, Micros(65_000))
+    );
+    let lines = check_ledger(&s, &w1.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (125_000, 0));
+    assert_eq!(ur(&lines, ScopeKind::Session), (65_000, 0));
 }
 
 /// An adjustment with a key applies once: a repeat (an operator's retry after a timeout)

@@ -551,6 +551,41 @@ impl Model {
             Resolution::Unknown => ReservationState::Unknown,
         };
         if st.state != ReservationState::Held {
+            // A late overrun: a commit above what an unknown or expired step was charged
+            // charges the difference; the state stays.
+            let late = match (st.state, how, st.model) {
+                (
+                    ReservationState::Unknown | ReservationState::Expired,
+                    Resolution::Commit(Settlement::Tokens(u)),
+                    Some(_),
+                ) => u.prompt_tokens + 2 * u.completion_tokens,
+                (
+                    ReservationState::Unknown | ReservationState::Expired,
+                    Resolution::Commit(Settlement::Units(n)),
+                    None,
+                ) => TOOL_CALL + TOOL_UNIT * n,
+                _ => 0,
+            };
+            if late > st.charged {
+                let (state, amount, delta) = (st.state, st.amount, late - st.charged);
+                for key in st.keys.clone() {
+                    let c = self.counter(key);
+                    c.used += delta;
+                    c.overran |= late > amount;
+                    if c.used > c.limit {
+                        c.overrun = true;
+                    }
+                }
+                self.steps[step].charged = late;
+                let ans = Ans::Resolved {
+                    state,
+                    charged: late,
+                    reserved: amount,
+                    overrun: late > amount,
+                    repeated: false,
+                };
+                return (ans, true);
+            }
             if st.state != target {
                 return (
                     Ans::Closed {
@@ -1090,7 +1125,7 @@ async fn check_case(s: &Arc<dyn Store>, m: &Model, sum: &Summary) -> Result<(), 
     let overruns = m
         .steps
         .iter()
-        .filter(|s| s.state == ReservationState::Committed && s.charged > s.amount)
+        .filter(|s| s.state != ReservationState::Held && s.charged > s.amount)
         .count() as u64;
     let active = m
         .runs

@@ -387,8 +387,9 @@ pub fn lines_hold(lines: &[UsageLine], all: &[Reservation]) -> Result<(), String
             ReservationState::Held => r.charged == Micros::ZERO,
             ReservationState::Released => r.charged == Micros::ZERO,
             ReservationState::Committed => r.overrun == (r.charged > r.amount),
+            // (a step above its amount: a late overrun, flagged as one)
             ReservationState::Unknown | ReservationState::Expired => {
-                r.charged >= r.amount && (!step || r.charged == r.amount)
+                r.charged >= r.amount && (!step || r.overrun == (r.charged > r.amount))
             }
         };
         if !ok {

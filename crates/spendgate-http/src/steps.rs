@@ -216,12 +216,16 @@ fn resolved_response(state: &AppState, step: &str, applied: Applied<Resolved>) -
     ledger_answer(body, applied.seq)
 }
 
-/// Settles a step from what it used: token usage, units, or a tool result's size.
+/// Settles a step from what it used: token usage, units, or a tool result's size. A commit
+/// that reaches a step already `unknown` or `expired` (its holder could not reach the store in
+/// time) with usage that costs more than it was charged is a late overrun: the difference is
+/// charged, the state stays, and the answer says so (`overrun: true`). Any other commit of a
+/// settled step is refused `reservation_closed`.
 #[utoipa::path(post, path = "/v1/steps/{step_id}/commit", tag = "steps",
     request_body = CommitBody,
     params(("step_id" = String, Path)),
     responses(
-        (status = 200, description = "the step, charged", body = ResolvedAnswer),
+        (status = 200, description = "the step, charged (committed; or a late overrun of an unknown or expired step, its state kept)", body = ResolvedAnswer),
         (status = 400, description = "invalid_request and the other refusals of the request as sent", body = ErrorBody),
         (status = 401, description = "unauthorized", body = ErrorBody),
         (status = 404, description = "not_found", body = ErrorBody),

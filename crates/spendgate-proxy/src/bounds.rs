@@ -11,12 +11,17 @@ pub const SSE_LINE_BYTES_MAX: usize = 1024 * 1024;
 /// Messages in one request.
 pub const MESSAGES_MAX: usize = 4096;
 /// Pauses before each retry of a proxied step's resolution that could not reach the store
-/// (about 4 s in all; the hold expires, charged in full, if none lands first).
-pub const SETTLE_RETRY_PAUSES: [Duration; 4] = [
+/// (about 30 s in all). The hold expires, charged in full, if none lands before its lease
+/// runs out; a later retry that commits more than that is still charged the difference (a
+/// late overrun, SPEC I1b), so retries go on past a lease.
+pub const SETTLE_RETRY_PAUSES: [Duration; 7] = [
     Duration::from_millis(250),
     Duration::from_millis(500),
     Duration::from_secs(1),
     Duration::from_secs(2),
+    Duration::from_secs(4),
+    Duration::from_secs(8),
+    Duration::from_secs(15),
 ];
 /// Resolutions being retried in the background at most (per process); past it a failed
 /// resolution is not retried: its hold expires and is charged in full.

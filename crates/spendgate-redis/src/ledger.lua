@@ -510,11 +510,10 @@ end
 local M_FMT = '<dddddddddddddddI4c0'
 local SEQ, SEQ0 = 0, 0
 -- MV: clock nrec active held committed released unknown expired overruns tnext,
--- held_sum (hi lo) charged_sum (hi lo)
+-- held_sum (hi lo) charged_sum (hi lo); a limb (lo) is below 4294967296 (2^32)
 local MV = { 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 local CUT = false
 local MDIRTY = false
-local LIMB = 4294967296
 -- mincr's field names: an index of MV (11 and 13: the sums)
 local M_IDX = { clock = 1, nrec = 2, active = 3, ['st:held'] = 4, ['st:committed'] = 5, ['st:released'] = 6,
   ['st:unknown'] = 7, ['st:expired'] = 8, overruns = 9, tnext = 10, held_sum = 11, charged_sum = 13 }
@@ -556,11 +555,11 @@ local function mincr(f, n)
       MV[i] = MV[i] + n
     else
       -- exact: n = dh * 2^32 + dl with 0 <= dl < 2^32
-      local dh = mfloor(n / LIMB)
-      local l = MV[i + 1] + (n - dh * LIMB)
+      local dh = mfloor(n / 4294967296)
+      local l = MV[i + 1] + (n - dh * 4294967296)
       local h = MV[i] + dh
-      if l >= LIMB then
-        l = l - LIMB
+      if l >= 4294967296 then
+        l = l - 4294967296
         h = h + 1
       end
       MV[i], MV[i + 1] = h, l
@@ -573,7 +572,7 @@ local function msum(i)
   local h = MV[i]
   if h >= 2097152 then return S(MAX) end
   if h < -2097152 then return S(-MAX) end
-  return S(mmin(h * LIMB + MV[i + 1], MAX))
+  return S(mmin(h * 4294967296 + MV[i + 1], MAX))
 end
 -- Writes meta (with `clock` the new clock) when anything changed.
 local function meta_flush(clock)
@@ -975,6 +974,58 @@ local function settle(id, state, charged, now, acc, pre)
       if c.used > c.limit then c.overrun = 1 end
       csave(c)
     end
+  end
+end
+
+-- Ledger::top_up: a late overrun. A terminal reservation's charge grows to `charged`, its
+-- counters' used spend by the difference; its state and resolution time stay. Then a step's
+-- run hold follows (whole_run): held, it grows to what the run was charged
+-- (Ledger::grow_run_hold; after an overrun at commit, `charged` is nil and only this runs);
+-- settled, it is topped up to it (Ledger::top_up_run_hold).
+local function top_up(id, charged, f)
+  local run_id = f[S_RUN]
+  if charged then
+    local delta = charged - f[S_CHARGED]
+    local old_overrun = f[S_OVERRUN]
+    local overrun = 0
+    if charged > f[S_AMOUNT] then overrun = 1 end
+    f[S_CHARGED], f[S_OVERRUN] = charged, overrun
+    res_put(id, f)
+    for _, e in ipairs(f[S_COUNTERS]) do
+      local c = cload(e)
+      c.used = mmin(c.used + delta, MAX)
+      if c.used > c.limit then c.overrun = 1 end
+      csave(c)
+    end
+    if f[S_KIND] == 'hold' then return end
+    mincr('charged_sum', delta)
+    mincr('overruns', overrun - old_overrun)
+    local run = run_get(run_id)
+    if run then
+      run[R_CHARGED] = mmin(run[R_CHARGED] + delta, MAX)
+      run_put(run_id, run)
+    end
+  end
+  local run = run_get(run_id)
+  local hid = run and run_imm(run, true)[R_HOLD] or ''
+  if hid == '' then return end
+  local h = res_get(hid)
+  if not h then return end
+  local used = cload(RUN_C .. run_id).used
+  if h[S_STATE] == 'held' then
+    if used > h[S_AMOUNT] then
+      local delta = used - h[S_AMOUNT]
+      h[S_AMOUNT] = used
+      res_put(hid, h)
+      for _, e in ipairs(h[S_COUNTERS]) do
+        local c = cload(e)
+        c.reserved = mmin(c.reserved + delta, MAX)
+        if mmin(c.used + c.reserved, MAX) > c.limit then c.overrun = 1 end
+        csave(c)
+      end
+    end
+  elseif used > h[S_CHARGED] then
+    top_up(hid, used, h)
   end
 end
 
@@ -1472,6 +1523,21 @@ function OPS.resolve(now, swept, A)
   local state, kind, amount = f[S_STATE], f[S_KIND], f[S_AMOUNT]
   if state ~= 'held' then
     local commit = how == 'tokens' or how == 'units' or how == 'bytes'
+    -- Ledger::resolve's late overrun: a commit reaching an expired or unknown reservation
+    -- with a usage that costs more than it was charged tops it up.
+    if commit and (state == 'expired' or state == 'unknown') then
+      local late = nil
+      if kind == 'model' and how == 'tokens' then
+        late = price_ceil({ { A[3], N(f[S_P1]) }, { A[4], N(f[S_P2]) }, { A[5], N(f[S_P3]) } })
+      elseif kind == 'tool' and how == 'units' then
+        late = tool_cost(N(f[S_P1]), N(f[S_P2]), A[3])
+      end
+      if late and late > f[S_CHARGED] then
+        top_up(id, late, f)
+        bump()
+        return ok(true, { state, late, amount, I01(late > amount), 0, 0 })
+      end
+    end
     local same = (state == 'committed' and commit) or (state == 'released' and how == 'release')
       or (state == 'unknown' and how == 'unknown')
     if not same then return err({ 'closed', state, S(f[S_CHARGED]) }) end
@@ -1504,27 +1570,7 @@ function OPS.resolve(now, swept, A)
   end
   f[S_BIG] = I01(too_large)
   settle(id, new, charged, now, nil, f)
-  if charged > amount then
-    -- Ledger::grow_run_hold: whole_run, the hold grows to what the run was charged, so that
-    -- its scopes count an overrun at once.
-    local run = run_get(f[S_RUN])
-    local hid = run and run_imm(run, true)[R_HOLD] or ''
-    if hid ~= '' then
-      local h = res_get(hid)
-      local used = cload(RUN_C .. f[S_RUN]).used
-      if h and h[S_STATE] == 'held' and used > h[S_AMOUNT] then
-        local delta = used - h[S_AMOUNT]
-        h[S_AMOUNT] = used
-        res_put(hid, h)
-        for _, e in ipairs(h[S_COUNTERS]) do
-          local c = cload(e)
-          c.reserved = mmin(c.reserved + delta, MAX)
-          if mmin(c.used + c.reserved, MAX) > c.limit then c.overrun = 1 end
-          csave(c)
-        end
-      end
-    end
-  end
+  if charged > amount then top_up(id, nil, f) end
   renew(f[S_RUN], now, P.ttl)
   bump()
   return ok(true, { new, charged, amount, I01(charged > amount), 0, f[S_BIG] })

@@ -103,13 +103,7 @@ pub fn show(text: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_chaos_run_holds_every_check() {
     let _all = RUNS.acquire_many(PERMITS).await.expect("permits");
-    let mut opts = Options::new(90, 18, spendgate());
-    // Without upstreams that generate past their bound: under kills and store outages a
-    // proxied stream cut at its bound is still, now and then (1 in about 200 such calls),
-    // charged its reservation below what the upstream wrote (RELIABILITY.md, "The chaos
-    // run": an open defect). The 20-minute run keeps them; the proxy's own tests cover the
-    // cut and its charge.
-    opts.knobs.overbound = 0.0;
+    let opts = Options::new(90, 18, spendgate());
     let mut out: Vec<u8> = Vec::new();
     let outcome = {
         let mut w = std::io::Cursor::new(&mut out);

@@ -154,6 +154,55 @@ impl Ledger {
         }
     }
 
+    /// A late overrun ([`Ledger::resolve`]): a terminal reservation's charge grows to
+    /// `charged`, and its scopes' used spend by the difference (an overrun there when that
+    /// takes it above the limit). Its state and resolution time stay.
+    pub(super) fn top_up(&mut self, id: &ReservationId, charged: Micros) {
+        let Some(res) = self.reservations.get_mut(id) else {
+            return;
+        };
+        debug_assert!(
+            res.state != ReservationState::Held && charged > res.charged,
+            "a top-up raises a settled charge"
+        );
+        let delta = Micros(charged.0.saturating_sub(res.charged.0));
+        self.stats.count(res, false);
+        res.charged = charged;
+        res.overrun = charged > res.amount;
+        self.stats.count(res, true);
+        let keys = res.counters.clone();
+        self.touch(Entity::Reservation(id.clone()));
+        for key in keys {
+            let limit = self.counters.get(&key).map(|c| c.limit).unwrap_or_default();
+            let c = self.counter_mut(&key, limit);
+            c.used = c.used.add_capped(delta);
+            if c.used > c.limit {
+                c.overrun = true;
+            }
+        }
+    }
+
+    /// `whole_run`, after a late overrun: a run hold already settled is topped up to what
+    /// the run was charged, when that is more (a held one grows: [`Ledger::grow_run_hold`]).
+    pub(super) fn top_up_run_hold(&mut self, run_id: &RunId) {
+        let Some(run) = self.runs.get(run_id) else {
+            return;
+        };
+        let Some(hold_id) = run.hold.clone() else {
+            return;
+        };
+        let run_used = self
+            .counters
+            .get(&run.counter_key())
+            .map(|c| c.used)
+            .unwrap_or_default();
+        match self.reservations.get(&hold_id) {
+            Some(h) if h.state == ReservationState::Held => self.grow_run_hold(run_id),
+            Some(h) if run_used > h.charged => self.top_up(&hold_id, run_used),
+            _ => {}
+        }
+    }
+
     /// `whole_run`: after a step's overrun, the run's hold grows to what the run was charged
     /// when that is more, so that its scopes count the overrun at once (as `per_step` charges
     /// it to them at commit), not only when the run ends. Held beyond a scope's limit, it is

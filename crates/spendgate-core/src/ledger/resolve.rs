@@ -37,6 +37,32 @@ impl Ledger {
             .filter(|r| r.kind != ReservationKind::RunHold)
             .ok_or_else(|| LedgerError::NotFound(format!("step {}", step_id.0)))?;
         if res.state != ReservationState::Held {
+            // A late overrun: a commit that reaches a reservation after it expired (its
+            // holder could not reach the store before its lease ran out) or was marked
+            // unknown, with a usage that costs more than it was charged. The difference is
+            // charged (I1b: never below what the upstream served; I3: failures err towards
+            // charging more); the state stays, and the first outcome is answered otherwise.
+            if let (ReservationState::Expired | ReservationState::Unknown, Resolution::Commit(s)) =
+                (res.state, how)
+            {
+                // (a settlement of the wrong kind is answered as closed, like any other)
+                let late = charge_of(res, s).unwrap_or(Micros::ZERO);
+                if late > res.charged {
+                    let (state, amount, run_id) = (res.state, res.amount, res.run_id.clone());
+                    self.top_up(step_id, late);
+                    self.top_up_run_hold(&run_id);
+                    self.bump();
+                    let value = Resolved {
+                        state,
+                        charged: late,
+                        reserved: amount,
+                        overrun: late > amount,
+                        repeated: false,
+                        result_too_large: false,
+                    };
+                    return Ok(self.answer(value, true));
+                }
+            }
             let same = matches!(
                 (res.state, how),
                 (ReservationState::Committed, Resolution::Commit(_))

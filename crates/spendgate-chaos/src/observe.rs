@@ -35,7 +35,8 @@ impl Seen {
 pub struct Observed {
     pub res: HashMap<String, Seen>,
     /// Reservations seen in one terminal state and later in another (or charged another
-    /// amount): I2 says a reservation ends once.
+    /// amount): I2 says a reservation ends once; only a late overrun raises an unknown or
+    /// expired charge.
     pub flips: Vec<String>,
     pub flip_count: u64,
     pub polls: u64,
@@ -77,6 +78,16 @@ impl Observed {
                     .unwrap_or(0),
             };
             match self.res.get(id) {
+                // A late overrun (SPEC I1b, docs/decisions/0041): an unknown or expired
+                // reservation's charge grows, its state kept. The newer, larger charge stands.
+                Some(old)
+                    if old.terminal()
+                        && old.state == seen.state
+                        && matches!(old.state.as_str(), "unknown" | "expired")
+                        && seen.charged > old.charged =>
+                {
+                    self.res.insert(id.to_string(), seen);
+                }
                 // A terminal state is final, and so is its charge.
                 Some(old) if old.terminal() => {
                     if old.state != seen.state || old.charged != seen.charged {
@@ -310,5 +321,28 @@ mod tests {
             o.res["s1"].state, "committed",
             "the first terminal state stays"
         );
+    }
+
+    #[test]
+    fn a_late_overrun_raises_an_unknown_charge_and_nothing_else_does() {
+        let mut o = Observed::default();
+        let row = |id: &str, state: &str, charged: u64| {
+            json!({"id": id, "run_id": "r1", "kind": "model:m", "state": state,
+                "reserved_micros": 10, "charged_micros": charged})
+        };
+        o.absorb(&[row("u", "unknown", 10), row("c", "committed", 7)]);
+        o.absorb(&[row("u", "unknown", 25)]);
+        assert_eq!(
+            (o.flip_count, o.res["u"].charged),
+            (0, 25),
+            "a late overrun"
+        );
+        o.absorb(&[row("u", "unknown", 12)]);
+        o.absorb(&[row("c", "committed", 9)]);
+        assert_eq!(
+            o.flip_count, 2,
+            "a charge that goes down, or a committed one that moves"
+        );
+        assert_eq!((o.res["u"].charged, o.res["c"].charged), (25, 7));
     }
 }

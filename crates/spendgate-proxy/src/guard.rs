@@ -64,9 +64,10 @@ pub(crate) struct StepGuard {
     pub(crate) output: OutputTally,
     /// The task renewing the run's lease; stopped when the step is resolved.
     pub(crate) renewal: Option<tokio::task::AbortHandle>,
-    /// When the call must stop ([`StepGuard::stopped`]): the run's deadline once known, or
-    /// the moment the run was found ended under the call.
+    /// The run's deadline once known ([`StepGuard::stopped`], [`StepGuard::deadline`]).
     pub(crate) stop: tokio::sync::watch::Receiver<Option<tokio::time::Instant>>,
+    /// Set when the run was found ended under the call ([`StepGuard::stopped`]).
+    pub(crate) ended: tokio::sync::watch::Receiver<bool>,
 }
 
 /// The local instant of a store time (the store's clock is this machine's, or Redis's).
@@ -90,6 +91,7 @@ impl StepGuard {
         // A third of the lease: two renewals may fail or be late before it runs out.
         let every = (state.config.store.lease_ttl / 3).max(LEASE_RENEWAL_MIN);
         let (stop_tx, stop) = tokio::sync::watch::channel(deadline.map(instant_of));
+        let (ended_tx, ended) = tokio::sync::watch::channel(false);
         let renewal = {
             let state = state.clone();
             let run_id = run_id.clone();
@@ -112,7 +114,7 @@ impl StepGuard {
                         // without this call, which must stop now.
                         Err(StoreError::Ledger(e, _)) => {
                             tracing::warn!(error = %e, run = %run_id.0, "a proxied call's run ended under it; stopping the call");
-                            let _ = stop_tx.send(Some(tokio::time::Instant::now()));
+                            let _ = ended_tx.send(true);
                             return;
                         }
                         Err(e) => {
@@ -137,6 +139,7 @@ impl StepGuard {
             output: OutputTally::default(),
             renewal: Some(renewal),
             stop,
+            ended,
         }
     }
 
@@ -144,6 +147,25 @@ impl StepGuard {
     /// seconds, I5; past it, its lease is over and its holds are charged, so paid work must
     /// not go on), or when the run ended under the call.
     pub(crate) fn stopped(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let (deadline, mut ended) = (self.deadline(), self.ended.clone());
+        async move {
+            let ended = async move {
+                if ended.wait_for(|e| *e).await.is_err() {
+                    // The renewal stopped without finding the run ended: only the deadline.
+                    std::future::pending::<()>().await;
+                }
+            };
+            tokio::select! {
+                () = deadline => {}
+                () = ended => {}
+            }
+        }
+    }
+
+    /// Completes at the run's deadline only. A drain of what an upstream already sent
+    /// ([`crate::sse::drain`]) goes on when the run ends under it (the output it reads was
+    /// served, and a late overrun still charges it), but never past the deadline.
+    pub(crate) fn deadline(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
         let mut rx = self.stop.clone();
         async move {
             loop {

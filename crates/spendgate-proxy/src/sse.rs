@@ -364,12 +364,14 @@ pub(crate) enum DrainEnd {
 }
 
 /// Reads (and counts, forwarding nothing) what an upstream sends after its stream was cut
-/// at the output bound, until it ends, for at most [`CUT_DRAIN_MAX`] and
-/// [`CUT_DRAIN_BYTES_MAX`]: what it had sent already is billed, and is charged.
+/// at the output bound (or its client left), until it ends, for at most [`CUT_DRAIN_MAX`]
+/// and [`CUT_DRAIN_BYTES_MAX`], and never past the run's `deadline` (a run that ended under
+/// the call does not stop it: what the upstream had sent is billed, and is charged, by a
+/// late overrun if need be).
 pub(crate) async fn drain<U>(
     upstream: Option<&mut U>,
     tap: &mut SseTap,
-    stop: &mut Stop,
+    deadline: &mut Stop,
 ) -> DrainEnd
 where
     U: futures::Stream<Item = reqwest::Result<Bytes>> + Unpin,
@@ -378,12 +380,12 @@ where
         // (ended already)
         return DrainEnd::Whole;
     };
-    let deadline = tokio::time::Instant::now() + CUT_DRAIN_MAX;
+    let until = tokio::time::Instant::now() + CUT_DRAIN_MAX;
     let mut read = 0usize;
     loop {
         let next = tokio::select! {
-            next = tokio::time::timeout_at(deadline, upstream.next()) => next,
-            _ = &mut *stop => return DrainEnd::Cut,
+            next = tokio::time::timeout_at(until, upstream.next()) => next,
+            _ = &mut *deadline => return DrainEnd::Cut,
         };
         match next {
             Ok(Some(Ok(chunk))) => {
@@ -421,6 +423,7 @@ where
     let s = Relayed {
         upstream: Some(upstream),
         stop: Box::pin(guard.stopped()),
+        deadline: Box::pin(guard.deadline()),
         guard: Some(guard),
         tap,
         idle,
@@ -436,7 +439,11 @@ where
                 next = tokio::time::timeout(s.idle, upstream.next()) => next,
                 _ = &mut s.stop => {
                     let guard = s.guard.take()?;
-                    let event = s.past_deadline(guard).await;
+                    let event = if *guard.ended.borrow() {
+                        s.ended_under(guard).await
+                    } else {
+                        s.past_deadline(guard).await
+                    };
                     return Some((Ok(event), s));
                 }
             };
@@ -447,9 +454,14 @@ where
                     guard.usage = s.tap.final_usage();
                     guard.seen = s.tap.usage;
                     if s.tap.over {
-                        let event =
-                            cut_at_bound(&mut s.tap, Some(upstream), &mut s.stop, guard, s.started)
-                                .await;
+                        let event = cut_at_bound(
+                            &mut s.tap,
+                            Some(upstream),
+                            &mut s.deadline,
+                            guard,
+                            s.started,
+                        )
+                        .await;
                         s.upstream = None;
                         let mut bytes = out.to_vec();
                         bytes.extend_from_slice(&event);
@@ -476,7 +488,7 @@ where
                     let tail = s.tap.finish();
                     if s.tap.over {
                         let event =
-                            cut_at_bound::<U>(&mut s.tap, None, &mut s.stop, guard, s.started)
+                            cut_at_bound::<U>(&mut s.tap, None, &mut s.deadline, guard, s.started)
                                 .await;
                         s.upstream = None;
                         return Some((Ok(event), s));
@@ -502,7 +514,10 @@ struct Relayed<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin 
     /// The upstream's body; dropped (its connection closed) when the stream is cut.
     upstream: Option<B>,
     guard: Option<StepGuard>,
+    /// The run's deadline, or the run ended under the call: the relay stops.
     stop: Stop,
+    /// The run's deadline only: a drain stops ([`drain`]).
+    deadline: Stop,
     tap: SseTap,
     idle: Duration,
     started: Instant,
@@ -521,7 +536,8 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
             return;
         };
         let mut tap = std::mem::replace(&mut self.tap, SseTap::new(false, Tokenizer::Bytes, 0));
-        let mut stop: Stop = std::mem::replace(&mut self.stop, Box::pin(std::future::pending()));
+        let mut stop: Stop =
+            std::mem::replace(&mut self.deadline, Box::pin(std::future::pending()));
         let upstream = self.upstream.take();
         // With the planted bug `drop-releases` (chaos tests only), a client gone is not
         // drained, and its step is released ([`StepGuard`]'s `Drop`).
@@ -573,6 +589,31 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
         )
     }
 
+    /// The run ended under the call (finished by its backend, or expired): nothing more is
+    /// relayed, what the upstream had sent is read and counted ([`drain`], bounded, never
+    /// past the deadline), and the step settled from it; its run already charged it in full,
+    /// and a count above that is a late overrun. The event that ends the client's stream.
+    async fn ended_under(&mut self, guard: StepGuard) -> Bytes {
+        let end = drain(self.upstream.as_mut(), &mut self.tap, &mut self.deadline).await;
+        self.upstream = None;
+        let trusted = match end {
+            DrainEnd::Whole => self.tap.end_usage(),
+            DrainEnd::Cut => self.tap.final_usage(),
+        };
+        tracing::warn!(
+            usage_read = trusted.is_some(),
+            "a proxied stream's run ended under it; cutting it"
+        );
+        guard.state.metrics.upstream_call(self.started.elapsed());
+        let how = guard.settlement(trusted, self.tap.usage, self.tap.output.tally());
+        let _ = guard.resolve(how).await;
+        sse_error(
+            ErrorCode::RunClosed,
+            "the run ended while its call was streaming; the stream was cut (charged in full unless its usage had arrived)",
+            self.tap.mid_line(),
+        )
+    }
+
     /// The upstream's stream failed mid-way. The event that ends the client's stream.
     async fn lost(&mut self, guard: StepGuard) -> Bytes {
         guard.state.metrics.upstream_call(self.started.elapsed());
@@ -602,14 +643,14 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
 pub(crate) async fn cut_at_bound<U>(
     tap: &mut SseTap,
     upstream: Option<&mut U>,
-    stop: &mut Stop,
+    deadline: &mut Stop,
     guard: StepGuard,
     started: Instant,
 ) -> Bytes
 where
     U: futures::Stream<Item = reqwest::Result<Bytes>> + Unpin,
 {
-    let end = drain(upstream, tap, stop).await;
+    let end = drain(upstream, tap, deadline).await;
     let trusted = match end {
         DrainEnd::Whole => tap.end_usage(),
         DrainEnd::Cut => tap.final_usage(),

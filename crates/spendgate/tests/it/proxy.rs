@@ -1436,6 +1436,77 @@ async fn client_gone_from_a_stream_past_its_bound_is_charged_what_was_served() {
     );
 }
 
+/// A stream whose upstream wrote far past its bound, and whose run its backend finished
+/// mid-stream (the client still reading, or gone): the finish charges the held step its
+/// reservation (`unknown`); what the upstream had sent is still read and counted, and the
+/// charge raised to it (a late overrun), never left below what was served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_run_finished_under_a_stream_past_its_bound_is_charged_what_was_served() {
+    let g = Gateway::start(Opts::default()).await;
+    for leave in [false, true] {
+        let conversation = format!("c-finished-{leave}");
+        let run = g.server.run(&g.session, "10.1.2.3", &conversation).await;
+        let before = g.mock.stats();
+        let r = g
+            .request(
+                &conversation,
+                &json!({"model": MODEL, "stream": true, "max_tokens": 100,
+                    "messages": user("tell me everything")}),
+            )
+            .header("spendgate-run", &run)
+            .header("x-mock-tokens-per-second", "2000")
+            .header("x-mock-completion-tokens", "100")
+            .header("x-mock-extra-completion-tokens", "800")
+            .header("x-mock-fault", "no_usage")
+            .send()
+            .await
+            .expect("send");
+        assert_eq!(r.status().as_u16(), 200, "leave={leave}");
+        let step = r
+            .headers()
+            .get("spendgate-step")
+            .and_then(|v| v.to_str().ok())
+            .expect("step")
+            .to_string();
+        let mut body = Box::pin(r.bytes_stream());
+        let first = tokio::time::timeout(Duration::from_secs(5), body.next())
+            .await
+            .expect("first chunk in time");
+        assert!(matches!(first, Some(Ok(_))));
+        if leave {
+            drop(body);
+        }
+        let (status, v) = g
+            .server
+            .post(&format!("/v1/runs/{run}/finish"), json!({}))
+            .await;
+        assert_eq!(status, 200, "leave={leave}: {v}");
+        // The upstream writes its whole answer (the proxy goes on reading it); the late
+        // overrun lands once the proxy has read it (bounded).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while g.mock.stats().completion_tokens - before.completion_tokens < 900 {
+            assert!(Instant::now() < deadline, "leave={leave}: the mock did not finish");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let (row, served) = loop {
+            let row = g.reservation(&step).await;
+            let served = priced_delta(g.prices, &before, &g.mock.stats());
+            let charged = row["charged_micros"].as_u64().expect("charged");
+            if charged >= served || Instant::now() > deadline {
+                break (row, served);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        let charged = row["charged_micros"].as_u64().expect("charged");
+        assert!(
+            charged >= served,
+            "leave={leave}: charged {charged} < served {served}: {row}"
+        );
+        assert_eq!(row["state"], "unknown", "leave={leave}: {row}");
+        assert_eq!(row["overrun"], true, "leave={leave}: {row}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Real clients.
 

@@ -980,8 +980,8 @@ end
 -- Ledger::top_up: a late overrun. A terminal reservation's charge grows to `charged`, its
 -- counters' used spend by the difference; its state and resolution time stay. Then a step's
 -- run hold follows (whole_run): held, it grows to what the run was charged
--- (Ledger::grow_run_hold; after an overrun at commit, `charged` is nil and only this runs);
--- settled, it is topped up to it (Ledger::top_up_run_hold).
+-- (Ledger::run_hold_follows; after an overrun at commit, `charged` is nil and only this runs);
+-- settled, it is topped up to it.
 local function top_up(id, charged, f)
   local run_id = f[S_RUN]
   if charged then

@@ -182,32 +182,12 @@ impl Ledger {
         }
     }
 
-    /// `whole_run`, after a late overrun: a run hold already settled is topped up to what
-    /// the run was charged, when that is more (a held one grows: [`Ledger::grow_run_hold`]).
-    pub(super) fn top_up_run_hold(&mut self, run_id: &RunId) {
-        let Some(run) = self.runs.get(run_id) else {
-            return;
-        };
-        let Some(hold_id) = run.hold.clone() else {
-            return;
-        };
-        let run_used = self
-            .counters
-            .get(&run.counter_key())
-            .map(|c| c.used)
-            .unwrap_or_default();
-        match self.reservations.get(&hold_id) {
-            Some(h) if h.state == ReservationState::Held => self.grow_run_hold(run_id),
-            Some(h) if run_used > h.charged => self.top_up(&hold_id, run_used),
-            _ => {}
-        }
-    }
-
-    /// `whole_run`: after a step's overrun, the run's hold grows to what the run was charged
+    /// `whole_run`: after a step's overrun, the run's hold follows what the run was charged
     /// when that is more, so that its scopes count the overrun at once (as `per_step` charges
-    /// it to them at commit), not only when the run ends. Held beyond a scope's limit, it is
-    /// an overrun there: the scope admits nothing more until its window resets.
-    pub(super) fn grow_run_hold(&mut self, run_id: &RunId) {
+    /// it to them at commit), not only when the run ends: a held hold grows (held beyond a
+    /// scope's limit, it is an overrun there: the scope admits nothing more until its window
+    /// resets); after a late overrun, a settled one is topped up ([`Ledger::top_up`]).
+    pub(super) fn run_hold_follows(&mut self, run_id: &RunId) {
         let Some(run) = self.runs.get(run_id) else {
             return;
         };
@@ -219,6 +199,16 @@ impl Ledger {
             .get(&run.counter_key())
             .map(|c| c.used)
             .unwrap_or_default();
+        let settled = match self.reservations.get(&hold_id) {
+            Some(h) if h.state != ReservationState::Held => Some(h.charged),
+            _ => None,
+        };
+        if let Some(charged) = settled {
+            if run_used > charged {
+                self.top_up(&hold_id, run_used);
+            }
+            return;
+        }
         let Some(hold) = self.reservations.get_mut(&hold_id) else {
             return;
         };

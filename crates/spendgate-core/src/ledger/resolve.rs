@@ -50,7 +50,7 @@ impl Ledger {
                 if late > res.charged {
                     let (state, amount, run_id) = (res.state, res.amount, res.run_id.clone());
                     self.top_up(step_id, late);
-                    self.top_up_run_hold(&run_id);
+                    self.run_hold_follows(&run_id);
                     self.bump();
                     let value = Resolved {
                         state,
@@ -100,7 +100,7 @@ impl Ledger {
         };
         self.settle(step_id, state, charged, now);
         if charged > amount {
-            self.grow_run_hold(&run_id);
+            self.run_hold_follows(&run_id);
         }
         if too_large {
             if let Some(res) = self.reservations.get_mut(step_id) {

@@ -17,7 +17,7 @@
 # Raw outputs go to stderr as each part ends; SPENDGATE_BENCH_KEEP=DIR keeps them in DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/bench-lib.sh # sets SERVER_PKG: spendgate-server, or spendgate after the crate split
+. scripts/bench-lib.sh # sets SERVER_PKG (the package of the `spendgate` binary)
 RATE=1000          # open-loop pairs/s of the sqlite row
 API_SECONDS=5      # seconds of each decision-API phase
 UPSTREAM_MS=200    # the mock upstream's latency in the proxy rows

@@ -1485,7 +1485,10 @@ async fn a_run_finished_under_a_stream_past_its_bound_is_charged_what_was_served
         // overrun lands once the proxy has read it (bounded).
         let deadline = Instant::now() + Duration::from_secs(10);
         while g.mock.stats().completion_tokens - before.completion_tokens < 900 {
-            assert!(Instant::now() < deadline, "leave={leave}: the mock did not finish");
+            assert!(
+                Instant::now() < deadline,
+                "leave={leave}: the mock did not finish"
+            );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let (row, served) = loop {

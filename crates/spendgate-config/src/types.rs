@@ -249,7 +249,8 @@ pub struct AlertsConfig {
     /// Fractions of a budget times 1000 (0.5 → 500), strictly ascending, each in 1..=10000.
     pub thresholds_permille: Vec<u32>,
     /// Kinds of scope whose budgets are watched: `global` (default), and `ip`, `session`,
-    /// `conversation` (their top spenders, see `spendgate_http::alerts::SCOPE_ALERT_TOP`). Distinct.
+    /// `conversation` (their top spenders, see
+    /// `spendgate_telemetry::alerts::SCOPE_ALERT_TOP`). Distinct.
     pub scopes: Vec<ScopeKind>,
 }
 

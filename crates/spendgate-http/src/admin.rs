@@ -16,6 +16,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::json;
 use spendgate_core::{rfc3339, ReservationState, ScopeKey, ScopeKind, MICROS_MAX};
+use spendgate_telemetry::PolicyView;
 
 /// Most rows an admin listing returns.
 pub const ADMIN_ROWS_MAX: usize = 1000;
@@ -33,7 +34,7 @@ pub const REASON_BYTES_MAX: usize = 500;
 pub async fn summary(_auth: AdminAuth, State(state): State<Shared>) -> ApiResult<Response> {
     let s = state.store.summary().await?;
     let global = state.store.usage(vec![(ScopeKey::global(), 1)]).await?;
-    let policy = crate::drift::PolicyView::of(&state.replica, state.store.replicas().await?);
+    let policy = PolicyView::of(&state.replica, state.store.replicas().await?);
     Ok(Json(json!({
         "ledger_seq": s.seq,
         "store": state.store.kind(),

@@ -8,6 +8,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use spendgate_core::ScopeKey;
+use spendgate_telemetry::metrics::render_policy;
+use spendgate_telemetry::PolicyView;
 
 // ---------------------------------------------------------------------------------------
 // Operations
@@ -57,12 +59,12 @@ pub async fn metrics(State(state): State<Shared>) -> Response {
         .unwrap_or_default();
     let mut text = state.metrics.render(summary.as_ref(), &global);
     if let Ok(live) = state.store.replicas().await {
-        let view = crate::drift::PolicyView::of(&state.replica, live);
+        let view = PolicyView::of(&state.replica, live);
         let me = (
             state.replica.id.as_str(),
             state.replica.fingerprint.as_str(),
         );
-        crate::metrics::render_policy(&mut text, &view.fingerprints, me);
+        render_policy(&mut text, &view.fingerprints, me);
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }

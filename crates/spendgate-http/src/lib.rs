@@ -5,9 +5,10 @@
 //! (tokens in [`auth`], the caller in [`client`], bodies in [`body`], [`idempotency`],
 //! [`ids`], [`ratelimit`] headers, [`error`] mapping), the decision API ([`sessions`],
 //! [`runs`], [`steps`], [`usage`], and the [`challenge`] and [`identity`] behind sessions),
-//! the [`admin`] API and dashboard, [`health`] and [`metrics`], [`alerts`] and policy
-//! [`drift`], fair [`capacity`] ([`admit`] puts every request in its class), the bounded
-//! [`listener`], the [`router`] with its layers, and [`serve`]. The proxy
+//! the [`admin`] API and dashboard, [`health`] (and the `/metrics` route), fair [`capacity`]
+//! ([`admit`] puts every request in its class), the bounded [`listener`], the [`router`] with
+//! its layers, and [`serve`]. The metrics, alerts, the timed store and policy drift are
+//! `spendgate-telemetry`'s; the state holds them and the handlers serve them. The proxy
 //! (`spendgate-proxy`) builds on this crate; the `spendgate` binary wires both.
 //!
 //! Modules depend on each other one way only: the handlers on the helpers, the helpers on
@@ -17,7 +18,6 @@
 
 pub mod admin;
 pub mod admit;
-pub mod alerts;
 pub mod answer;
 pub mod auth;
 pub mod body;
@@ -25,7 +25,6 @@ pub mod capacity;
 pub mod challenge;
 pub mod client;
 pub mod clock;
-pub mod drift;
 pub mod error;
 pub mod health;
 pub mod holding;
@@ -33,8 +32,6 @@ pub mod idempotency;
 pub mod identity;
 pub mod ids;
 pub mod listener;
-pub mod metered;
-pub mod metrics;
 pub mod openapi;
 pub mod plant;
 pub mod ratelimit;

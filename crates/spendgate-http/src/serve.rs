@@ -1,8 +1,9 @@
 //! Serving: the background tasks and the bounded listener.
 
+use crate::listener;
 use crate::state::Shared;
-use crate::{alerts, drift, listener};
 use axum::Router;
+use spendgate_telemetry::{alerts, drift};
 use std::future::Future;
 use std::time::Duration;
 

@@ -1,17 +1,14 @@
 //! The shared state of every handler: the config, the store, the keys, the bounds and the
 //! background services, built once at start.
 
-use crate::alerts::Alerts;
 use crate::capacity::Capacity;
-use crate::drift::Replica;
 use crate::error::ServerError;
 use crate::identity::{self, SessionKeys};
-use crate::metered::Metered;
-use crate::metrics::Metrics;
 use crate::plant;
 use crate::tls::install_crypto;
 use spendgate_config::Config;
 use spendgate_store::Store;
+use spendgate_telemetry::{Alerts, Metered, Metrics, Replica};
 use std::sync::Arc;
 use std::time::Duration;
 

@@ -500,7 +500,7 @@ mod tests {
     /// rest are counted into the next one sent.
     #[tokio::test]
     async fn overrun_alerts_are_bounded_and_count_the_rest() {
-        crate::tls::install_crypto();
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let alerts = Alerts::start(reqwest::Client::new(), None);
         for i in 0..OVERRUN_ALERTS_PER_PERIOD + 5 {
             alerts.overrun(&format!("s{i}"), 1, 2);

@@ -2,9 +2,9 @@
 //! and maps answers and errors; it holds no limit of its own (SPEC I4).
 //!
 //! What is here: the shared state ([`state`]), the extractors and helpers every handler uses
-//! (tokens in [`auth`], the caller in [`client`], bodies in [`body`], [`idempotency`],
-//! [`ids`], [`ratelimit`] headers, [`error`] mapping), the decision API ([`sessions`],
-//! [`runs`], [`steps`], [`usage`], and the [`challenge`] and [`identity`] behind sessions),
+//! (tokens in [`auth`], the caller in [`client`], bodies in [`body`], typed [`path`] ids
+//! and [`query`] strings, [`idempotency`], [`ids`], [`ratelimit`] headers, [`error`]
+//! mapping), the decision API ([`sessions`], [`runs`], [`steps`], [`usage`], and the [`challenge`] and [`identity`] behind sessions),
 //! the [`admin`] API and dashboard, [`health`] and [`metrics`], [`alerts`] and policy
 //! [`drift`], fair [`capacity`] ([`admit`] puts every request in its class), the bounded
 //! [`listener`], the [`router`] with its layers, and [`serve`]. The proxy
@@ -36,7 +36,9 @@ pub mod listener;
 pub mod metered;
 pub mod metrics;
 pub mod openapi;
+pub mod path;
 pub mod plant;
+pub mod query;
 pub mod ratelimit;
 pub mod rlimit;
 pub mod router;

@@ -216,8 +216,9 @@ fn resolved_response(state: &AppState, step: &str, applied: Applied<Resolved>) -
     ledger_answer(body, applied.seq)
 }
 
-/// Settles a step from what it used: token usage, units, or a tool result's size. A commit
-/// that reaches a step already `unknown` or `expired` (its holder could not reach the store in
+/// Settles a step from what it used: token usage, units, or a tool result's size.
+///
+/// A commit that reaches a step already `unknown` or `expired` (its holder could not reach the store in
 /// time) with usage that costs more than it was charged is a late overrun: the difference is
 /// charged, the state stays, and the answer says so (`overrun: true`). Any other commit of a
 /// settled step is refused `reservation_closed`.

@@ -264,3 +264,21 @@ async fn the_document_is_served_unauthenticated() {
     assert_eq!(bytes, spendgate_http::openapi::document().into_bytes());
     assert!(v["paths"]["/v1/runs"]["post"].is_object(), "{v}");
 }
+
+/// A body over the decision API's limit (`DefaultBodyLimit`, the larger of
+/// `API_BODY_BYTES_MAX` and twice the run's input bound) is 413 `payload_too_large` in the
+/// error shape: the JSON extractor maps the framework's refusal, nothing rewrites it later.
+#[tokio::test]
+async fn a_body_over_the_limit_is_413_in_the_error_shape() {
+    let bounds = spendgate_core::RunBounds::default();
+    let limit = spendgate_http::body::API_BODY_BYTES_MAX
+        .max(usize::try_from(bounds.max_input_bytes).expect("fits") * 2 + 4096);
+    let req = request("POST", "/v1/runs")
+        .header(header::AUTHORIZATION, format!("Bearer {SERVICE}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(vec![b' '; limit + 1]))
+        .expect("request");
+    let (status, v, _) = send(req).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    assert_error(&v, ErrorCode::PayloadTooLarge);
+}

@@ -29,7 +29,8 @@ async fn id_segment<S: Send + Sync>(
         .await
         .map_err(|e| {
             if e.status().is_server_error() {
-                tracing::error!(error = %e.body_text(), "a route's path parameters do not fit its extractor");
+                let error = e.body_text();
+                tracing::error!(%error, "a route's path parameters do not fit its extractor");
                 ApiError::new(ErrorCode::InternalError, "the request failed")
             } else {
                 ApiError::invalid(e.body_text())

@@ -3,13 +3,14 @@
 use crate::auth::AdminAuth;
 use crate::body::Body;
 use crate::error::{ApiError, ApiResult};
+use crate::query::Query;
 use crate::state::Shared;
 use crate::usage::usage_scopes;
 use crate::wire::{
     AdjustAnswer, AdminReservationRow, AdminReservationsAnswer, AdminScopeRow, AdminScopesAnswer,
     CutoffAnswer, ErrorBody,
 };
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;

@@ -1,4 +1,5 @@
-//! Run and step ids: made here, checked where a path names one.
+//! Run and step ids: made here, checked where a request names one (a path: [`crate::path`];
+//! the proxy's `Spendgate-Run` header).
 
 use crate::error::{ApiError, ApiResult};
 use spendgate_core::ID_BYTES_MAX;
@@ -20,7 +21,10 @@ pub fn new_id(prefix: &str) -> String {
     )
 }
 
-pub fn check_id_path(what: &str, id: &str) -> ApiResult<()> {
+/// Whether `id` could be an id of `what` that this gateway made: not empty, at most
+/// [`ID_BYTES_MAX`] bytes, ASCII letters, digits, `_`, `.` and `-`. Any other is answered
+/// `not_found`, as an id never made is (the store is not asked).
+pub fn check_id(what: &str, id: &str) -> ApiResult<()> {
     if id.is_empty()
         || id.len() > ID_BYTES_MAX
         || !id

@@ -2,13 +2,14 @@
 //! and maps answers and errors; it holds no limit of its own (SPEC I4).
 //!
 //! What is here: the shared state ([`state`]), the extractors and helpers every handler uses
-//! (tokens in [`auth`], the caller in [`client`], bodies in [`body`], [`idempotency`],
-//! [`ids`], [`ratelimit`] headers, [`error`] mapping), the decision API ([`sessions`],
-//! [`runs`], [`steps`], [`usage`], and the [`challenge`] and [`identity`] behind sessions),
-//! the [`admin`] API and dashboard, [`health`] (and the `/metrics` route), fair [`capacity`]
-//! ([`admit`] puts every request in its class), the bounded [`listener`], the [`router`] with
-//! its layers, and [`serve`]. The metrics, alerts, the timed store and policy drift are
-//! `spendgate-telemetry`'s; the state holds them and the handlers serve them. The proxy
+//! (tokens in [`auth`], the caller in [`client`], bodies in [`body`], typed [`path`] ids
+//! and [`query`] strings, [`idempotency`], [`ids`], [`ratelimit`] headers, [`error`]
+//! mapping), the decision API ([`sessions`], [`runs`], [`steps`], [`usage`], and the
+//! [`challenge`] and [`identity`] behind sessions), the [`admin`] API and dashboard,
+//! [`health`] (and the `/metrics` route), fair [`capacity`] ([`admit`] puts every request in
+//! its class), the bounded [`listener`], the [`router`] with its layers, and [`serve`]. The
+//! metrics, alerts, the timed store and policy drift are `spendgate-telemetry`'s; the state
+//! holds them and the handlers serve them. The proxy
 //! (`spendgate-proxy`) builds on this crate; the `spendgate` binary wires both.
 //!
 //! Modules depend on each other one way only: the handlers on the helpers, the helpers on
@@ -33,7 +34,9 @@ pub mod identity;
 pub mod ids;
 pub mod listener;
 pub mod openapi;
+pub mod path;
 pub mod plant;
+pub mod query;
 pub mod ratelimit;
 pub mod rlimit;
 pub mod router;

@@ -49,51 +49,6 @@ async fn count_errors(
     res
 }
 
-/// Bytes of a plain-text error body kept as the message of its JSON form.
-const PLAIN_ERROR_BYTES_MAX: usize = 1024;
-
-/// Every error answer of the decision and admin API in OpenAI's shape: the framework's own
-/// refusals (a path or query that does not parse, a method the route does not take) come as
-/// plain text or empty, which OpenAI-style clients cannot read.
-async fn json_errors(req: Request, next: Next) -> Response {
-    let res = next.run(req).await;
-    let status = res.status();
-    let json = res
-        .headers()
-        .get(axum::http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with("application/json"));
-    if json || !(status.is_client_error() || status.is_server_error()) {
-        return res;
-    }
-    let (parts, body) = res.into_parts();
-    let text = axum::body::to_bytes(body, PLAIN_ERROR_BYTES_MAX)
-        .await
-        .unwrap_or_default();
-    let text = String::from_utf8_lossy(&text).trim().to_string();
-    let message = if text.is_empty() {
-        status.canonical_reason().unwrap_or("error").to_string()
-    } else {
-        text
-    };
-    let code = match status.as_u16() {
-        401 => ErrorCode::Unauthorized,
-        404 => ErrorCode::NotFound,
-        413 => ErrorCode::PayloadTooLarge,
-        s if s >= 500 => ErrorCode::InternalError,
-        _ => ErrorCode::InvalidRequest,
-    };
-    let mut r = ApiError::new(code, message)
-        .with_status(status)
-        .into_response();
-    for name in [axum::http::header::ALLOW, axum::http::header::RETRY_AFTER] {
-        if let Some(v) = parts.headers.get(&name) {
-            r.headers_mut().insert(name, v.clone());
-        }
-    }
-    r
-}
-
 async fn shed(err: tower::BoxError) -> Response {
     if err.is::<tower::timeout::error::Elapsed>() {
         ApiError::new(ErrorCode::Timeout, "request took too long").into_response()
@@ -210,7 +165,6 @@ pub fn router(state: Shared, extra: Router<Shared>) -> Router {
         )
         .route("/v1/usage", get(usage::usage))
         .merge(credentialed)
-        .layer(middleware::from_fn(json_errors))
         .layer(DefaultBodyLimit::max(api_limit))
         .layer(
             ServiceBuilder::new()
@@ -225,7 +179,14 @@ pub fn router(state: Shared, extra: Router<Shared>) -> Router {
         .route("/readyz", get(health::readyz))
         .route("/openapi.json", get(crate::openapi::openapi_json))
         .route("/metrics", get(health::metrics))
-        // (after every route: it applies to the routes registered so far)
+        // Every error answer is made in the error shape where it arises, none is rewritten
+        // afterwards: the handlers' extractors reject with `ApiError` (`body::Body`,
+        // `path::{RunIdPath, StepIdPath}`, `query::Query`, the tokens), `shed` answers the
+        // timeout, and these two answer what no handler sees. A method a route does not take
+        // is answered by the route's own `MethodRouter`, which calls this fallback and then
+        // sets `Allow` to the methods it has (axum 0.8: `MethodRouter::call_with_state`), so
+        // no layer has to copy it. (After every route: it applies to the routes registered
+        // so far.)
         .method_not_allowed_fallback(health::method_not_allowed)
         .fallback(health::fallback)
         .layer(middleware::from_fn(limit_headers))

@@ -7,11 +7,12 @@ use crate::client::{check_conversation, ip_scopes, parse_ip};
 use crate::clock::now_unix;
 use crate::error::{ApiError, ApiResult};
 use crate::idempotency::idempotency;
-use crate::ids::{check_id_path, new_id};
+use crate::ids::new_id;
+use crate::path::RunIdPath;
 use crate::ratelimit::{note_dry_run, rate_limit_headers};
 use crate::state::Shared;
 use crate::wire::{ErrorBody, FinishAnswer, HeartbeatAnswer, RunAnswer, RunBoundsAnswer};
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use serde::Deserialize;
@@ -132,11 +133,10 @@ fn bounds_answer(b: &RunBounds) -> RunBoundsAnswer {
 pub async fn heartbeat(
     _auth: ServiceAuth,
     State(state): State<Shared>,
-    Path(run_id): Path<String>,
+    RunIdPath(run_id): RunIdPath,
     _b: Body<Empty>,
 ) -> ApiResult<Response> {
-    check_id_path("run", &run_id)?;
-    let applied = state.store.heartbeat(RunId(run_id)).await?;
+    let applied = state.store.heartbeat(run_id).await?;
     let h = applied.value;
     let body = HeartbeatAnswer {
         lease_until: rfc3339(h.lease_until),
@@ -162,11 +162,10 @@ pub async fn heartbeat(
 pub async fn finish(
     _auth: ServiceAuth,
     State(state): State<Shared>,
-    Path(run_id): Path<String>,
+    RunIdPath(run_id): RunIdPath,
     _b: Body<Empty>,
 ) -> ApiResult<Response> {
-    check_id_path("run", &run_id)?;
-    let applied = state.store.finish(RunId(run_id)).await?;
+    let applied = state.store.finish(run_id).await?;
     let f = applied.value;
     let body = FinishAnswer {
         state: crate::error::run_state_name(f.state),

@@ -5,17 +5,18 @@ use crate::auth::ServiceAuth;
 use crate::body::{Body, Empty};
 use crate::error::{ApiError, ApiResult};
 use crate::idempotency::idempotency;
-use crate::ids::{check_id_path, new_id};
+use crate::ids::new_id;
+use crate::path::{RunIdPath, StepIdPath};
 use crate::ratelimit::note_dry_run;
 use crate::state::{AppState, Shared};
 use crate::wire::{ErrorBody, ResolvedAnswer, StepAnswer};
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
 use serde::Deserialize;
 use spendgate_config::Config;
 use spendgate_core::{
-    Applied, Micros, ReservationId, Resolution, Resolved, RunId, Settlement, StepKind, StepRequest,
+    Applied, Micros, ReservationId, Resolution, Resolved, Settlement, StepKind, StepRequest,
     TokenUsage,
 };
 
@@ -125,18 +126,17 @@ pub async fn step_kind(config: &Config, body: &StepBody) -> ApiResult<StepKind> 
 pub async fn create_step(
     _auth: ServiceAuth,
     State(state): State<Shared>,
-    Path(run_id): Path<String>,
+    RunIdPath(run_id): RunIdPath,
     headers: HeaderMap,
     body: Body<StepBody>,
 ) -> ApiResult<Response> {
-    check_id_path("run", &run_id)?;
     let kind = step_kind(&state.config, &body.value).await?;
+    let idem = idempotency(&headers, &format!("step:{}", run_id.0), &body.raw)?;
     let req = StepRequest {
-        run_id: RunId(run_id.clone()),
+        run_id,
         step_id: ReservationId(new_id("stp")),
         kind,
     };
-    let idem = idempotency(&headers, &format!("step:{run_id}"), &body.raw)?;
     let keyed = idem.is_some();
     let applied = state.store.reserve_step(req, idem).await?;
     let shrunk = matches!(&applied.value, Ok(s) if s.shrunk);
@@ -216,8 +216,9 @@ fn resolved_response(state: &AppState, step: &str, applied: Applied<Resolved>) -
     ledger_answer(body, applied.seq)
 }
 
-/// Settles a step from what it used: token usage, units, or a tool result's size. A commit
-/// that reaches a step already `unknown` or `expired` (its holder could not reach the store in
+/// Settles a step from what it used: token usage, units, or a tool result's size.
+///
+/// A commit that reaches a step already `unknown` or `expired` (its holder could not reach the store in
 /// time) with usage that costs more than it was charged is a late overrun: the difference is
 /// charged, the state stays, and the answer says so (`overrun: true`). Any other commit of a
 /// settled step is refused `reservation_closed`.
@@ -238,10 +239,9 @@ fn resolved_response(state: &AppState, step: &str, applied: Applied<Resolved>) -
 pub async fn commit_step(
     _auth: ServiceAuth,
     State(state): State<Shared>,
-    Path(step_id): Path<String>,
+    StepIdPath(step_id): StepIdPath,
     body: Body<CommitBody>,
 ) -> ApiResult<Response> {
-    check_id_path("step", &step_id)?;
     let b = &body.value;
     let settlement = match (&b.usage, b.units, b.result_bytes) {
         (Some(u), None, None) => Settlement::Tokens(TokenUsage {
@@ -260,12 +260,9 @@ pub async fn commit_step(
     resolve(&state, step_id, Resolution::Commit(settlement)).await
 }
 
-async fn resolve(state: &AppState, step_id: String, how: Resolution) -> ApiResult<Response> {
-    let applied = state
-        .store
-        .resolve(ReservationId(step_id.clone()), how)
-        .await?;
-    Ok(resolved_response(state, &step_id, applied))
+async fn resolve(state: &AppState, step_id: ReservationId, how: Resolution) -> ApiResult<Response> {
+    let applied = state.store.resolve(step_id.clone(), how).await?;
+    Ok(resolved_response(state, &step_id.0, applied))
 }
 
 /// Releases a step that was not made: nothing is charged.
@@ -283,11 +280,11 @@ async fn resolve(state: &AppState, step_id: String, how: Resolution) -> ApiResul
     security(("service" = [])))]
 pub async fn release_step(
     _auth: ServiceAuth,
-    state: State<Shared>,
-    step: Path<String>,
+    State(state): State<Shared>,
+    StepIdPath(step_id): StepIdPath,
     _b: Body<Empty>,
 ) -> ApiResult<Response> {
-    resolve_route(state, step, Resolution::Release).await
+    resolve(&state, step_id, Resolution::Release).await
 }
 
 /// A step whose outcome is unknown: charged in full.
@@ -305,18 +302,9 @@ pub async fn release_step(
     security(("service" = [])))]
 pub async fn unknown_step(
     _auth: ServiceAuth,
-    state: State<Shared>,
-    step: Path<String>,
+    State(state): State<Shared>,
+    StepIdPath(step_id): StepIdPath,
     _b: Body<Empty>,
 ) -> ApiResult<Response> {
-    resolve_route(state, step, Resolution::Unknown).await
-}
-
-async fn resolve_route(
-    State(state): State<Shared>,
-    Path(step_id): Path<String>,
-    how: Resolution,
-) -> ApiResult<Response> {
-    check_id_path("step", &step_id)?;
-    resolve(&state, step_id, how).await
+    resolve(&state, step_id, Resolution::Unknown).await
 }

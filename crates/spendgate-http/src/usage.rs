@@ -6,9 +6,10 @@ use crate::client::{
 };
 use crate::clock::now_unix;
 use crate::error::{ApiError, ApiResult};
+use crate::query::Query;
 use crate::state::Shared;
 use crate::wire::{ErrorBody, UsageAnswer, UsageScope};
-use axum::extract::{ConnectInfo, Query, State};
+use axum::extract::{ConnectInfo, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;

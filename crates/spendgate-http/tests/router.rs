@@ -141,14 +141,116 @@ async fn an_unknown_route_is_404_in_the_error_shape() {
     assert_error(&v, ErrorCode::NotFound);
 }
 
+/// An unknown route, under the decision API's prefix or not, with a token or without: the
+/// router's fallback answers 404 `not_found` in the error shape.
+#[tokio::test]
+async fn an_unknown_route_with_a_token_is_404_in_the_error_shape() {
+    for path in [
+        "/v1/runs/run_x/nothing",
+        "/admin/v1/nothing",
+        "/no/such/route",
+    ] {
+        let req = request("POST", path)
+            .header(header::AUTHORIZATION, format!("Bearer {SERVICE}"))
+            .body(Body::empty())
+            .expect("request");
+        let (status, v, _) = send(req).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{path}");
+        assert_error(&v, ErrorCode::NotFound);
+    }
+}
+
+/// A method a route does not take: 405 `invalid_request` in the error shape, with `Allow`
+/// naming the methods it does take, on the decision API's routes and the others alike.
 #[tokio::test]
 async fn a_method_a_route_does_not_take_is_405_in_the_error_shape() {
-    let req = request("DELETE", "/v1/sessions")
-        .body(Body::empty())
-        .expect("request");
-    let (status, v, _) = send(req).await;
-    assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
-    assert_error(&v, ErrorCode::InvalidRequest);
+    for (method, path, allow) in [
+        ("DELETE", "/v1/sessions", "POST"),
+        ("GET", "/v1/runs", "POST"),
+        ("GET", "/v1/steps/stp_x/commit", "POST"),
+        ("POST", "/admin/v1/summary", "GET,HEAD"),
+        ("POST", "/healthz", "GET,HEAD"),
+    ] {
+        let req = request(method, path)
+            .header(header::AUTHORIZATION, format!("Bearer {SERVICE}"))
+            .body(Body::empty())
+            .expect("request");
+        let res = app().oneshot(req).await.expect("infallible");
+        assert_eq!(
+            res.status(),
+            StatusCode::METHOD_NOT_ALLOWED,
+            "{method} {path}"
+        );
+        let got = res
+            .headers()
+            .get(header::ALLOW)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        assert_eq!(got.as_deref(), Some(allow), "{method} {path}: Allow");
+        let bytes = axum::body::to_bytes(res.into_body(), 1 << 20)
+            .await
+            .expect("body");
+        let v: Value = serde_json::from_slice(&bytes).expect("a JSON body");
+        assert_error(&v, ErrorCode::InvalidRequest);
+    }
+}
+
+/// A path id that does not decode (not UTF-8) is 400 `invalid_request`, naming the
+/// parameter; one that decodes but no id could be is 404 `not_found`, as an id never made.
+#[tokio::test]
+async fn a_bad_path_id_is_refused_in_the_error_shape() {
+    for (path, status, code, names) in [
+        (
+            "/v1/steps/%FF/commit",
+            400,
+            ErrorCode::InvalidRequest,
+            "step_id",
+        ),
+        (
+            "/v1/runs/%FF/heartbeat",
+            400,
+            ErrorCode::InvalidRequest,
+            "run_id",
+        ),
+        (
+            "/v1/steps/stp%20x/release",
+            404,
+            ErrorCode::NotFound,
+            "step",
+        ),
+        ("/v1/runs/run%2Fx/finish", 404, ErrorCode::NotFound, "run"),
+    ] {
+        let req = request("POST", path)
+            .header(header::AUTHORIZATION, format!("Bearer {SERVICE}"))
+            .body(Body::empty())
+            .expect("request");
+        let (got, v, _) = send(req).await;
+        assert_eq!(got.as_u16(), status, "{path}: {v}");
+        assert_error(&v, code);
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(names), "{path}: {message}");
+    }
+}
+
+/// A query parameter that does not parse, or one the route does not know, is 400
+/// `invalid_request` in the error shape, its message naming the parameter.
+#[tokio::test]
+async fn a_bad_query_value_is_400_in_the_error_shape() {
+    for (path, token, names) in [
+        ("/admin/v1/reservations?limit=many", ADMIN, "limit"),
+        ("/admin/v1/scopes?top=-1", ADMIN, "top"),
+        ("/v1/usage?session=x&bogus=1", SERVICE, "bogus"),
+    ] {
+        let req = request("GET", path)
+            .header(header::AUTHORIZATION, format!("Bearer {token}"))
+            .body(Body::empty())
+            .expect("request");
+        let (status, v, _) = send(req).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {v}");
+        assert_error(&v, ErrorCode::InvalidRequest);
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(names), "{path}: {message}");
+    }
 }
 
 /// The API document is served without a token, and it is the one the code generates.
@@ -161,4 +263,22 @@ async fn the_document_is_served_unauthenticated() {
     assert_eq!(status, StatusCode::OK);
     assert_eq!(bytes, spendgate_http::openapi::document().into_bytes());
     assert!(v["paths"]["/v1/runs"]["post"].is_object(), "{v}");
+}
+
+/// A body over the decision API's limit (`DefaultBodyLimit`, the larger of
+/// `API_BODY_BYTES_MAX` and twice the run's input bound) is 413 `payload_too_large` in the
+/// error shape: the JSON extractor maps the framework's refusal, nothing rewrites it later.
+#[tokio::test]
+async fn a_body_over_the_limit_is_413_in_the_error_shape() {
+    let bounds = spendgate_core::RunBounds::default();
+    let limit = spendgate_http::body::API_BODY_BYTES_MAX
+        .max(usize::try_from(bounds.max_input_bytes).expect("fits") * 2 + 4096);
+    let req = request("POST", "/v1/runs")
+        .header(header::AUTHORIZATION, format!("Bearer {SERVICE}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(Body::from(vec![b' '; limit + 1]))
+        .expect("request");
+    let (status, v, _) = send(req).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{v}");
+    assert_error(&v, ErrorCode::PayloadTooLarge);
 }

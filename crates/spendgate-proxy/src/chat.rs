@@ -30,7 +30,7 @@ use spendgate_core::{
 };
 use spendgate_http::body::Body;
 use spendgate_http::error::{ApiError, ApiResult, ErrorCode};
-use spendgate_http::ids::{check_id_path, new_id};
+use spendgate_http::ids::{check_id, new_id};
 use spendgate_http::plant;
 use spendgate_http::ratelimit::{note_dry_run, rate_limit_headers};
 use spendgate_http::{AppState, Shared, Upstream};
@@ -252,7 +252,7 @@ async fn admit(state: &AppState, call: &Call, plan: &Plan) -> ApiResult<Admitted
     };
     let (run_id, run, reserved) = match &call.who.run {
         Some(r) => {
-            check_id_path("run", r)?;
+            check_id("run", r)?;
             let run_id = RunId(r.clone());
             let reserved = state.store.reserve_step(step_of(&run_id), None).await;
             (run_id, None, reserved)

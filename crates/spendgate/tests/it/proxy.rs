@@ -346,16 +346,25 @@ impl Gateway {
         String,
         impl futures::Stream<Item = reqwest::Result<bytes::Bytes>>,
     ) {
-        let r = self
+        let b = self
             .request(
                 conversation,
                 &json!({"model": MODEL, "stream": true, "messages": user("slowly")}),
             )
             .header("x-mock-tokens-per-second", "20")
-            .header("x-mock-completion-tokens", tokens.to_string())
-            .send()
-            .await
-            .expect("send");
+            .header("x-mock-completion-tokens", tokens.to_string());
+        Self::first_chunk(b).await
+    }
+
+    /// Sends a streaming request (answered 200) and reads its first chunk: the step and the
+    /// rest of the body.
+    async fn first_chunk(
+        b: reqwest::RequestBuilder,
+    ) -> (
+        String,
+        impl futures::Stream<Item = reqwest::Result<bytes::Bytes>>,
+    ) {
+        let r = b.send().await.expect("send");
         assert_eq!(r.status().as_u16(), 200);
         let step = r
             .headers()
@@ -369,6 +378,32 @@ impl Gateway {
             .expect("first chunk in time");
         assert!(matches!(first, Some(Ok(_))));
         (step, body)
+    }
+
+    /// A stream whose upstream writes 800 tokens past its bound of 100 at 2,000 a second,
+    /// without usage, read up to its first chunk (`run`: a step of that run).
+    async fn stream_past_its_bound(
+        &self,
+        conversation: &str,
+        run: Option<&str>,
+    ) -> (
+        String,
+        impl futures::Stream<Item = reqwest::Result<bytes::Bytes>>,
+    ) {
+        let mut b = self
+            .request(
+                conversation,
+                &json!({"model": MODEL, "stream": true, "max_tokens": 100,
+                    "messages": user("tell me everything")}),
+            )
+            .header("x-mock-tokens-per-second", "2000")
+            .header("x-mock-completion-tokens", "100")
+            .header("x-mock-extra-completion-tokens", "800")
+            .header("x-mock-fault", "no_usage");
+        if let Some(run) = run {
+            b = b.header("spendgate-run", run);
+        }
+        Self::first_chunk(b).await
     }
 
     /// A chat completion from a guest with its cookie alone (browser-direct).
@@ -1391,31 +1426,7 @@ async fn client_gone_mid_stream_is_charged_in_full() {
 async fn client_gone_from_a_stream_past_its_bound_is_charged_what_was_served() {
     let g = Gateway::start(Opts::default()).await;
     let before = g.mock.stats();
-    let r = g
-        .request(
-            "c-gone-past",
-            &json!({"model": MODEL, "stream": true, "max_tokens": 100,
-                "messages": user("tell me everything")}),
-        )
-        .header("x-mock-tokens-per-second", "2000")
-        .header("x-mock-completion-tokens", "100")
-        .header("x-mock-extra-completion-tokens", "800")
-        .header("x-mock-fault", "no_usage")
-        .send()
-        .await
-        .expect("send");
-    assert_eq!(r.status().as_u16(), 200);
-    let step = r
-        .headers()
-        .get("spendgate-step")
-        .and_then(|v| v.to_str().ok())
-        .expect("step")
-        .to_string();
-    let mut body = Box::pin(r.bytes_stream());
-    let first = tokio::time::timeout(Duration::from_secs(5), body.next())
-        .await
-        .expect("first chunk in time");
-    assert!(matches!(first, Some(Ok(_))));
+    let (step, body) = g.stream_past_its_bound("c-gone-past", None).await;
     drop(body);
     let row = g.reservation(&step).await;
     let after = g.mock.stats();
@@ -1447,32 +1458,7 @@ async fn a_run_finished_under_a_stream_past_its_bound_is_charged_what_was_served
         let conversation = format!("c-finished-{leave}");
         let run = g.server.run(&g.session, "10.1.2.3", &conversation).await;
         let before = g.mock.stats();
-        let r = g
-            .request(
-                &conversation,
-                &json!({"model": MODEL, "stream": true, "max_tokens": 100,
-                    "messages": user("tell me everything")}),
-            )
-            .header("spendgate-run", &run)
-            .header("x-mock-tokens-per-second", "2000")
-            .header("x-mock-completion-tokens", "100")
-            .header("x-mock-extra-completion-tokens", "800")
-            .header("x-mock-fault", "no_usage")
-            .send()
-            .await
-            .expect("send");
-        assert_eq!(r.status().as_u16(), 200, "leave={leave}");
-        let step = r
-            .headers()
-            .get("spendgate-step")
-            .and_then(|v| v.to_str().ok())
-            .expect("step")
-            .to_string();
-        let mut body = Box::pin(r.bytes_stream());
-        let first = tokio::time::timeout(Duration::from_secs(5), body.next())
-            .await
-            .expect("first chunk in time");
-        assert!(matches!(first, Some(Ok(_))));
+        let (step, body) = g.stream_past_its_bound(&conversation, Some(&run)).await;
         if leave {
             drop(body);
         }

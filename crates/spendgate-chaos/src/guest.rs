@@ -616,9 +616,40 @@ async fn decision_step(
         None => json!({}),
     };
     let path = format!("/v1/steps/{step}/{what}");
-    match call_again(ctx, rng, &path, Some(&body), None, what).await {
+    match resolve_again(ctx, rng, &path, &body, what).await {
         Answer::Refused(r) => next_after(&r),
         _ => Next::Go,
+    }
+}
+
+/// How long a backend goes on trying to settle a step it knows the outcome of, while no
+/// replica answers or the store is away (a Redis restart reloading its data takes seconds).
+const RESOLVE_PATIENCE: Duration = Duration::from_secs(30);
+
+/// A step's resolution, repeated (each round [`call_again`]) until a replica answers with
+/// something other than `store_unavailable`, for at most [`RESOLVE_PATIENCE`]: a backend
+/// that knows what the upstream served keeps trying to tell it, as the proxy does
+/// (`SETTLE_RETRY_PAUSES`); one that arrives after the step expired or its run ended still
+/// charges a usage above the hold (a late overrun).
+async fn resolve_again(
+    ctx: &Ctx,
+    rng: &mut StdRng,
+    path: &str,
+    body: &Value,
+    what: &str,
+) -> Answer {
+    let until = tokio::time::Instant::now() + RESOLVE_PATIENCE;
+    loop {
+        let answer = call_again(ctx, rng, path, Some(body), None, what).await;
+        let unsettled = match &answer {
+            Answer::Silent => true,
+            Answer::Refused(r) => r.code == "store_unavailable",
+            _ => false,
+        };
+        if !unsettled || tokio::time::Instant::now() >= until {
+            return answer;
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(200..500))).await;
     }
 }
 

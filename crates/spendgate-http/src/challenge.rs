@@ -12,7 +12,7 @@ use crate::error::ApiResult;
 use crate::state::AppState;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use base64::Engine;
-use hmac::{Hmac, Mac};
+use hmac::{Hmac, KeyInit, Mac};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use spendgate_config::ChallengeMode;
@@ -56,8 +56,8 @@ fn signed_by_any(state: &AppState, payload: &str, sig: &str) -> bool {
 }
 
 fn sign_with(key: &[u8], payload: &str) -> String {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| {
-        <Hmac<Sha256> as Mac>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
+    let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(key).unwrap_or_else(|_| {
+        <Hmac<Sha256> as KeyInit>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
     });
     m.update(payload.as_bytes());
     B64.encode(m.finalize().into_bytes())

@@ -3,7 +3,7 @@
 use crate::error::ApiError;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use base64::Engine;
-use hmac::{Hmac, Mac};
+use hmac::{Hmac, KeyInit, Mac};
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 use spendgate_core::IpScope;
@@ -248,8 +248,8 @@ impl SessionKeys {
 
     fn mac(key: &[u8], payload: &str) -> Vec<u8> {
         // HMAC accepts keys of any length; this cannot fail.
-        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| {
-            <Hmac<Sha256> as Mac>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
+        let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(key).unwrap_or_else(|_| {
+            <Hmac<Sha256> as KeyInit>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
         });
         m.update(payload.as_bytes());
         m.finalize().into_bytes().to_vec()

@@ -6,9 +6,6 @@
 //! the shared store (an idempotency record per nonce), so one solution opens one session on
 //! every replica together.
 
-use crate::clock::now_unix;
-use crate::error::ApiError;
-use crate::error::ApiResult;
 use crate::state::AppState;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use base64::Engine;
@@ -16,6 +13,9 @@ use hmac::{Hmac, KeyInit, Mac};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use spendgate_config::ChallengeMode;
+use spendgate_store::clock::now_unix;
+use spendgate_wire::error::ApiError;
+use spendgate_wire::error::ApiResult;
 use std::net::IpAddr;
 
 /// How long a puzzle may be solved.
@@ -105,7 +105,7 @@ pub const VERIFIER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs
 
 fn external_required(message: &str) -> ApiError {
     let mut e = ApiError::new(
-        crate::error::ErrorCode::ChallengeRequired,
+        spendgate_wire::error::ErrorCode::ChallengeRequired,
         message.to_string(),
     );
     e.challenge =
@@ -177,7 +177,7 @@ async fn check_external(
 
 fn required(code_msg: &str, state: &AppState) -> ApiError {
     let mut e = ApiError::new(
-        crate::error::ErrorCode::ChallengeRequired,
+        spendgate_wire::error::ErrorCode::ChallengeRequired,
         code_msg.to_string(),
     );
     e.challenge = Some(issue(state));

@@ -193,7 +193,7 @@ impl Drop for PeerHold {
 /// A TCP listener whose connections are counted (in all and per peer) and closed when idle.
 /// Of its slots, `reserved` are taken only once the others are all taken: a request on such
 /// a connection is served only when it is not public (a valid service or admin token, or a
-/// health route; `capacity::admit` refuses the others), and its head must come within
+/// health route; spendgate-http's `admit` refuses the others), and its head must come within
 /// [`RESERVED_HEADER_READ_TIMEOUT`]. So guests holding every ordinary slot (silent
 /// connections hold one for `HEADER_READ_TIMEOUT`) still leave the operator's backend room
 /// to connect.

@@ -11,7 +11,7 @@ use crate::cluster::{MAX_OUTPUT_TOKENS, MODEL, SERVICE_TOKEN, UPSTREAM_TIMEOUT};
 use crate::record::{read_refusal, Record, Refusal, Route, SessionInfo, TagInfo};
 use crate::schedule::{Event, FaultKind, FaultSet};
 use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use rand::{RngExt, SeedableRng};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -2,14 +2,9 @@
 
 use crate::auth::AdminAuth;
 use crate::body::Body;
-use crate::error::{ApiError, ApiResult};
 use crate::query::Query;
 use crate::state::Shared;
 use crate::usage::usage_scopes;
-use crate::wire::{
-    AdjustAnswer, AdminReservationRow, AdminReservationsAnswer, AdminScopeRow, AdminScopesAnswer,
-    CutoffAnswer, ErrorBody,
-};
 use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{Html, IntoResponse, Response};
@@ -18,6 +13,11 @@ use serde::Deserialize;
 use serde_json::json;
 use spendgate_core::{rfc3339, ReservationState, ScopeKey, ScopeKind, MICROS_MAX};
 use spendgate_telemetry::PolicyView;
+use spendgate_wire::answers::{
+    AdjustAnswer, AdminReservationRow, AdminReservationsAnswer, AdminScopeRow, AdminScopesAnswer,
+    CutoffAnswer, ErrorBody,
+};
+use spendgate_wire::error::{ApiError, ApiResult};
 
 /// Most rows an admin listing returns.
 pub const ADMIN_ROWS_MAX: usize = 1000;

@@ -2,12 +2,12 @@
 //! bounds (see [`crate::capacity`]) before its body is read.
 
 use crate::capacity::{refusal, Class, Full, RateBody};
-use crate::holding::Holding;
 use crate::state::{AppState, Shared};
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::{header, HeaderValue};
 use axum::middleware::Next;
 use axum::response::Response;
+use spendgate_listener::holding::Holding;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -34,7 +34,7 @@ pub fn classify(state: &AppState, path: &str, headers: &axum::http::HeaderMap) -
 /// The middleware: classify, take the slots or refuse, bound the body's rate, and keep the
 /// slots until the answer has been sent.
 pub async fn admit(State(state): State<Shared>, req: Request, next: Next) -> Response {
-    let class = if crate::plant::on(crate::plant::Plant::SharedCapacity) {
+    let class = if spendgate_wire::plant::on(spendgate_wire::plant::Plant::SharedCapacity) {
         Class::Public
     } else {
         classify(&state, req.uri().path(), req.headers())
@@ -42,12 +42,13 @@ pub async fn admit(State(state): State<Shared>, req: Request, next: Next) -> Res
     if class == Class::Public
         && req
             .extensions()
-            .get::<crate::listener::Reserved>()
+            .get::<spendgate_listener::Reserved>()
             .is_some()
     {
         return refusal(Full::Connections);
     }
-    let prefixes = if class.per_address() && !crate::plant::on(crate::plant::Plant::SharedCapacity)
+    let prefixes = if class.per_address()
+        && !spendgate_wire::plant::on(spendgate_wire::plant::Plant::SharedCapacity)
     {
         address_prefixes(&state, &req)
     } else {

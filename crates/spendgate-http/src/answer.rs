@@ -1,6 +1,5 @@
 //! The decision API's answers: a grant, a refusal, the ledger's sequence number.
 
-use crate::error::ApiError;
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -8,6 +7,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use spendgate_core::Refusal;
 use spendgate_telemetry::Metrics;
+use spendgate_wire::error::ApiError;
 
 /// A 200 answer that changed (or read) the ledger at `seq`: the body carries `ledger_seq`, and
 /// so does a header.

@@ -7,7 +7,6 @@
 //! token is checked once. Routes where a token is optional (a guest's session, usage, the
 //! proxy) call [`ServiceAuth::check`] when the request carries one.
 
-use crate::error::{ApiError, ApiResult};
 use crate::identity;
 use crate::state::{AppState, Shared};
 use axum::extract::{FromRequestParts, Request, State};
@@ -15,6 +14,7 @@ use axum::http::request::Parts;
 use axum::http::{header, HeaderMap};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use spendgate_wire::error::{ApiError, ApiResult};
 
 /// The bearer token of a request, if any.
 pub fn bearer(headers: &HeaderMap) -> Option<&str> {

@@ -1,11 +1,11 @@
 //! The JSON body extractor of the decision and admin API.
 
-use crate::error::ApiError;
 use axum::extract::{FromRequest, Request};
 use axum::http::StatusCode;
 use bytes::Bytes;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
+use spendgate_wire::error::ApiError;
 
 /// Largest decision-API request body.
 pub const API_BODY_BYTES_MAX: usize = 256 * 1024;
@@ -25,7 +25,7 @@ impl<T: DeserializeOwned, S: Send + Sync> FromRequest<S> for Body<T> {
         let bytes = Bytes::from_request(req, state).await.map_err(|e| {
             if crate::capacity::is_too_slow(&e) {
                 ApiError::new(
-                    crate::error::ErrorCode::RequestTimeout,
+                    spendgate_wire::error::ErrorCode::RequestTimeout,
                     "the request body arrived too slowly: after a short grace a body must \
                      keep arriving at the gateway's minimum rate",
                 )

@@ -25,15 +25,15 @@
 //! answered 408 `request_timeout` and its connection closed. A large body sent at any
 //! honest speed is never cut; one byte and then silence holds its slot for the grace only.
 //!
-//! Connections are bounded per socket peer in the listener (`listener::Bounded`), before
+//! Connections are bounded per socket peer in the listener (`spendgate_listener::Bounded`), before
 //! anything is read: the class of a connection is not known until its first head arrives.
 
-use crate::error::ApiError;
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use hyper::body::{Body as HttpBody, Frame, SizeHint};
 use spendgate_core::ScopeKind;
+use spendgate_wire::error::ApiError;
 use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -100,7 +100,8 @@ impl std::fmt::Debug for Capacity {
 pub enum Full {
     Class(Class),
     Address,
-    /// A public request on a connection slot reserved for the others (`listener::Bounded`).
+    /// A public request on a connection slot reserved for the others
+    /// (`spendgate_listener::Bounded`).
     Connections,
 }
 
@@ -233,7 +234,7 @@ pub fn refusal(full: Full) -> Response {
     };
     let mut res = ApiError {
         retry_after_s: Some(CAPACITY_RETRY_AFTER_S),
-        ..ApiError::new(crate::error::ErrorCode::RateLimited, message)
+        ..ApiError::new(spendgate_wire::error::ErrorCode::RateLimited, message)
     }
     .with_scope(scope)
     .into_response();

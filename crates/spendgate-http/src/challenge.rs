@@ -6,16 +6,16 @@
 //! the shared store (an idempotency record per nonce), so one solution opens one session on
 //! every replica together.
 
-use crate::clock::now_unix;
-use crate::error::ApiError;
-use crate::error::ApiResult;
 use crate::state::AppState;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use base64::Engine;
-use hmac::{Hmac, Mac};
+use hmac::{Hmac, KeyInit, Mac};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use spendgate_config::ChallengeMode;
+use spendgate_store::clock::now_unix;
+use spendgate_wire::error::ApiError;
+use spendgate_wire::error::ApiResult;
 use std::net::IpAddr;
 
 /// How long a puzzle may be solved.
@@ -56,8 +56,8 @@ fn signed_by_any(state: &AppState, payload: &str, sig: &str) -> bool {
 }
 
 fn sign_with(key: &[u8], payload: &str) -> String {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| {
-        <Hmac<Sha256> as Mac>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
+    let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(key).unwrap_or_else(|_| {
+        <Hmac<Sha256> as KeyInit>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
     });
     m.update(payload.as_bytes());
     B64.encode(m.finalize().into_bytes())
@@ -105,7 +105,7 @@ pub const VERIFIER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs
 
 fn external_required(message: &str) -> ApiError {
     let mut e = ApiError::new(
-        crate::error::ErrorCode::ChallengeRequired,
+        spendgate_wire::error::ErrorCode::ChallengeRequired,
         message.to_string(),
     );
     e.challenge =
@@ -177,7 +177,7 @@ async fn check_external(
 
 fn required(code_msg: &str, state: &AppState) -> ApiError {
     let mut e = ApiError::new(
-        crate::error::ErrorCode::ChallengeRequired,
+        spendgate_wire::error::ErrorCode::ChallengeRequired,
         code_msg.to_string(),
     );
     e.challenge = Some(issue(state));

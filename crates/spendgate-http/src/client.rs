@@ -1,13 +1,13 @@
 //! Who a request comes from: its session cookie, its address (through trusted proxies),
 //! and the conversation it names.
 
-use crate::error::{ApiError, ApiResult};
 use crate::identity;
 use crate::state::AppState;
 use axum::http::{header, HeaderMap};
 use sha2::{Digest, Sha256};
 use spendgate_config::Config;
 use spendgate_core::IpScope;
+use spendgate_wire::error::{ApiError, ApiResult};
 use std::net::{IpAddr, SocketAddr};
 
 /// Longest conversation id.

@@ -1,8 +1,6 @@
 //! Health, readiness, metrics, and the answers to routes and methods that do not exist.
 
-use crate::error::ApiError;
 use crate::state::Shared;
-use crate::wire::{ErrorBody, HealthAnswer, ReadyAnswer};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -10,6 +8,8 @@ use axum::Json;
 use spendgate_core::ScopeKey;
 use spendgate_telemetry::metrics::render_policy;
 use spendgate_telemetry::PolicyView;
+use spendgate_wire::answers::{ErrorBody, HealthAnswer, ReadyAnswer};
+use spendgate_wire::error::ApiError;
 
 // ---------------------------------------------------------------------------------------
 // Operations

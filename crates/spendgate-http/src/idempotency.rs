@@ -1,11 +1,11 @@
 //! `Idempotency-Key`: a retried admission gets the first answer.
 
-use crate::error::{ApiError, ApiResult};
 use axum::http::HeaderMap;
 use bytes::Bytes;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 use spendgate_core::IdempotencyKey;
+use spendgate_wire::error::{ApiError, ApiResult};
 
 /// Largest `Idempotency-Key`.
 pub const IDEMPOTENCY_KEY_BYTES_MAX: usize = 100;

@@ -1,12 +1,13 @@
 //! Client addresses and guest session tokens.
 
-use crate::error::ApiError;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD as B64;
 use base64::Engine;
-use hmac::{Hmac, Mac};
+use hmac::{Hmac, KeyInit, Mac};
 use ipnet::IpNet;
 use sha2::{Digest, Sha256};
 use spendgate_core::IpScope;
+use spendgate_listener::canonical;
+use spendgate_wire::error::ApiError;
 use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use subtle::ConstantTimeEq;
@@ -15,17 +16,6 @@ use subtle::ConstantTimeEq;
 pub const SESSION_TOKEN_BYTES_MAX: usize = 256;
 /// Most `X-Forwarded-For` entries looked at.
 pub const FORWARDED_ENTRIES_MAX: usize = 32;
-
-/// IPv4-mapped IPv6 addresses count as IPv4.
-pub fn canonical(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6
-            .to_ipv4_mapped()
-            .map(IpAddr::V4)
-            .unwrap_or(IpAddr::V6(v6)),
-        v4 => v4,
-    }
-}
 
 /// The client's address: the socket peer, unless the peer is a trusted proxy; then the
 /// rightmost `X-Forwarded-For` entry that is not a trusted proxy.
@@ -248,8 +238,8 @@ impl SessionKeys {
 
     fn mac(key: &[u8], payload: &str) -> Vec<u8> {
         // HMAC accepts keys of any length; this cannot fail.
-        let mut m = <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| {
-            <Hmac<Sha256> as Mac>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
+        let mut m = <Hmac<Sha256> as KeyInit>::new_from_slice(key).unwrap_or_else(|_| {
+            <Hmac<Sha256> as KeyInit>::new_from_slice(&[0u8; 32]).expect("32-byte HMAC key")
         });
         m.update(payload.as_bytes());
         m.finalize().into_bytes().to_vec()

@@ -1,8 +1,8 @@
 //! Run and step ids: made here, checked where a request names one (a path: [`crate::path`];
 //! the proxy's `Spendgate-Run` header).
 
-use crate::error::{ApiError, ApiResult};
 use spendgate_core::ID_BYTES_MAX;
+use spendgate_wire::error::{ApiError, ApiResult};
 
 /// A new run or step id: the prefix, the wall clock in milliseconds (12 hex digits, fixed
 /// width), then 128 random bits (what makes it unguessable). Ids made later sort later, so

@@ -1,15 +1,15 @@
 //! The API document (OpenAPI 3.1), generated from the handlers' annotations and the types of
-//! [`crate::wire`]: served at `GET /openapi.json`, checked in at `docs/openapi.json` (a test
-//! holds them equal; `SPENDGATE_BLESS=1` rewrites the file).
+//! [`spendgate_wire::answers`]: served at `GET /openapi.json`, checked in at
+//! `docs/openapi.json` (a test holds them equal; `SPENDGATE_BLESS=1` rewrites the file).
 //!
 //! It covers the decision, admin and operations API of this crate; the proxy's routes
 //! (`/v1/chat/completions`) take OpenAI's own shapes and are documented by OpenAI.
 
-use crate::error::ErrorCode;
-use crate::wire::{ErrorBody, ErrorDetail};
 use crate::{admin, health, runs, sessions, steps, usage};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
+use spendgate_wire::answers::{ErrorBody, ErrorDetail};
+use spendgate_wire::error::ErrorCode;
 use std::sync::LazyLock;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi};
@@ -108,7 +108,7 @@ mod tests {
         let doc: serde_json::Value = serde_json::from_str(&super::document()).expect("json");
         assert_eq!(doc["openapi"].as_str().map(|v| &v[..3]), Some("3.1"));
         let codes = &doc["components"]["schemas"]["ErrorCode"]["enum"];
-        let want: Vec<&str> = crate::error::ErrorCode::ALL
+        let want: Vec<&str> = spendgate_wire::error::ErrorCode::ALL
             .iter()
             .map(|c| c.as_str())
             .collect();

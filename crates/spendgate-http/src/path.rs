@@ -2,11 +2,11 @@
 //! extracted, so a handler receives a [`RunId`] or [`ReservationId`] and every refusal is an
 //! [`ApiError`] in the error shape (never axum's plain-text rejection).
 
-use crate::error::{ApiError, ErrorCode};
 use crate::ids::check_id;
 use axum::extract::{FromRequestParts, Path};
 use axum::http::request::Parts;
 use spendgate_core::{ReservationId, RunId};
+use spendgate_wire::error::{ApiError, ErrorCode};
 
 /// The `{run_id}` of a route: a run id that could exist (see [`check_id`]).
 #[derive(Clone, Debug, PartialEq, Eq)]

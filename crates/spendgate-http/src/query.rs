@@ -1,10 +1,10 @@
 //! The query-string extractor of the decision and admin API: axum's [`Query`](axum::extract::Query)
 //! whose rejection is an [`ApiError`] in the error shape.
 
-use crate::error::ApiError;
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use serde::de::DeserializeOwned;
+use spendgate_wire::error::ApiError;
 
 /// A query string parsed into `T` (strictly when `T` denies unknown fields). A parameter
 /// that does not parse, or one `T` does not know, is `invalid_request` 400 with axum's text,

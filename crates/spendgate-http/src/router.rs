@@ -1,7 +1,5 @@
 //! The routes of the decision, admin and health API, and the layers every route is behind.
 
-use crate::error::{ApiError, ErrorCode};
-use crate::listener::HEADER_BYTES_MAX;
 use crate::state::Shared;
 use crate::{admin, admit, auth, body, health, runs, sessions, steps, usage};
 use axum::extract::{DefaultBodyLimit, Request};
@@ -9,6 +7,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, put};
 use axum::Router;
+use spendgate_listener::HEADER_BYTES_MAX;
+use spendgate_wire::error::{ApiError, ErrorCode};
 use std::time::Duration;
 
 /// Time a decision-API request may take end to end: longer than the longest body grace

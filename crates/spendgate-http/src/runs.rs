@@ -4,19 +4,21 @@ use crate::answer::{grant, ledger_answer};
 use crate::auth::ServiceAuth;
 use crate::body::{Body, Empty};
 use crate::client::{check_conversation, ip_scopes, parse_ip};
-use crate::clock::now_unix;
-use crate::error::{ApiError, ApiResult};
 use crate::idempotency::idempotency;
 use crate::ids::new_id;
 use crate::path::RunIdPath;
 use crate::ratelimit::{note_dry_run, rate_limit_headers};
 use crate::state::Shared;
-use crate::wire::{ErrorBody, FinishAnswer, HeartbeatAnswer, RunAnswer, RunBoundsAnswer};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use serde::Deserialize;
 use spendgate_core::{rfc3339, RunBounds, RunId, RunRequest};
+use spendgate_store::clock::now_unix;
+use spendgate_wire::answers::{
+    ErrorBody, FinishAnswer, HeartbeatAnswer, RunAnswer, RunBoundsAnswer,
+};
+use spendgate_wire::error::{ApiError, ApiResult};
 
 // ---------------------------------------------------------------------------------------
 // Runs and steps
@@ -168,7 +170,7 @@ pub async fn finish(
     let applied = state.store.finish(run_id).await?;
     let f = applied.value;
     let body = FinishAnswer {
-        state: crate::error::run_state_name(f.state),
+        state: spendgate_wire::error::run_state_name(f.state),
         charged_micros: f.charged.0,
         steps: f.steps,
         repeated: f.repeated,

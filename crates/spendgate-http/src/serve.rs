@@ -1,8 +1,8 @@
 //! Serving: the background tasks and the bounded listener.
 
-use crate::listener;
 use crate::state::Shared;
 use axum::Router;
+use spendgate_listener::{idle_time, Bounded, PeerBound, HEADER_READ_TIMEOUT};
 use spendgate_telemetry::{alerts, drift};
 use std::future::Future;
 use std::time::Duration;
@@ -52,15 +52,15 @@ pub async fn serve_bounded(
         .map(|u| u.timeout)
         .max()
         .unwrap_or_default();
-    let peers = listener::PeerBound::of(&state.config);
+    let peers = PeerBound::of(&state.config);
     let cap = state.config.server.capacity;
-    let idle = listener::idle_time(longest_upstream);
-    let listener = listener::Bounded::new(
+    let idle = idle_time(longest_upstream);
+    let listener = Bounded::new(
         listener,
         cap.connections_max,
         cap.connections_reserved,
         idle,
         peers,
     );
-    listener::serve(listener, app, shutdown, listener::HEADER_READ_TIMEOUT, idle).await
+    spendgate_listener::serve(listener, app, shutdown, HEADER_READ_TIMEOUT, idle).await
 }

@@ -4,10 +4,7 @@ use crate::auth::{bearer, ServiceAuth};
 use crate::body::Body;
 use crate::challenge;
 use crate::client::{client_ip_of, cookie_name, ip_scopes, parse_ip};
-use crate::clock::now_unix;
-use crate::error::{ApiError, ApiResult};
 use crate::state::Shared;
-use crate::wire::{ErrorBody, SessionAnswer};
 use axum::extract::{ConnectInfo, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -16,6 +13,9 @@ use serde::Deserialize;
 use serde_json::Value;
 use spendgate_config::ChallengeMode;
 use spendgate_core::{rfc3339, Refusal, UnixMs};
+use spendgate_store::clock::now_unix;
+use spendgate_wire::answers::{ErrorBody, SessionAnswer};
+use spendgate_wire::error::{ApiError, ApiResult};
 use std::net::SocketAddr;
 
 // ---------------------------------------------------------------------------------------

@@ -3,13 +3,11 @@
 use crate::answer::{grant, ledger_answer};
 use crate::auth::ServiceAuth;
 use crate::body::{Body, Empty};
-use crate::error::{ApiError, ApiResult};
 use crate::idempotency::idempotency;
 use crate::ids::new_id;
 use crate::path::{RunIdPath, StepIdPath};
 use crate::ratelimit::note_dry_run;
 use crate::state::{AppState, Shared};
-use crate::wire::{ErrorBody, ResolvedAnswer, StepAnswer};
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::Response;
@@ -19,6 +17,8 @@ use spendgate_core::{
     Applied, Micros, ReservationId, Resolution, Resolved, Settlement, StepKind, StepRequest,
     TokenUsage,
 };
+use spendgate_wire::answers::{ErrorBody, ResolvedAnswer, StepAnswer};
+use spendgate_wire::error::{ApiError, ApiResult};
 
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]

@@ -4,17 +4,17 @@ use crate::auth::{bearer, ServiceAuth};
 use crate::client::{
     check_conversation, client_ip_of, guest_conversation, ip_scopes, parse_ip, session_from_cookie,
 };
-use crate::clock::now_unix;
-use crate::error::{ApiError, ApiResult};
 use crate::query::Query;
 use crate::state::Shared;
-use crate::wire::{ErrorBody, UsageAnswer, UsageScope};
 use axum::extract::{ConnectInfo, State};
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use spendgate_core::{rfc3339, Ledger, ScopeKind, UsageLine};
+use spendgate_store::clock::now_unix;
+use spendgate_wire::answers::{ErrorBody, UsageAnswer, UsageScope};
+use spendgate_wire::error::{ApiError, ApiResult};
 use std::net::SocketAddr;
 
 // ---------------------------------------------------------------------------------------

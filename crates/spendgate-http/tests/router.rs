@@ -5,7 +5,7 @@ use axum::body::Body;
 use axum::extract::ConnectInfo;
 use axum::http::{header, Request, StatusCode};
 use serde_json::Value;
-use spendgate_http::error::ErrorCode;
+use spendgate_wire::error::ErrorCode;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tower::ServiceExt;

@@ -7,9 +7,9 @@ use spendgate_http::auth::ServiceAuth;
 use spendgate_http::client::{
     check_conversation, client_ip_of, guest_conversation, ip_scopes, parse_ip, session_from_cookie,
 };
-use spendgate_http::clock::now_unix;
-use spendgate_http::error::{ApiError, ApiResult};
 use spendgate_http::AppState;
+use spendgate_store::clock::now_unix;
+use spendgate_wire::error::{ApiError, ApiResult};
 use std::net::SocketAddr;
 
 /// Who is calling and which run the call belongs to.

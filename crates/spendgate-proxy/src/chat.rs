@@ -29,13 +29,13 @@ use spendgate_core::{
     RunAdmitted, RunId, RunRequest, ScopeKind, StepKind, StepRequest, StepReserved,
 };
 use spendgate_http::body::Body;
-use spendgate_http::error::{ApiError, ApiResult, ErrorCode};
 use spendgate_http::ids::{check_id, new_id};
-use spendgate_http::plant;
 use spendgate_http::ratelimit::{note_dry_run, rate_limit_headers};
 use spendgate_http::{AppState, Shared, Upstream};
 use spendgate_store::StoreError;
 use spendgate_tokens::{self as tokens, OutputTally};
+use spendgate_wire::error::{ApiError, ApiResult, ErrorCode};
+use spendgate_wire::plant;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 

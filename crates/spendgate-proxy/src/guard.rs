@@ -7,10 +7,10 @@ use spendgate_core::{
     Applied, Command, Micros, ModelPrice, Reply, ReservationId, Resolution, Resolved, RunId,
     Settlement, TokenUsage, UnixMs,
 };
-use spendgate_http::plant;
 use spendgate_http::{AppState, Shared};
 use spendgate_store::StoreError;
 use spendgate_tokens::OutputTally;
+use spendgate_wire::plant;
 use std::time::Duration;
 
 /// Resolutions being retried now (bounded by [`SETTLE_RETRIES_MAX`]).

@@ -2,8 +2,8 @@
 
 use crate::bounds::MESSAGES_MAX;
 use serde_json::Value;
-use spendgate_http::error::{ApiError, ApiResult};
 use spendgate_tokens::{self as tokens, Tokenizer, TOKENS_PER_MESSAGE, TOKENS_PER_REQUEST};
+use spendgate_wire::error::{ApiError, ApiResult};
 
 /// The text of a message's content: a string, or an array of `text` (and, in an assistant's
 /// earlier answer, `refusal`) parts. Any other part (an image, audio, a file) is refused: the

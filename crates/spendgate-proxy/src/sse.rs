@@ -8,9 +8,9 @@ use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use spendgate_core::{Resolution, TokenUsage};
-use spendgate_http::error::ErrorCode;
-use spendgate_http::plant;
 use spendgate_tokens::{OutputCounter, Tokenizer};
+use spendgate_wire::error::ErrorCode;
+use spendgate_wire::plant;
 use std::time::{Duration, Instant};
 
 /// Watches an SSE stream line by line as it passes: reads the usage chunk, and drops it when

@@ -573,7 +573,7 @@ fn tap_does_not_trust_a_cut_usage_line() {
     assert!(tap.usage.is_none());
     assert!(tap.mid_line());
     assert!(sse_error(
-        spendgate_http::error::ErrorCode::UpstreamError,
+        spendgate_wire::error::ErrorCode::UpstreamError,
         "y",
         tap.mid_line()
     )

@@ -8,9 +8,9 @@ use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt;
 use spendgate_core::{Applied, LedgerError, ReservationId, Resolution, Resolved, RunId};
-use spendgate_http::error::{ApiError, ErrorCode};
 use spendgate_http::AppState;
 use spendgate_store::StoreError;
+use spendgate_wire::error::{ApiError, ErrorCode};
 
 /// Response headers passed through from the upstream, every value of a repeated one (`vary`,
 /// `link`, `www-authenticate`). Not passed: hop-by-hop headers (those named in the upstream's

@@ -22,6 +22,15 @@ impl Clock for SystemClock {
     }
 }
 
+/// The wall clock in whole seconds since the Unix epoch (0 before it): session and
+/// challenge expiry, and the edge's once-a-while log lines.
+pub fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
 /// A clock driven by hand, for tests. Clones share the same time.
 #[derive(Debug, Clone)]
 pub struct ManualClock(Arc<AtomicU64>);

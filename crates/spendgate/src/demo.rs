@@ -12,7 +12,7 @@ use axum::routing::get;
 use axum::Json;
 use serde_json::json;
 use spendgate_config::{self as config, MOCK_UPSTREAM};
-use spendgate_http::{listener, Upstream};
+use spendgate_http::Upstream;
 use spendgate_mock_upstream::{MockConfig, MockUpstream};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -113,7 +113,7 @@ pub async fn run(
 
     spendgate_tokens::warm_up();
     let store = spendgate_http::open_store(&cfg).await?;
-    let listener = listener::bind(cfg.server.listen)
+    let listener = spendgate_listener::bind(cfg.server.listen)
         .with_context(|| format!("binding {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;
     let mut state = spendgate_http::build_state(cfg, store)?;

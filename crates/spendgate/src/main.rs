@@ -242,10 +242,10 @@ async fn serve(config: Option<&PathBuf>, listen: Option<String>) -> anyhow::Resu
         tracing::warn!("{w}");
     }
     spendgate_tokens::warm_up();
-    match spendgate_http::raise_open_files_limit() {
-        Some(n) if n < spendgate_http::OPEN_FILES_WANTED => tracing::warn!(
+    match spendgate_listener::rlimit::raise_open_files_limit() {
+        Some(n) if n < spendgate_listener::rlimit::OPEN_FILES_WANTED => tracing::warn!(
             open_files = n,
-            wanted = spendgate_http::OPEN_FILES_WANTED,
+            wanted = spendgate_listener::rlimit::OPEN_FILES_WANTED,
             "the open files limit is below what the connection bounds need: raise the \
              hard limit (LimitNOFILE=, ulimit -Hn), or connections past it are reset"
         ),
@@ -253,7 +253,7 @@ async fn serve(config: Option<&PathBuf>, listen: Option<String>) -> anyhow::Resu
     }
     let opened = spendgate_http::open_store_with_witness(&cfg).await?;
     let (store, witness) = (opened.store, opened.witness);
-    let listener = spendgate_http::listener::bind(cfg.server.listen)
+    let listener = spendgate_listener::bind(cfg.server.listen)
         .with_context(|| format!("binding {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;
     let state = spendgate_http::build_state(cfg, store)?;

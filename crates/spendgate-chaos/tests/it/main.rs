@@ -18,10 +18,13 @@ pub const PERMITS: u32 = 2;
 pub static RUNS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(PERMITS as usize);
 
 /// The sources the `spendgate` binary is built from.
-const SOURCES: [&str; 11] = [
+const SOURCES: [&str; 14] = [
     "spendgate/src",
     "spendgate-ops/src",
     "spendgate-http/src",
+    "spendgate-wire/src",
+    "spendgate-listener/src",
+    "spendgate-telemetry/src",
     "spendgate-proxy/src",
     "spendgate-config/src",
     "spendgate-tokens/src",

@@ -1,5 +1,5 @@
 //! Each chaos check catches a planted bug: a short, targeted run with the bug switched on
-//! (`SPENDGATE_PLANT`, see `spendgate_http::plant` and `spendgate_redis::plant`) fails the
+//! (`SPENDGATE_PLANT`, see `spendgate_wire::plant` and `spendgate_redis::plant`) fails the
 //! check, and the same run without it holds every check the bug could touch.
 
 use crate::{run_quiet, show, spendgate, RUNS};

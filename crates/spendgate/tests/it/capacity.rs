@@ -43,7 +43,7 @@ const FD_MARGIN: u64 = 2_048;
 /// Raises this process's soft limit on open files (as the gateway does at start) and fails
 /// when the hard limit cannot hold `sockets` more.
 fn need_open_files(sockets: usize) {
-    if let Some(limit) = spendgate_http::raise_open_files_limit() {
+    if let Some(limit) = spendgate_listener::rlimit::raise_open_files_limit() {
         assert!(
             limit >= sockets as u64 + FD_MARGIN,
             "this test holds {sockets} sockets; the open files limit is {limit} (raise the \
@@ -570,8 +570,8 @@ async fn reserved_connections_keep_room_for_the_operator() {
 async fn protocol_refusals_are_answered_in_the_error_shape() {
     let server = Server::start(OPEN);
     let lines: String = (0..2_000).map(|i| format!("X-Line-{i}: v\r\n")).collect();
-    let oversize = "a".repeat(spendgate_http::listener::HEAD_BYTES_MAX + 1);
-    let over_router = "b".repeat(spendgate_http::HEADER_BYTES_MAX + 100);
+    let oversize = "a".repeat(spendgate_listener::HEAD_BYTES_MAX + 1);
+    let over_router = "b".repeat(spendgate_listener::HEADER_BYTES_MAX + 100);
     let body = "Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
     let cases = [
         ("2,000 header lines", format!("POST /v1/sessions HTTP/1.1\r\nHost: x\r\n{lines}{body}"), 431),

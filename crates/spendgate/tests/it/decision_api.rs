@@ -908,7 +908,7 @@ const FD_MARGIN: u64 = 1024;
 /// same way) may hold `connections` open: raises the soft limit on open files as the gateway
 /// does at start, and fails, never skips, when the hard limit is too low.
 fn need_open_files(connections: usize) {
-    let limit = spendgate_http::raise_open_files_limit();
+    let limit = spendgate_listener::rlimit::raise_open_files_limit();
     if let Some(limit) = limit {
         assert!(
             limit >= connections as u64 + FD_MARGIN,

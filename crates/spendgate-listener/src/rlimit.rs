@@ -1,10 +1,10 @@
 //! The process's open files limit, raised for the connection bounds.
 
-use crate::listener;
+use crate::CONNECTIONS_MAX;
 
-/// Open files a gateway wants: every client connection ([`listener::CONNECTIONS_MAX`]), as many
-/// to upstreams, and room for the store, the alert webhook and logs.
-pub const OPEN_FILES_WANTED: u64 = 2 * listener::CONNECTIONS_MAX as u64 + 1024;
+/// Open files a gateway wants: every client connection ([`CONNECTIONS_MAX`]), as many to
+/// upstreams, and room for the store, the alert webhook and logs.
+pub const OPEN_FILES_WANTED: u64 = 2 * CONNECTIONS_MAX as u64 + 1024;
 
 /// Raises this process's soft limit on open files to [`OPEN_FILES_WANTED`] (at most the hard
 /// limit; never lowers it), so the gateway's own connection bound is what binds, not a

@@ -1,6 +1,6 @@
 //! The answers of the decision, admin and health API as types: what each route sends, and the
-//! schema `docs/openapi.json` publishes ([`crate::openapi`]). A handler builds one of these and
-//! serializes it; none builds its answer ad hoc.
+//! schema `docs/openapi.json` publishes (`spendgate_http::openapi`). A handler builds one of
+//! these and serializes it; none builds its answer ad hoc.
 
 use crate::error::ErrorCode;
 use serde::Serialize;

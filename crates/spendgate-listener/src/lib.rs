@@ -1,25 +1,31 @@
-//! The listening socket with limits: at most [`CONNECTIONS_MAX`] connections at once (past
-//! it, new ones wait in the kernel's backlog rather than take a file descriptor each until
-//! the process runs out), at most `server.address_connections_max` from one socket peer (its
-//! address prefix, as the identity module groups addresses; past it a new connection is
-//! closed at once, before anything is read; a peer in `server.trusted_proxies` is exempt,
-//! since every client behind it comes through its connections), and a connection on which
-//! nothing is read or written for its idle time is closed (a client that opens connections
-//! and sends nothing holds none for long). The idle time is at least [`CONNECTION_IDLE_MIN`]
-//! and always longer than the longest upstream timeout, so that a call waiting on a slow
-//! upstream (streamed or not) is never cut by it. [`serve`] runs HTTP/1 on it with a bound on
-//! the time a request's head may take ([`HEADER_READ_TIMEOUT`]: a client that trickles its
-//! headers a byte at a time, or keeps a connection open between requests, holds its slot for
-//! no longer) and on its size ([`HEAD_BYTES_MAX`]), answers the requests hyper itself refuses
-//! (a head it cannot parse, too many or too long header lines: hyper writes an empty 400,
-//! 414 or 431) in the error shape like every other refusal ([`ShapedIo`]), and drains
-//! in-flight requests on shutdown for at most a bounded time.
+//! spendgate-listener: the listening socket with limits, below the HTTP surface
+//! (`spendgate-http` builds its router on it and `spendgate_http::serve` sets it from the
+//! config). It depends on the error shape (`spendgate-wire`, for its protocol refusals) and the
+//! config, never on the handlers; the process's open files limit ([`rlimit`]) and the body
+//! that holds a guard until sent ([`holding`]) are here because the bounds need them.
+//!
+//! The listener: at most [`CONNECTIONS_MAX`] connections at once (past it, new ones wait in the
+//! kernel's backlog rather than take a file descriptor each until the process runs out), at most
+//! `server.address_connections_max` from one socket peer (its address prefix after [`canonical`],
+//! as spendgate-http's identity groups addresses; past it a new connection is closed at once,
+//! before anything is read; a peer in `server.trusted_proxies` is exempt, since every client behind
+//! it comes through its connections), and a connection on which nothing is read or written for its
+//! idle time is closed (a client that opens connections and sends nothing holds none for long). The
+//! idle time is at least [`CONNECTION_IDLE_MIN`] and always longer than the longest upstream
+//! timeout, so that a call waiting on a slow upstream (streamed or not) is never cut by it.
+//! [`serve`] runs HTTP/1 on it with a bound on the time a request's head may take
+//! ([`HEADER_READ_TIMEOUT`]: a client that trickles its headers a byte at a time, or keeps a
+//! connection open between requests, holds its slot for no longer) and on its size
+//! ([`HEAD_BYTES_MAX`]), answers the requests hyper itself refuses (a head it cannot parse, too
+//! many or too long header lines: hyper writes an empty 400, 414 or 431) in the error shape like
+//! every other refusal ([`ShapedIo`]), and drains in-flight requests on shutdown for at most a
+//! bounded time.
 
-use crate::error::ErrorCode;
+use spendgate_wire::error::ErrorCode;
 use std::collections::HashMap;
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,6 +35,9 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
+
+pub mod holding;
+pub mod rlimit;
 
 /// Connections served at once by one process (see [`spendgate_config::CONNECTIONS_MAX`]).
 pub use spendgate_config::CONNECTIONS_MAX;
@@ -107,9 +116,21 @@ pub struct PeerBound {
     pub v6: u8,
 }
 
+/// An address as the gateway groups it: IPv4-mapped IPv6 addresses count as IPv4 (the
+/// listener's peer bound and the identity's address prefixes both start from it).
+pub fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6
+            .to_ipv4_mapped()
+            .map(IpAddr::V4)
+            .unwrap_or(IpAddr::V6(v6)),
+        v4 => v4,
+    }
+}
+
 impl PeerBound {
     pub fn of(config: &spendgate_config::Config) -> PeerBound {
-        if crate::plant::on(crate::plant::Plant::SharedCapacity) {
+        if spendgate_wire::plant::on(spendgate_wire::plant::Plant::SharedCapacity) {
             return PeerBound::none();
         }
         PeerBound {
@@ -132,7 +153,7 @@ impl PeerBound {
 
     /// The prefix a peer's connections are counted under; `None` for an exempt peer.
     fn key(&self, peer: SocketAddr) -> Option<ipnet::IpNet> {
-        let ip = crate::identity::canonical(peer.ip());
+        let ip = canonical(peer.ip());
         if self.max == usize::MAX || self.trusted.iter().any(|n| n.contains(&ip)) {
             return None;
         }
@@ -172,7 +193,7 @@ impl Drop for PeerHold {
 /// A TCP listener whose connections are counted (in all and per peer) and closed when idle.
 /// Of its slots, `reserved` are taken only once the others are all taken: a request on such
 /// a connection is served only when it is not public (a valid service or admin token, or a
-/// health route; `capacity::admit` refuses the others), and its head must come within
+/// health route; spendgate-http's `admit` refuses the others), and its head must come within
 /// [`RESERVED_HEADER_READ_TIMEOUT`]. So guests holding every ordinary slot (silent
 /// connections hold one for `HEADER_READ_TIMEOUT`) still leave the operator's backend room
 /// to connect.
@@ -254,7 +275,7 @@ impl Bounded {
     /// Logs (at most once per [`PEER_WARN_EVERY_S`]) that a peer's connections are refused.
     fn warn_refused(&self, peer: SocketAddr) {
         let refused = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
-        let now = crate::clock::now_unix();
+        let now = spendgate_store::clock::now_unix();
         let last = self.last_warned_s.load(Ordering::Relaxed);
         if now >= last.saturating_add(PEER_WARN_EVERY_S)
             && self
@@ -547,7 +568,7 @@ fn shaped_refusal(version: &str, code: u16, date: &str) -> Vec<u8> {
 }
 
 /// A connection whose protocol refusals leave in the error shape: when hyper writes its
-/// automatic refusal ([`automatic_refusal`]), the write is taken whole and the connection
+/// automatic refusal (`automatic_refusal`), the write is taken whole and the connection
 /// sends, instead, the same status with the OpenAI-shaped JSON body and `connection: close`,
 /// then takes no more writes, reads nothing more for hyper, and on shutdown reads (and drops)
 /// what the client still sends for at most [`LINGER`] and [`LINGER_BYTES_MAX`], so that the
@@ -1219,7 +1240,7 @@ mod tests {
         use axum::response::IntoResponse;
         for code in [400u16, 414, 431] {
             let status = axum::http::StatusCode::from_u16(code).expect("status");
-            let r = crate::error::ApiError::invalid(refusal_message(code))
+            let r = spendgate_wire::error::ApiError::invalid(refusal_message(code))
                 .with_status(status)
                 .into_response();
             let want = axum::body::to_bytes(r.into_body(), 4096)

@@ -10,12 +10,12 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
-use serde_json::json;
 use spendgate_core::{rfc3339, ReservationState, ScopeKey, ScopeKind, MICROS_MAX};
 use spendgate_telemetry::PolicyView;
 use spendgate_wire::answers::{
     AdjustAnswer, AdminReservationRow, AdminReservationsAnswer, AdminScopeRow, AdminScopesAnswer,
-    CutoffAnswer, ErrorBody,
+    AdminSummaryAnswer, CutoffAnswer, CutoffState, ErrorBody, FingerprintCount, PolicyAnswer,
+    ReplicaRow,
 };
 use spendgate_wire::error::{ApiError, ApiResult};
 
@@ -27,7 +27,7 @@ pub const REASON_BYTES_MAX: usize = 500;
 /// The ledger at a glance: holds, charges, the cutoff, the global budgets, policy drift.
 #[utoipa::path(get, path = "/admin/v1/summary", tag = "admin",
     responses(
-        (status = 200, description = "the summary", body = Object),
+        (status = 200, description = "the summary", body = AdminSummaryAnswer),
         (status = 401, description = "unauthorized", body = ErrorBody),
         (status = 503, description = "store_unavailable or cutoff_engaged", body = ErrorBody),
     ),
@@ -36,24 +36,50 @@ pub async fn summary(_auth: AdminAuth, State(state): State<Shared>) -> ApiResult
     let s = state.store.summary().await?;
     let global = state.store.usage(vec![(ScopeKey::global(), 1)]).await?;
     let policy = PolicyView::of(&state.replica, state.store.replicas().await?);
-    Ok(Json(json!({
-        "ledger_seq": s.seq,
-        "store": state.store.kind(),
-        "cutoff": {"engaged": s.cutoff.is_some(), "reason": s.cutoff},
-        "runs_active": s.runs_active,
-        "reservations": s.reservations,
-        "held_micros": s.held_micros.0,
-        "charged_micros": s.charged_micros.0,
-        "overruns": s.overruns,
-        "dry_run": state.config.server.dry_run,
-        // The scopes whose limits are reported, not enforced.
-        "dry_run_limits": dry_run_limits(&state.config.policy),
-        "global": usage_scopes(&global),
-        // Live replicas on this ledger enforcing different policies (issue 18).
-        "policy_drift": policy.drift(),
-        "policy": policy.json(),
-    }))
+    Ok(Json(AdminSummaryAnswer {
+        ledger_seq: s.seq,
+        store: state.store.kind(),
+        cutoff: CutoffState {
+            engaged: s.cutoff.is_some(),
+            reason: s.cutoff,
+        },
+        runs_active: s.runs_active,
+        reservations: s.reservations.into_iter().collect(),
+        held_micros: s.held_micros.0,
+        charged_micros: s.charged_micros.0,
+        overruns: s.overruns,
+        dry_run: state.config.server.dry_run,
+        dry_run_limits: dry_run_limits(&state.config.policy),
+        global: usage_scopes(&global),
+        policy_drift: policy.drift(),
+        policy: policy_answer(policy),
+    })
     .into_response())
+}
+
+/// The replicas' policies as the summary shows them.
+fn policy_answer(v: PolicyView) -> PolicyAnswer {
+    PolicyAnswer {
+        replica: v.replica.id,
+        fingerprint: v.replica.fingerprint,
+        fingerprints: v
+            .fingerprints
+            .into_iter()
+            .map(|(fingerprint, replicas)| FingerprintCount {
+                fingerprint,
+                replicas,
+            })
+            .collect(),
+        replicas: v
+            .replicas
+            .into_iter()
+            .map(|r| ReplicaRow {
+                seen: (r.seen.0 > 0).then(|| rfc3339(r.seen)),
+                replica: r.replica,
+                fingerprint: r.fingerprint,
+            })
+            .collect(),
+    }
 }
 
 #[derive(Deserialize, utoipa::IntoParams)]

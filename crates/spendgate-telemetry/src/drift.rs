@@ -10,7 +10,7 @@ use crate::alerts::Alerts;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 use spendgate_config::Config;
-use spendgate_core::{fingerprint_counts, rfc3339, ReplicaSeen, REPLICA_STALE_MS};
+use spendgate_core::{fingerprint_counts, ReplicaSeen, REPLICA_STALE_MS};
 use spendgate_store::Store;
 use std::sync::Arc;
 use std::time::Duration;
@@ -141,24 +141,6 @@ impl PolicyView {
     pub fn drift(&self) -> bool {
         self.fingerprints.len() > 1
     }
-
-    /// The summary's `policy` object.
-    pub fn json(&self) -> Value {
-        json!({
-            "replica": self.replica.id,
-            "fingerprint": self.replica.fingerprint,
-            "fingerprints": self.fingerprints.iter()
-                .map(|(fp, n)| json!({"fingerprint": fp, "replicas": n}))
-                .collect::<Vec<_>>(),
-            "replicas": self.replicas.iter()
-                .map(|r| json!({
-                    "replica": r.replica,
-                    "fingerprint": r.fingerprint,
-                    "seen": (r.seen.0 > 0).then(|| rfc3339(r.seen)),
-                }))
-                .collect::<Vec<_>>(),
-        })
-    }
 }
 
 /// Publishes `replica`'s fingerprint now and every [`PUBLISH_EVERY`]; when the live replicas
@@ -267,6 +249,5 @@ mod tests {
             vec![("f1".to_string(), 1), ("f2".to_string(), 2)]
         );
         assert!(v.drift());
-        assert_eq!(v.json()["fingerprints"][1]["replicas"], 2);
     }
 }

@@ -221,3 +221,61 @@ pub struct ErrorDetail {
     #[schema(value_type = Option<Object>)]
     pub challenge: Option<serde_json::Value>,
 }
+
+/// `GET /admin/v1/summary`: the ledger at a glance.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AdminSummaryAnswer {
+    pub ledger_seq: u64,
+    /// The store kind: `memory`, `sqlite`, `redis`.
+    pub store: &'static str,
+    pub cutoff: CutoffState,
+    pub runs_active: u64,
+    /// Reservations by state.
+    pub reservations: std::collections::BTreeMap<String, u64>,
+    pub held_micros: u64,
+    pub charged_micros: u64,
+    pub overruns: u64,
+    /// `server.dry_run`: every limit reported, none enforced.
+    pub dry_run: bool,
+    /// The scope kinds whose limits are reported, not enforced.
+    pub dry_run_limits: Vec<&'static str>,
+    /// The global budgets in their current windows.
+    pub global: Vec<UsageScope>,
+    /// Live replicas on this ledger enforce different policies (issue 18).
+    pub policy_drift: bool,
+    pub policy: PolicyAnswer,
+}
+
+/// The kill switch's state.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CutoffState {
+    pub engaged: bool,
+    pub reason: Option<String>,
+}
+
+/// This replica's policy fingerprint and the live replicas'.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PolicyAnswer {
+    /// This replica's id.
+    pub replica: String,
+    pub fingerprint: String,
+    /// The distinct fingerprints, with how many live replicas publish each.
+    pub fingerprints: Vec<FingerprintCount>,
+    pub replicas: Vec<ReplicaRow>,
+}
+
+/// One fingerprint of [`PolicyAnswer`].
+#[derive(Debug, Serialize, ToSchema)]
+pub struct FingerprintCount {
+    pub fingerprint: String,
+    pub replicas: usize,
+}
+
+/// One live replica of [`PolicyAnswer`].
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReplicaRow {
+    pub replica: String,
+    pub fingerprint: String,
+    /// When it last published (RFC 3339); absent while it has not.
+    pub seen: Option<String>,
+}

@@ -37,53 +37,7 @@ impl Ledger {
             .filter(|r| r.kind != ReservationKind::RunHold)
             .ok_or_else(|| LedgerError::NotFound(format!("step {}", step_id.0)))?;
         if res.state != ReservationState::Held {
-            // A late overrun: a commit that reaches a reservation after it expired (its
-            // holder could not reach the store before its lease ran out) or was marked
-            // unknown, with a usage that costs more than it was charged. The difference is
-            // charged (I1b: never below what the upstream served; I3: failures err towards
-            // charging more); the state stays, and the first outcome is answered otherwise.
-            if let (ReservationState::Expired | ReservationState::Unknown, Resolution::Commit(s)) =
-                (res.state, how)
-            {
-                // (a settlement of the wrong kind is answered as closed, like any other)
-                let late = charge_of(res, s).unwrap_or(Micros::ZERO);
-                if late > res.charged {
-                    let (state, amount, run_id) = (res.state, res.amount, res.run_id.clone());
-                    self.top_up(step_id, late);
-                    self.run_hold_follows(&run_id);
-                    self.bump();
-                    let value = Resolved {
-                        state,
-                        charged: late,
-                        reserved: amount,
-                        overrun: late > amount,
-                        repeated: false,
-                        result_too_large: false,
-                    };
-                    return Ok(self.answer(value, true));
-                }
-            }
-            let same = matches!(
-                (res.state, how),
-                (ReservationState::Committed, Resolution::Commit(_))
-                    | (ReservationState::Released, Resolution::Release)
-                    | (ReservationState::Unknown, Resolution::Unknown)
-            );
-            if !same {
-                return Err(LedgerError::Closed {
-                    state: res.state,
-                    charged: res.charged,
-                });
-            }
-            let value = Resolved {
-                state: res.state,
-                charged: res.charged,
-                reserved: res.amount,
-                overrun: res.overrun,
-                repeated: true,
-                result_too_large: res.result_too_large,
-            };
-            return Ok(self.answer(value, swept));
+            return self.resolve_settled(step_id, how, swept);
         }
         let (state, charged) = match how {
             Resolution::Commit(s) => (ReservationState::Committed, charge_of(res, s)?),
@@ -118,6 +72,65 @@ impl Ledger {
             result_too_large: too_large,
         };
         Ok(self.answer(value, true))
+    }
+    /// A resolution of a step that is no longer held: a late overrun (below), a repeat of
+    /// the same transition (its first outcome), or a refusal with its state and charge.
+    fn resolve_settled(
+        &mut self,
+        step_id: &ReservationId,
+        how: Resolution,
+        swept: bool,
+    ) -> Result<Applied<Resolved>, LedgerError> {
+        let Some(res) = self.reservations.get(step_id) else {
+            return Err(LedgerError::NotFound(format!("step {}", step_id.0)));
+        };
+        // A late overrun: a commit that reaches a reservation after it expired (its
+        // holder could not reach the store before its lease ran out) or was marked
+        // unknown, with a usage that costs more than it was charged. The difference is
+        // charged (I1b: never below what the upstream served; I3: failures err towards
+        // charging more); the state stays, and the first outcome is answered otherwise.
+        if let (ReservationState::Expired | ReservationState::Unknown, Resolution::Commit(s)) =
+            (res.state, how)
+        {
+            // (a settlement of the wrong kind is answered as closed, like any other)
+            let late = charge_of(res, s).unwrap_or(Micros::ZERO);
+            if late > res.charged {
+                let (state, amount, run_id) = (res.state, res.amount, res.run_id.clone());
+                self.top_up(step_id, late);
+                self.run_hold_follows(&run_id);
+                self.bump();
+                let value = Resolved {
+                    state,
+                    charged: late,
+                    reserved: amount,
+                    overrun: late > amount,
+                    repeated: false,
+                    result_too_large: false,
+                };
+                return Ok(self.answer(value, true));
+            }
+        }
+        let same = matches!(
+            (res.state, how),
+            (ReservationState::Committed, Resolution::Commit(_))
+                | (ReservationState::Released, Resolution::Release)
+                | (ReservationState::Unknown, Resolution::Unknown)
+        );
+        if !same {
+            return Err(LedgerError::Closed {
+                state: res.state,
+                charged: res.charged,
+            });
+        }
+        let value = Resolved {
+            state: res.state,
+            charged: res.charged,
+            reserved: res.amount,
+            overrun: res.overrun,
+            repeated: true,
+            result_too_large: res.result_too_large,
+        };
+        Ok(self.answer(value, swept))
     }
 }
 

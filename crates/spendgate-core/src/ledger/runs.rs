@@ -123,9 +123,35 @@ impl Ledger {
                 }
             }
         }
-        // Concurrency.
+        let slots = self.run_slots(policy, &scopes, &mut dry_run)?;
+        // Budgets: whole_run reserves the run's cost bound; per_step needs some room left.
+        let counters = Self::budget_counters(policy, &scopes, now);
+        let hold = match policy.mode {
+            ReservationMode::WholeRun => bounds.max_cost,
+            ReservationMode::PerStep => Micros(1),
+        };
+        if let Some(refusal) = self.check_budgets(policy, &counters, hold, now)? {
+            dry_run.get_or_insert(refusal);
+        }
+        Ok(RunPlan {
+            tats,
+            rate_left,
+            slots,
+            counters,
+            dry_run,
+        })
+    }
+
+    /// The concurrency slots a run takes, one per scope with a cap; a scope at its cap
+    /// refuses (in dry-run, the first such refusal is noted in `dry_run` instead).
+    fn run_slots(
+        &self,
+        policy: &Policy,
+        scopes: &[(ScopeKey, u64)],
+        dry_run: &mut Option<Refusal>,
+    ) -> Result<Vec<ScopeKey>, Refusal> {
         let mut slots = Vec::new();
-        for (scope, factor) in &scopes {
+        for (scope, factor) in scopes {
             let Some(p) = policy.for_kind(scope.kind) else {
                 continue;
             };
@@ -150,22 +176,7 @@ impl Ledger {
             }
             slots.push(scope.clone());
         }
-        // Budgets: whole_run reserves the run's cost bound; per_step needs some room left.
-        let counters = Self::budget_counters(policy, &scopes, now);
-        let hold = match policy.mode {
-            ReservationMode::WholeRun => bounds.max_cost,
-            ReservationMode::PerStep => Micros(1),
-        };
-        if let Some(refusal) = self.check_budgets(policy, &counters, hold, now)? {
-            dry_run.get_or_insert(refusal);
-        }
-        Ok(RunPlan {
-            tats,
-            rate_left,
-            slots,
-            counters,
-            dry_run,
-        })
+        Ok(slots)
     }
 
     fn apply_run(

@@ -6,6 +6,7 @@
 
 pub mod admission;
 pub mod command;
+pub mod history;
 pub mod ledger;
 pub mod money;
 pub mod rate;

@@ -4,6 +4,7 @@
 //! Every backend is held to the same answers by `spendgate-conformance`.
 
 pub mod clock;
+pub mod history;
 pub mod memory;
 pub mod sqlite;
 mod typed;
@@ -14,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use history::{HistoryFilter, HistoryReader, HistoryTap, Page, HISTORY_PAGE_MAX};
 pub use memory::MemoryStore;
 pub use sqlite::{DiskGate, SqliteOptions, SqliteStore, WRITE_FAULT_ONCE};
 pub use typed::Answers;
@@ -93,6 +95,17 @@ pub trait Store: Send + Sync + 'static {
 
     /// Short name of the backend ("memory", "sqlite", "redis").
     fn kind(&self) -> &'static str;
+
+    /// Where this store's usage history is read back from; `None` when it keeps none.
+    fn history(&self) -> Option<std::sync::Arc<dyn HistoryReader>> {
+        None
+    }
+
+    /// Tells `tap` of every history event this store makes durable from now on (at most one
+    /// tap; a second replaces the first).
+    fn tap_history(&self, tap: std::sync::Arc<dyn HistoryTap>) {
+        let _ = tap;
+    }
 }
 
 /// Longest grace a slow call may be given past `store.timeout_ms` (`store.slow_grace_ms`).
@@ -307,6 +320,14 @@ impl<S: Store + ?Sized> Store for Timed<S> {
     }
     fn kind(&self) -> &'static str {
         self.inner.kind()
+    }
+
+    fn history(&self) -> Option<Arc<dyn HistoryReader>> {
+        self.inner.history()
+    }
+
+    fn tap_history(&self, tap: Arc<dyn HistoryTap>) {
+        self.inner.tap_history(tap)
     }
 }
 

@@ -46,6 +46,14 @@ impl Store for Metered {
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }
+
+    fn history(&self) -> Option<Arc<dyn spendgate_store::HistoryReader>> {
+        self.inner.history()
+    }
+
+    fn tap_history(&self, tap: Arc<dyn spendgate_store::HistoryTap>) {
+        self.inner.tap_history(tap)
+    }
 }
 
 #[cfg(test)]

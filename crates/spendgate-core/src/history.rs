@@ -134,6 +134,17 @@ pub struct AdjustmentRecord {
     pub at: UnixMs,
     pub counters: Vec<CounterKey>,
     pub amount_micros: i64,
+    /// What each of `counters` moved by, in order (a credit stops at zero, a charge at
+    /// `MICROS_MAX`); empty: `amount_micros` each.
+    #[serde(default)]
+    pub applied: Vec<i64>,
+}
+
+impl AdjustmentRecord {
+    /// What counter `i` of `counters` moved by.
+    pub fn applied_to(&self, i: usize) -> i64 {
+        self.applied.get(i).copied().unwrap_or(self.amount_micros)
+    }
 }
 
 /// Refusals of one code by one scope kind in one minute.

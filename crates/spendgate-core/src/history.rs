@@ -177,11 +177,15 @@ pub enum HistoryEvent {
 }
 
 impl HistoryEvent {
-    /// The record's identity: a sink keeps one record per key.
+    /// The record's identity: a sink keeps one record per key. A reservation's and a run's
+    /// include their creation time and a reservation's its run: an id may be taken again once
+    /// the ledger purged the first one (a minute after its run ended).
     pub fn key(&self) -> String {
         match self {
-            HistoryEvent::Reservation(r) => format!("r:{}", r.id.0),
-            HistoryEvent::Run(r) => format!("u:{}", r.id.0),
+            HistoryEvent::Reservation(r) => {
+                format!("r:{}:{}:{}", r.created.0, r.run_id.0, r.id.0)
+            }
+            HistoryEvent::Run(r) => format!("u:{}:{}", r.created.0, r.id.0),
             HistoryEvent::Adjustment(a) => format!("a:{}", a.id),
             HistoryEvent::Refusals { at, .. } => format!(
                 "x:{}:{}:{}",

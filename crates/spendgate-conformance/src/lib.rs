@@ -24,6 +24,7 @@ mod conservation;
 mod failure;
 mod hammer;
 mod held;
+mod history;
 mod leases;
 mod limits;
 mod model;
@@ -37,6 +38,7 @@ pub use conservation::*;
 pub use failure::*;
 pub use hammer::*;
 pub use held::*;
+pub use history::*;
 pub use leases::*;
 pub use limits::*;
 pub use model::*;
@@ -134,6 +136,7 @@ macro_rules! __with_conformance_cases {
             hammer_last_cent,
             model_based,
             model_based_dry_run,
+            history_is_as_exact_as_the_ledger,
         }
     };
 }

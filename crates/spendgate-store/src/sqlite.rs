@@ -358,6 +358,7 @@ impl SqliteStore {
                 .unwrap_or(u64::MAX),
             pruned: None,
             events: Vec::new(),
+            reads: Vec::new(),
         };
         // (if this fails, `writer` is dropped: its disk sender closes and the disk thread ends)
         let handle = std::thread::Builder::new()
@@ -923,6 +924,8 @@ struct Writer {
     pruned: Option<spendgate_core::UnixMs>,
     /// History events of the batch under way (taken from the ledger after each command).
     events: Vec<HistoryEvent>,
+    /// History reads taken in the batch under way (at most the batch's size).
+    reads: Vec<history::Read>,
 }
 
 /// A command applied in this batch whose answer waits for the write.
@@ -1103,6 +1106,12 @@ impl Writer {
                     self.reload();
                 }
             }
+            // (a read the disk thread cannot take is dropped: its caller hears "closed")
+            for f in std::mem::take(&mut self.reads) {
+                if let Some(disk) = &self.disk {
+                    let _ = disk.send(DiskMsg::Read(f));
+                }
+            }
         }
         self.close();
     }
@@ -1165,10 +1174,9 @@ impl Writer {
                 false
             }
             Msg::Read(f) => {
-                // (a read the disk thread cannot take is dropped: its caller hears "closed")
-                if let Some(disk) = &self.disk {
-                    let _ = disk.send(DiskMsg::Read(f));
-                }
+                // Passed on after this batch's job, so that it sees every change answered
+                // before it (an answer that needs no fsync leaves before its job is written).
+                self.reads.push(f);
                 false
             }
             Msg::Inspect(f) => {

@@ -12,8 +12,8 @@
 //! - what it does: `runs` (admit, heartbeat, finish), `steps` (reserve a step), `resolve`
 //!   (commit, release, unknown), `budgets` (which counters, whether an amount fits, hold and
 //!   charge), `expire` (the clock, leases, purges, the sweep), `idempotency`, `sessions`,
-//!   `operator` (cutoff, adjustments), `presence` (replicas), `queries` (reads) and
-//!   `invariants`.
+//!   `operator` (cutoff, adjustments), `presence` (replicas), `queries` (reads),
+//!   `invariants` and `outbox` (the usage history each call makes, when asked).
 //!
 //! Imports go one way: the operations use the "holds" modules, never each other (they call
 //! each other's methods on `Ledger`); those use nothing above them. The ledger uses

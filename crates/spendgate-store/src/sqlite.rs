@@ -1819,29 +1819,37 @@ mod tests {
             let (back, rest): (Record, &[u8]) = postcard::take_from_bytes(&b).expect("decodes");
             assert!(rest.is_empty());
             assert_eq!(back, owned);
-            // Versions 4 and 5 (see `v5`): a run's record carried its steps; every other
-            // record, and a log entry of one, reads the same.
-            let old = match &owned {
-                Record::Run(run) => {
-                    assert_eq!(b.first(), Some(&v5::RUN_VARIANT), "Record::Run's index");
-                    let old =
-                        v5::encode_run(run, vec![ReservationId("step-1".into())]).expect("v5 run");
-                    assert_eq!(old, unhex(V5_RUN), "as version 5 wrote this run");
-                    old
-                }
-                _ => b.clone(),
-            };
-            let (back, rest) = v5::take_record(&old).expect("v5 decodes");
-            assert!(rest.is_empty());
-            assert_eq!(back, owned);
-            let mut entry = postcard::to_allocvec(&("key", true)).expect("entry head");
-            entry.extend(&old);
-            let ((key, back), rest) = v5::take_entry(&entry).expect("v5 entry decodes");
-            assert!(rest.is_empty());
-            assert_eq!((key.as_str(), back), ("key", Some(owned)));
+            // Versions 4 and 5 (see `v5`): a run's record carried its steps; version 6's had
+            // no tally. Every other record, and a log entry of one, reads the same; an old
+            // run reads with an empty tally.
+            let mut untallied = owned.clone();
+            if let Record::Run(run) = &mut untallied {
+                run.tally = spendgate_core::RunTally::default();
+            }
+            for layout in [v5::Old::V5, v5::Old::V6] {
+                let old = match (&owned, layout) {
+                    (Record::Run(run), v5::Old::V5) => {
+                        assert_eq!(b.first(), Some(&v5::RUN_VARIANT), "Record::Run's index");
+                        let old = v5::encode_run(run, vec![ReservationId("step-1".into())])
+                            .expect("v5 run");
+                        assert_eq!(old, unhex(V5_RUN), "as version 5 wrote this run");
+                        old
+                    }
+                    (Record::Run(run), v5::Old::V6) => v5::encode_run_v6(run).expect("v6 run"),
+                    _ => b.clone(),
+                };
+                let (back, rest) = v5::take_record(&old, layout).expect("old layout decodes");
+                assert!(rest.is_empty());
+                assert_eq!(back, untallied);
+                let mut entry = postcard::to_allocvec(&("key", true)).expect("entry head");
+                entry.extend(&old);
+                let ((key, back), rest) = v5::take_entry(&entry, layout).expect("entry decodes");
+                assert!(rest.is_empty());
+                assert_eq!((key.as_str(), back), ("key", Some(untallied.clone())));
+            }
         }
         let deleted = postcard::to_allocvec(&("key", Option::<Record>::None)).expect("entry");
-        let (entry, rest) = v5::take_entry(&deleted).expect("v5 deletion decodes");
+        let (entry, rest) = v5::take_entry(&deleted, v5::Old::V5).expect("v5 deletion decodes");
         assert!(rest.is_empty());
         assert_eq!(entry, ("key".to_string(), None));
         let names: std::collections::BTreeSet<&str> = dirty

@@ -3,7 +3,11 @@
 //! micro; refusal counts equal the refusals answered. Read through `Store::history()`: a
 //! backend whose store keeps none says so and skips.
 
-use crate::support::*;
+use crate::support::{
+    admit, admit_refused, day, finish, micros_step, model_step, policy, reservations, reserve,
+    reserve_refused, resolve, run_id, sweep, tokens, tool_step, units, usage, Who, MIDNIGHT, START,
+    TOOL_PER_CALL,
+};
 use crate::Backend;
 use spendgate_core::history::{ReservationRecord, RunRecord};
 use spendgate_core::{

@@ -127,6 +127,7 @@ macro_rules! __with_conformance_cases {
             ledger_seq,
             whole_run_reserves_and_reconciles,
             whole_run_expiry_charges_the_hold,
+            whole_run_finish_answers_what_the_budgets_were_charged,
             whole_run_overrun_reaches_the_scopes_at_commit,
             whole_run_admission_held_by_other_runs_is_a_wait,
             cutoff_refuses_admission,

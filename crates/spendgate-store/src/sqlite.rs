@@ -163,6 +163,12 @@ impl DiskGate {
 
 /// Added to a [`SqliteOptions::write_fault`] code: only the next write fails.
 pub const WRITE_FAULT_ONCE: i32 = 1 << 16;
+/// Refusal counts (minute, code, scope kind) the applier holds aside at most before it writes
+/// them (a batch of refusals alone changes nothing: see `Writer::flush_refusals`).
+pub const REFUSALS_HELD_MAX: usize = 1024;
+/// How long the applier holds refusal counts aside at most (of the store's clock, checked at
+/// each batch).
+pub const REFUSALS_HELD_MS: u64 = 1_000;
 /// Applied batches waiting for the disk thread at most; past it the applier waits for the
 /// disk (its command queue then fills and callers are refused: fail closed).
 pub const DISK_QUEUE_MAX: usize = 64;
@@ -359,6 +365,8 @@ impl SqliteStore {
             pruned: None,
             events: Vec::new(),
             reads: Vec::new(),
+            refusals: std::collections::BTreeMap::new(),
+            refusals_since: spendgate_core::UnixMs(0),
         };
         // (if this fails, `writer` is dropped: its disk sender closes and the disk thread ends)
         let handle = std::thread::Builder::new()
@@ -926,6 +934,9 @@ struct Writer {
     events: Vec<HistoryEvent>,
     /// History reads taken in the batch under way (at most the batch's size).
     reads: Vec<history::Read>,
+    /// Refusal counts not yet written (see [`Writer::flush_refusals`]), and since when.
+    refusals: std::collections::BTreeMap<spendgate_core::history::RefusalMinute, u64>,
+    refusals_since: spendgate_core::UnixMs,
 }
 
 /// A command applied in this batch whose answer waits for the write.
@@ -1217,7 +1228,7 @@ impl Writer {
                     }
                 };
                 if self.keeps_history {
-                    self.events.extend(self.ledger.take_history());
+                    self.take_history();
                 }
                 let overrun = answer.as_ref().is_ok_and(Command::reply_needs_durability);
                 if overrun {
@@ -1242,6 +1253,7 @@ impl Writer {
     /// leaves `log` ahead of the file: the caller reloads.
     fn job(&mut self, waiting: &mut Waiting) -> Result<Option<Job>, String> {
         let changes = self.ledger.take_dirty();
+        self.flush_refusals(!changes.is_empty() || !self.events.is_empty());
         if changes.is_empty() {
             if waiting.is_empty() && self.events.is_empty() {
                 return Ok(None);
@@ -1296,6 +1308,42 @@ impl Writer {
         )))
     }
 
+    /// Takes the history the last command made: records into the batch's events, refusal
+    /// counts aside (added up), so that a flood of refusals, which changes nothing, does not
+    /// make a write of its own per batch.
+    fn take_history(&mut self) {
+        for e in self.ledger.take_history() {
+            match e {
+                HistoryEvent::Refusals { at, count } => {
+                    if self.refusals.is_empty() {
+                        self.refusals_since = self.clock.now();
+                    }
+                    *self.refusals.entry(at).or_insert(0) += count;
+                }
+                other => self.events.push(other),
+            }
+        }
+    }
+
+    /// Moves the refusal counts held aside into the batch's events when the batch writes
+    /// anyway (`writes`), when a history read waits in it, when the oldest is
+    /// [`REFUSALS_HELD_MS`] old or when [`REFUSALS_HELD_MAX`] are held. A crash loses at most
+    /// that many of them (counts, never a charge).
+    fn flush_refusals(&mut self, writes: bool) {
+        if self.refusals.is_empty() {
+            return;
+        }
+        let due = writes
+            || !self.reads.is_empty()
+            || self.refusals.len() >= REFUSALS_HELD_MAX
+            || self.clock.now().0 >= self.refusals_since.0.saturating_add(REFUSALS_HELD_MS);
+        if due {
+            for (at, count) in std::mem::take(&mut self.refusals) {
+                self.events.push(HistoryEvent::Refusals { at, count });
+            }
+        }
+    }
+
     fn numbered(
         &mut self,
         row: Option<(i64, Vec<u8>)>,
@@ -1331,8 +1379,10 @@ impl Writer {
     /// Rebuilds the ledger from the file once the disk thread has finished (or discarded)
     /// every job sent before, dropping every change that is not on disk.
     fn reload(&mut self) {
-        // (what the batch under way made is dropped with its changes)
+        // (what the batch under way made is dropped with its changes, and the refusal counts
+        // held aside: the write that failed may have held some)
         self.events.clear();
+        self.refusals.clear();
         let (tx, rx) = sync_channel(1);
         let reloaded = match &self.disk {
             Some(disk) if disk.send(DiskMsg::Reload(tx)).is_ok() => rx

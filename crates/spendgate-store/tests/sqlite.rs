@@ -2042,3 +2042,39 @@ async fn the_history_is_pruned_by_age_and_size() {
         "age bound: {kept:#?}"
     );
 }
+
+/// Refusal counts held aside by the applier (a batch of refusals alone writes nothing) are
+/// written before a history read, which counts every refusal answered before it, and are
+/// kept across a reopen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusal_counts_are_read_as_answered() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let store = open(&path, Arc::new(clock.clone()));
+    let s: &dyn Store = &store;
+    for i in 0..5 {
+        let mut req = run_request(&format!("big-{i}"));
+        req.input_bytes = u64::MAX / 2;
+        let refused = s.admit_run(req, None).await.expect("answered").value;
+        assert_eq!(
+            refused.map(|_| ()).map_err(|r| r.code),
+            Err(RefusalCode::PayloadTooLarge)
+        );
+    }
+    let count = |store: &SqliteStore| {
+        let h = store.history().expect("history");
+        async move {
+            h.refusals(UnixMs(0), UnixMs(u64::MAX / 2))
+                .await
+                .expect("refusals")
+                .iter()
+                .map(|(_, n)| n)
+                .sum::<u64>()
+        }
+    };
+    assert_eq!(count(&store).await, 5);
+    drop(store);
+    let store = open(&path, Arc::new(clock));
+    assert_eq!(count(&store).await, 5);
+}

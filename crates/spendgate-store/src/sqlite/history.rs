@@ -8,7 +8,10 @@
 //! - `history_runs`: one row per ended run (insert or ignore).
 //! - `history_adjustments`: one row per operator adjustment (its id: the ledger's sequence
 //!   number).
-//! - `history_refusals`: a count per minute, code and scope kind, added up.
+//! - `history_refusals`: a count per minute, code and scope kind, added up. The applier
+//!   holds refusal counts aside and writes them with the next write, at the latest after
+//!   `REFUSALS_HELD_MS` (a batch of refusals alone changes nothing in the ledger, and a flood
+//!   of them must not make a write per batch).
 //!
 //! Records are JSON (`record`): self-describing, so a field added later reads as its default
 //! in older rows. Each table has an index on its time column for range reads.

@@ -180,6 +180,8 @@ async fn conversation_concurrency_and_run_bounds() {
     // 2 model steps of 10*1 + 100*2 = 210 micros, 1 retry the same, 2 tools at 10_000: all
     // held steps are charged in full (unknown) at finish.
     assert_eq!(v["charged_micros"], 3 * 210 + 2 * 10_000);
+    // (per_step: the budgets were charged the steps' sum)
+    assert_eq!(v["budgets_charged_micros"], 3 * 210 + 2 * 10_000);
     let again = server.run(&s, "192.0.2.1", "c1").await;
 
     // Context and output bounds.

@@ -29,12 +29,17 @@
 //!   the open one gathers past its bound while the closing one drains), and every state is on disk twice at most
 //!   (log, then `records`) instead of once per change. A clean close compacts everything
 //!   (the log is empty after it); an open after a crash replays what the log holds.
+//! - The usage history (`history` module; decision 0042): four more tables, written by the
+//!   disk thread in the transaction of the batch whose changes they record, pruned by age
+//!   and size, read back through the disk thread (the file's exclusive lock admits no second
+//!   connection). [`SqliteOptions::history`] turns it off.
 //! - The schema version is kept in `PRAGMA user_version`. Older files are upgraded at open:
 //!   version 4 (`records` alone, reservations under their run's prefix) gains the empty log
 //!   and each reservation's row moves to its own key; versions 4 and 5 listed a run's steps
 //!   in its record (rewritten at every step, growing with the run), which version 6 keeps
-//!   in memory only (see [`v5`]): the whole file is read in the old layout and written in
-//!   the new one in one transaction. Postcard does not describe itself: a change to the layout of
+//!   in memory only, and version 7 appends the run's tally and adds the history tables (see
+//!   [`v5`]): the whole file is read in the old layout and written in the new one in one
+//!   transaction. Postcard does not describe itself: a change to the layout of
 //!   any record type in `spendgate-core` (other than a new enum variant at the end) must
 //!   bump [`SCHEMA_VERSION`]. A record that does not decode to exactly its bytes fails the
 //!   open (fail closed).

@@ -489,14 +489,8 @@ fn empty_file_gives_the_spec_defaults() {
     assert_eq!(
         g.budgets,
         vec![
-            Budget {
-                amount: Micros(50_000_000),
-                window: Window::Day
-            },
-            Budget {
-                amount: Micros(1_000_000_000),
-                window: Window::Month
-            }
+            Budget::new(Micros(50_000_000), Window::Day),
+            Budget::new(Micros(1_000_000_000), Window::Month)
         ]
     );
     assert_eq!(c.policy.mode, ReservationMode::PerStep);

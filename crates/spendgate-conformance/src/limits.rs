@@ -641,6 +641,8 @@ pub async fn dry_run_reports_instead_of_refusing(b: &dyn Backend) {
         }),
         concurrency: Some(1),
         dry_run: true,
+        rate_dry_run: false,
+        concurrency_dry_run: false,
     };
     let s = b.open(p, START).await;
     let (w1, w2) = (

@@ -33,10 +33,7 @@ impl Rng {
 }
 
 fn budget(amount: u64, window: Window) -> Budget {
-    Budget {
-        amount: Micros(amount),
-        window,
-    }
+    Budget::new(Micros(amount), window)
 }
 
 fn rate(count: u64, period_ms: u64, burst: u64) -> Option<Rate> {
@@ -70,24 +67,32 @@ fn policy(variant: u8) -> Policy {
             rate: rate(20, 1000, 10),
             concurrency: Some(6),
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         ip: ScopePolicy {
             budgets: vec![budget(4000, Window::Day)],
             rate: rate(2, 1000, 2),
             concurrency: Some(3),
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         session: ScopePolicy {
             budgets: vec![budget(3000, Window::Day)],
             rate: rate(10, 60_000, 4),
             concurrency: Some(2),
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         conversation: ScopePolicy {
             budgets: vec![budget(2000, Window::Day)],
             rate: None,
             concurrency: Some(1),
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         run: bounds(true),
         mode: ReservationMode::PerStep,

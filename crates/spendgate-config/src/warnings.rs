@@ -155,6 +155,21 @@ impl Config {
                     .to_string(),
             );
         }
+        self.dry_runs(&mut w);
+        if self.policy.global.budgets.is_empty() {
+            w.push(
+                "limits.global.unbudgeted: no global budget: nothing bounds what the whole \
+                 service spends"
+                    .to_string(),
+            );
+        }
+        w
+    }
+}
+
+impl Config {
+    /// A warning for every limit in dry-run: all (`server.dry_run`), a scope's, a single one.
+    fn dry_runs(&self, w: &mut Vec<String>) {
         if self.server.dry_run {
             w.push(
                 "server.dry_run: rates, concurrency caps and budgets are computed and logged but NOT enforced"
@@ -173,21 +188,11 @@ impl Config {
                     ));
                     continue;
                 }
-                Self::limit_dry_runs(&mut w, name, sp);
+                Self::limit_dry_runs(w, name, sp);
             }
         }
-        if self.policy.global.budgets.is_empty() {
-            w.push(
-                "limits.global.unbudgeted: no global budget: nothing bounds what the whole \
-                 service spends"
-                    .to_string(),
-            );
-        }
-        w
     }
-}
 
-impl Config {
     /// A warning for each single limit of a scope in dry-run (`rate_dry_run`,
     /// `concurrency_dry_run`, a budget's `dry_run`).
     fn limit_dry_runs(w: &mut Vec<String>, name: &str, sp: &spendgate_core::ScopePolicy) {

@@ -335,3 +335,41 @@ impl Default for Policy {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A single limit in dry-run is its own, the scope's flag covers them all, and scaling
+    /// (wider address prefixes) keeps both.
+    #[test]
+    fn dry_run_of_a_scope_or_of_a_single_limit() {
+        let mut p = Policy::default();
+        let s = &mut p.session;
+        s.budgets = vec![
+            Budget::new(Micros(500_000), Window::Day),
+            Budget {
+                dry_run: true,
+                ..Budget::new(Micros(100_000), Window::Hour)
+            },
+        ];
+        s.rate_dry_run = true;
+        assert!(s.budget_dry(Window::Hour) && !s.budget_dry(Window::Day));
+        assert!(!s.budget_dry(Window::Month), "no budget there");
+        assert!(s.rate_dry() && !s.concurrency_dry() && s.any_dry());
+        let wide = s.scaled(4);
+        assert!(wide.budget_dry(Window::Hour) && !wide.budget_dry(Window::Day));
+        assert!(wide.rate_dry() && !wide.concurrency_dry());
+        assert_eq!(wide.budgets[1].amount, Micros(400_000));
+        assert!(p.budget_dry_run(ScopeKind::Session, Window::Hour));
+        assert!(!p.budget_dry_run(ScopeKind::Session, Window::Day));
+        assert!(!p.budget_dry_run(ScopeKind::Run, Window::Hour));
+        assert!(
+            !p.dry_run(ScopeKind::Session),
+            "the scope itself is enforced"
+        );
+        p.ip.dry_run = true;
+        assert!(p.ip.budget_dry(Window::Day) && p.ip.rate_dry() && p.ip.concurrency_dry());
+        assert!(!Policy::default().global.any_dry());
+    }
+}

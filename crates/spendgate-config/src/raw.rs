@@ -268,14 +268,32 @@ table! {
         /// How many runs may start at once above the rate. Needs a rate.
         #[key(Ty::Int { min: 1, max: BURST_MAX })]
         burst: Option<u64> = None,
+        /// The rate alone in dry-run: a run past it is admitted, reported (`dry_run` in the
+        /// answer, `spendgate_dry_run_refusals_total`) and logged; the scope's budgets and
+        /// concurrency cap stay enforced. Needs a rate.
+        #[key(Ty::Bool)]
+        rate_dry_run: Option<bool> = None,
         /// Runs in flight at once, or `"off"`.
         #[key(Ty::CountOrOff { min: 1, max: CONCURRENCY_MAX })]
         concurrency: Option<RawCount> = None,
+        /// The concurrency cap alone in dry-run (as `rate_dry_run`). Needs a cap.
+        #[key(Ty::Bool)]
+        concurrency_dry_run: Option<bool> = None,
         /// Spending caps, at most one per window: inline tables `{ amount = "50", window =
         /// "day" }`. `amount` is in currency units; `window` is `hour`, `day`, `month` (UTC
-        /// calendar windows) or `lifetime`. An amount of 0 admits nothing; `[]`: no budget.
+        /// calendar windows) or `lifetime`; `dry_run = true` puts that budget alone in
+        /// dry-run (`{ amount = "5", window = "hour", dry_run = true }`: a new cap watched
+        /// before it is enforced). An amount of 0 admits nothing; `[]`: no budget, which
+        /// `[limits.global]` accepts only with `unbudgeted = true`.
         #[key(Ty::List { of: &Ty::Table(&RawBudget::TABLE), max: 4 })]
         budgets: Option<Vec<RawBudget>> = None,
+        /// Only in `[limits.global]`: `true` says the service runs with no global budget
+        /// (`budgets = []`). A global budget is the one limit that bounds what the whole
+        /// service spends, whoever calls, so a config without one is refused unless it says
+        /// so here: an edit that drops the last global budget must not remove that bound
+        /// silently. Not allowed together with a global budget.
+        #[key(Ty::Bool)]
+        unbudgeted: Option<bool> = None,
         /// This scope's limits in dry-run: computed, logged and counted, not enforced.
         #[key(Ty::Bool)]
         dry_run: Option<bool> = None,
@@ -291,6 +309,10 @@ table! {
         /// The window it is counted in.
         #[key(Ty::Choice(&["hour", "day", "month", "lifetime"]), required: true)]
         window: Option<String> = None,
+        /// This budget alone in dry-run: a call past it is admitted and reported; the
+        /// scope's other limits stay enforced.
+        #[key(Ty::Bool)]
+        dry_run: Option<bool> = None,
     }
 }
 

@@ -109,7 +109,11 @@ impl Config {
     pub(crate) fn to_raw(&self) -> (RawConfig, Notes) {
         let mut notes = Notes::new();
         let scope = |name: &str, sp: &ScopePolicy, notes: &mut Notes| {
-            raw_scope(&KeyPath::of(&["limits", name]), sp, notes)
+            let mut raw = raw_scope(&KeyPath::of(&["limits", name]), sp, notes);
+            if name == "global" {
+                raw.unbudgeted = Some(sp.budgets.is_empty());
+            }
+            raw
         };
         let raw = RawConfig {
             server: self.raw_server(&mut notes),
@@ -390,6 +394,8 @@ fn raw_scope(path: &KeyPath, sp: &ScopePolicy, notes: &mut Notes) -> RawScope {
         .map(|b| RawBudget {
             amount: Some(RawAmount(amount_text(b.amount))),
             window: Some(b.window.name().to_string()),
+            // (shown only when set: a budget is enforced unless it says otherwise)
+            dry_run: b.dry_run.then_some(true),
         })
         .collect();
     RawScope {
@@ -400,7 +406,10 @@ fn raw_scope(path: &KeyPath, sp: &ScopePolicy, notes: &mut Notes) -> RawScope {
             None => RawCount::Off,
         }),
         budgets: Some(budgets),
+        unbudgeted: None,
         dry_run: Some(sp.dry_run),
+        rate_dry_run: Some(sp.rate_dry_run),
+        concurrency_dry_run: Some(sp.concurrency_dry_run),
     }
 }
 

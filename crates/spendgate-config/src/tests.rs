@@ -441,6 +441,118 @@ fn dry_run_globally_or_per_limit() {
     assert_eq!(e.key(), "limits.ip.dry_run");
 }
 
+/// A single limit in dry-run: one budget, a scope's rate, its concurrency cap; the scope's
+/// other limits stay enforced.
+#[test]
+fn dry_run_on_a_single_limit() {
+    let c = load(
+        "[limits.session]\nbudgets = [{ amount = \"5\", window = \"day\", dry_run = true }, \
+         { amount = \"1\", window = \"hour\" }]\nrate_dry_run = true\n\n\
+         [limits.ip]\nconcurrency_dry_run = true\n",
+        &no_env,
+    )
+    .expect("valid");
+    let s = &c.policy.session;
+    assert!(!s.dry_run, "the scope itself stays enforced");
+    assert_eq!(
+        s.budgets,
+        vec![
+            Budget {
+                amount: Micros(5_000_000),
+                window: Window::Day,
+                dry_run: true
+            },
+            Budget::new(Micros(1_000_000), Window::Hour)
+        ]
+    );
+    assert!(s.budget_dry(Window::Day) && !s.budget_dry(Window::Hour));
+    assert!(s.rate_dry_run && s.rate_dry() && !s.concurrency_dry());
+    assert!(c.policy.ip.concurrency_dry() && !c.policy.ip.rate_dry());
+    assert!(!c.policy.global.any_dry() && !c.policy.conversation.any_dry());
+    let w = c.warnings();
+    for key in [
+        "limits.session.budgets[0].dry_run",
+        "limits.session.rate_dry_run",
+        "limits.ip.concurrency_dry_run",
+    ] {
+        assert!(w.iter().any(|w| w.starts_with(key)), "{key}: {w:?}");
+    }
+    assert!(!w.iter().any(|w| w.starts_with("limits.session.budgets[1]")));
+    // check-config prints them, and what it prints loads back the same.
+    let rendered = c.render_effective();
+    assert!(
+        rendered.contains("dry_run = true, window = \"day\" }"),
+        "{rendered}"
+    );
+    assert!(rendered.contains("rate_dry_run = true"), "{rendered}");
+    assert_eq!(load(&rendered, &no_env).expect("valid"), c, "{rendered}");
+
+    // Errors name the key.
+    let e = load_err(
+        "[limits.session]\nbudgets = [{ amount = \"5\", window = \"day\", dry_run = 1 }]\n",
+    );
+    assert_eq!(e.key(), "limits.session.budgets[0].dry_run");
+    let e = load_err("[limits.conversation]\nrate_dry_run = true\n");
+    assert_eq!(e.key(), "limits.conversation.rate_dry_run");
+    assert!(e.to_string().contains("no rate"), "{e}");
+    assert_eq!(e.line(), Some(2));
+    let e = load_err("[limits.ip]\nconcurrency = \"off\"\nconcurrency_dry_run = true\n");
+    assert_eq!(e.key(), "limits.ip.concurrency_dry_run");
+    assert!(e.to_string().contains("no concurrency cap"), "{e}");
+    let e = load_err("[limits.ip]\nrate_dry_run = \"yes\"\n");
+    assert_eq!(e.key(), "limits.ip.rate_dry_run");
+}
+
+/// The global budget is never configured away silently: without one the config is refused,
+/// with an error that names the key and the way to opt out, unless `unbudgeted = true`.
+#[test]
+fn a_config_without_a_global_budget_is_refused_unless_it_says_so() {
+    let e = load_err("[limits.global]\nbudgets = []\n");
+    assert_eq!(e.key(), "limits.global.budgets");
+    assert_eq!(e.line(), Some(2));
+    assert!(
+        e.to_string().contains("limits.global.unbudgeted = true"),
+        "the error says how to opt out: {e}"
+    );
+    // Said explicitly: accepted, with a warning, and check-config's output says it too.
+    let c = load(
+        "[limits.global]\nbudgets = []\nunbudgeted = true\n",
+        &no_env,
+    )
+    .expect("valid");
+    assert!(c.policy.global.budgets.is_empty());
+    assert!(c
+        .warnings()
+        .iter()
+        .any(|w| w.starts_with("limits.global.unbudgeted")));
+    let rendered = c.render_effective();
+    assert!(rendered.contains("unbudgeted = true"), "{rendered}");
+    assert_eq!(load(&rendered, &no_env).expect("valid"), c, "{rendered}");
+    // The defaults keep their global budgets, and say so.
+    let d = load("", &no_env).expect("valid");
+    assert_eq!(d.policy.global.budgets.len(), 2);
+    assert!(d.render_effective().contains("unbudgeted = false"));
+    assert!(!d
+        .warnings()
+        .iter()
+        .any(|w| w.starts_with("limits.global.unbudgeted")));
+    // A stale opt-out beside a budget is refused, and so is the key in another scope.
+    let e = load_err("[limits.global]\nunbudgeted = true\n");
+    assert_eq!(e.key(), "limits.global.unbudgeted");
+    assert!(e.to_string().contains("2 budget(s)"), "{e}");
+    let e = load_err("[limits.session]\nunbudgeted = true\nbudgets = []\n");
+    assert_eq!(e.key(), "limits.session.unbudgeted");
+    assert!(e.to_string().contains("[limits.global] only"), "{e}");
+    // Other scopes may have no budget.
+    load("[limits.ip]\nbudgets = []\n", &no_env).expect("valid");
+    // A global budget in dry-run is still a budget (it is explicit, and warned of).
+    load(
+        "[limits.global]\nbudgets = [{ amount = \"5\", window = \"day\", dry_run = true }]\n",
+        &no_env,
+    )
+    .expect("valid");
+}
+
 #[test]
 fn empty_file_gives_the_spec_defaults() {
     let c = load("", &no_env).expect("an empty file is valid");
@@ -489,14 +601,8 @@ fn empty_file_gives_the_spec_defaults() {
     assert_eq!(
         g.budgets,
         vec![
-            Budget {
-                amount: Micros(50_000_000),
-                window: Window::Day
-            },
-            Budget {
-                amount: Micros(1_000_000_000),
-                window: Window::Month
-            }
+            Budget::new(Micros(50_000_000), Window::Day),
+            Budget::new(Micros(1_000_000_000), Window::Month)
         ]
     );
     assert_eq!(c.policy.mode, ReservationMode::PerStep);

@@ -155,6 +155,21 @@ impl Config {
                     .to_string(),
             );
         }
+        self.dry_runs(&mut w);
+        if self.policy.global.budgets.is_empty() {
+            w.push(
+                "limits.global.unbudgeted: no global budget: nothing bounds what the whole \
+                 service spends"
+                    .to_string(),
+            );
+        }
+        w
+    }
+}
+
+impl Config {
+    /// A warning for every limit in dry-run: all (`server.dry_run`), a scope's, a single one.
+    fn dry_runs(&self, w: &mut Vec<String>) {
         if self.server.dry_run {
             w.push(
                 "server.dry_run: rates, concurrency caps and budgets are computed and logged but NOT enforced"
@@ -171,9 +186,32 @@ impl Config {
                     w.push(format!(
                         "limits.{name}.dry_run: this scope's limits are computed and logged but NOT enforced"
                     ));
+                    continue;
                 }
+                Self::limit_dry_runs(w, name, sp);
             }
         }
-        w
+    }
+
+    /// A warning for each single limit of a scope in dry-run (`rate_dry_run`,
+    /// `concurrency_dry_run`, a budget's `dry_run`).
+    fn limit_dry_runs(w: &mut Vec<String>, name: &str, sp: &spendgate_core::ScopePolicy) {
+        let not = "is computed and logged but NOT enforced";
+        if sp.rate_dry_run {
+            w.push(format!(
+                "limits.{name}.rate_dry_run: this scope's rate {not}"
+            ));
+        }
+        if sp.concurrency_dry_run {
+            w.push(format!(
+                "limits.{name}.concurrency_dry_run: this scope's concurrency cap {not}"
+            ));
+        }
+        for (i, b) in sp.budgets.iter().enumerate().filter(|(_, b)| b.dry_run) {
+            w.push(format!(
+                "limits.{name}.budgets[{i}].dry_run: this {} budget {not}",
+                b.window.name()
+            ));
+        }
     }
 }

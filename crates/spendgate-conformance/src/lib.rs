@@ -133,6 +133,7 @@ macro_rules! __with_conformance_cases {
             cutoff_refuses_admission,
             replicas_publish_policy_fingerprints,
             dry_run_reports_instead_of_refusing,
+            dry_run_on_a_single_limit,
             hammer_one_budget,
             hammer_last_cent,
             model_based,

@@ -8,9 +8,9 @@ use crate::support::{
 };
 use crate::Backend;
 use spendgate_core::{
-    Adjustment, IdempotencyKey, IpScope, LedgerError, Micros, Rate, Refusal, RefusalCode,
+    Adjustment, Budget, IdempotencyKey, IpScope, LedgerError, Micros, Rate, Refusal, RefusalCode,
     Reservation, ReservationKind, ReservationMode, ReservationState, Resolution, RunState,
-    ScopeKey, ScopeKind, ScopePolicy, SessionGrant, CUTOFF_MESSAGE, RECORD_RETENTION_MS,
+    ScopeKey, ScopeKind, ScopePolicy, SessionGrant, Window, CUTOFF_MESSAGE, RECORD_RETENTION_MS,
 };
 use spendgate_store::{Store, StoreError};
 use std::sync::Arc;
@@ -641,6 +641,8 @@ pub async fn dry_run_reports_instead_of_refusing(b: &dyn Backend) {
         }),
         concurrency: Some(1),
         dry_run: true,
+        rate_dry_run: false,
+        concurrency_dry_run: false,
     };
     let s = b.open(p, START).await;
     let (w1, w2) = (
@@ -731,4 +733,120 @@ pub async fn whole_run_finish_answers_what_the_budgets_were_charged(b: &dyn Back
     );
     let lines = check_ledger(&s, &w2.scopes()).await;
     assert_eq!(ur(&lines, ScopeKind::Session), (58_000, 0));
+}
+
+/// Dry-run on a single limit (SPEC §8): a scope's rate, its concurrency cap or one of its
+/// budgets in dry-run reports the refusal it would give and admits, while every other limit,
+/// of the same scope too, stays enforced.
+pub async fn dry_run_on_a_single_limit(b: &dyn Backend) {
+    let one_a_minute = Some(Rate {
+        count: 1,
+        period_ms: 60_000,
+        burst: 1,
+    });
+    let mut p = policy();
+    p.global.budgets = vec![day(1_000_000)];
+    // The session: its rate and its hour budget in dry-run; its cap and day budget enforced.
+    p.session = ScopePolicy {
+        budgets: vec![
+            Budget {
+                amount: Micros(100_000),
+                window: Window::Hour,
+                dry_run: true,
+            },
+            day(300_000),
+        ],
+        rate: one_a_minute,
+        concurrency: Some(1),
+        dry_run: false,
+        rate_dry_run: true,
+        concurrency_dry_run: false,
+    };
+    // The address: its cap in dry-run. The conversation: its rate (and cap) enforced.
+    p.ip.concurrency = Some(1);
+    p.ip.concurrency_dry_run = true;
+    p.conversation.rate = one_a_minute;
+    let s = b.open(p, START).await;
+    let (a, b2, c) = ("192.0.2.1/32", "192.0.2.2/32", "192.0.2.3/32");
+
+    // Rates: the session's, in dry-run, is reported and admits; the conversation's refuses.
+    let first = admit(&s, Who::new("s1", "c1", a).run("r1")).await;
+    assert_eq!(first.value.dry_run, None, "nothing to report yet");
+    finish(&s, "r1").await;
+    let second = admit(&s, Who::new("s1", "c2", a).run("r2")).await;
+    let dry = second
+        .value
+        .dry_run
+        .expect("the session's rate is reported");
+    refusal(&dry, RefusalCode::RateLimited, ScopeKind::Session);
+    let r = admit_refused(&s, Who::new("s2", "c1", b2).run("r3")).await;
+    refusal(&r, RefusalCode::RateLimited, ScopeKind::Conversation);
+
+    // Concurrency: the address's cap, in dry-run, is reported and admits (r2 holds its one
+    // slot); the session's cap, enforced, refuses (r2 is its one active run), whatever its
+    // rate in dry-run says.
+    let fourth = admit(&s, Who::new("s3", "c3", a).run("r4")).await;
+    let dry = fourth.value.dry_run.expect("the address's cap is reported");
+    refusal(&dry, RefusalCode::ConcurrencyLimited, ScopeKind::Ip);
+    let r = admit_refused(&s, Who::new("s1", "c5", c).run("r5")).await;
+    refusal(&r, RefusalCode::ConcurrencyLimited, ScopeKind::Session);
+    assert_eq!(summary(&s).await.runs_active, 2);
+
+    // Budgets: past the session's hour budget (in dry-run) a step is granted and reported,
+    // and the hour counter is marked overrun...
+    let w = Who::new("s1", "c2", a);
+    let step = reserve(&s, micros_step("r2", "r2.a", 90_000)).await;
+    assert_eq!(step.dry_run, None);
+    let step = reserve(&s, micros_step("r2", "r2.b", 50_000)).await;
+    let dry = step.dry_run.expect("the hour budget is reported");
+    held_refusal(&dry, ScopeKind::Session);
+    assert!(
+        dry.message.starts_with("session budget for hour:"),
+        "{dry:?}"
+    );
+    resolve(&s, "r2.a", units(90_000)).await;
+    resolve(&s, "r2.b", units(50_000)).await;
+    let lines = check_ledger(&s, &w.scopes()).await;
+    let session = |window: Window| {
+        lines
+            .iter()
+            .find(|l| l.scope.kind == ScopeKind::Session && l.window.window == window)
+            .unwrap_or_else(|| panic!("no session {window:?} line in {lines:?}"))
+            .clone()
+    };
+    let hour = session(Window::Hour);
+    assert_eq!((hour.used.0, hour.limit.0), (140_000, 100_000));
+    assert!(
+        hour.overrun,
+        "a budget past its limit in dry-run is overrun"
+    );
+    let day_line = session(Window::Day);
+    assert_eq!((day_line.used.0, day_line.overrun), (140_000, false));
+    // ...while the day budget of the same session, enforced, still refuses what does not fit
+    // it (spent: its wait is the day's, not the hour's).
+    let r = reserve_refused(&s, micros_step("r2", "r2.c", 160_001)).await;
+    refusal(&r, RefusalCode::BudgetExhausted, ScopeKind::Session);
+    assert!(r.retry_after_s.is_some_and(|s| s > 3_600), "{r:?}");
+    assert!(r.message.starts_with("session budget for day:"), "{r:?}");
+    // What fits the day is granted, the overrun hour reported.
+    let step = reserve(&s, micros_step("r2", "r2.c", 160_000)).await;
+    let dry = step.dry_run.expect("the overrun hour budget is reported");
+    refusal(&dry, RefusalCode::BudgetExhausted, ScopeKind::Session);
+    let lines = check_ledger(&s, &w.scopes()).await;
+    let day_line = lines
+        .iter()
+        .find(|l| l.scope.kind == ScopeKind::Session && l.window.window == Window::Day)
+        .expect("a session day line");
+    assert_eq!(
+        (day_line.used.0, day_line.reserved.0, day_line.limit.0),
+        (140_000, 160_000, 300_000),
+        "the enforced budget is filled exactly, never past"
+    );
+
+    // Conservation holds as usual.
+    resolve(&s, "r2.c", units(160_000)).await;
+    finish(&s, "r2").await;
+    finish(&s, "r4").await;
+    let lines = check_ledger(&s, &w.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Global), (300_000, 0));
 }

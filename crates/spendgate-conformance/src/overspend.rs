@@ -40,18 +40,9 @@ fn budget_refusal(r: &Refusal, scope: ScopeKind) {
 /// whatever order the scopes are checked in.
 pub async fn i1_a_refusal_waits_for_the_spent_budget_that_frees_last(b: &dyn Backend) {
     let mut p = policy();
-    p.global.budgets = vec![
-        Budget {
-            amount: Micros(150_000),
-            window: Window::Hour,
-        },
-        day(1_000_000),
-    ];
+    p.global.budgets = vec![Budget::new(Micros(150_000), Window::Hour), day(1_000_000)];
     p.session.budgets = vec![day(100_000)];
-    p.conversation.budgets = vec![Budget {
-        amount: Micros(100_000),
-        window: Window::Lifetime,
-    }];
+    p.conversation.budgets = vec![Budget::new(Micros(100_000), Window::Lifetime)];
     let s = b.open(p, START).await;
     // s1 on c1 spends its session's day and its conversation's lifetime: the lifetime
     // budget (a day away) frees after midnight.

@@ -39,10 +39,7 @@ pub const TOOL_PER_UNIT: ToolPrice = ToolPrice {
 
 /// A day budget of `micros`.
 pub fn day(micros: u64) -> Budget {
-    Budget {
-        amount: Micros(micros),
-        window: Window::Day,
-    }
+    Budget::new(Micros(micros), Window::Day)
 }
 
 /// A policy with room everywhere, to be narrowed by each case: a global day budget of 100.00,
@@ -55,6 +52,8 @@ pub fn policy() -> Policy {
             rate: None,
             concurrency: None,
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         ip: ScopePolicy::default(),
         session: ScopePolicy::default(),
@@ -63,6 +62,8 @@ pub fn policy() -> Policy {
             rate: None,
             concurrency: Some(1),
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         run: RunBounds {
             max_input_bytes: 16_384,

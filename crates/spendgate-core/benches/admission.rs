@@ -40,10 +40,7 @@ fn policy() -> Policy {
     ] {
         sp.rate = None;
         sp.concurrency = None;
-        sp.budgets = vec![Budget {
-            amount: Micros(MICROS_MAX.0 / 2),
-            window: Window::Day,
-        }];
+        sp.budgets = vec![Budget::new(Micros(MICROS_MAX.0 / 2), Window::Day)];
     }
     p.run.max_tool_calls = u32::MAX;
     p.run.max_cost = Micros(MICROS_MAX.0 / 2);

@@ -94,6 +94,26 @@ pub struct IpScope {
 pub struct Budget {
     pub amount: Micros,
     pub window: Window,
+    /// This budget alone in dry-run (see [`ScopePolicy::dry_run`]); the scope's other limits
+    /// stay enforced. (Left out of the serialized form when false, so that a policy without
+    /// per-limit dry-run keeps its fingerprint.)
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub dry_run: bool,
+}
+
+impl Budget {
+    /// An enforced budget.
+    pub fn new(amount: Micros, window: Window) -> Budget {
+        Budget {
+            amount,
+            window,
+            dry_run: false,
+        }
+    }
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Limits of one scope kind: budgets per window, a request rate, a concurrency cap.
@@ -108,6 +128,12 @@ pub struct ScopePolicy {
     /// marked overrun, and a request past the rate does not move the rate's state (a refused
     /// request would not have).
     pub dry_run: bool,
+    /// The rate alone in dry-run (the scope's budgets and concurrency cap stay enforced).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub rate_dry_run: bool,
+    /// The concurrency cap alone in dry-run.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub concurrency_dry_run: bool,
 }
 
 impl ScopePolicy {
@@ -124,12 +150,39 @@ impl ScopePolicy {
                 .map(|b| Budget {
                     amount: Micros(b.amount.0.saturating_mul(factor).min(crate::MICROS_MAX.0)),
                     window: b.window,
+                    dry_run: b.dry_run,
                 })
                 .collect(),
             rate: self.rate.map(|r| r.scaled(factor)),
             concurrency: self.concurrency.map(|c| c.saturating_mul(f32)),
             dry_run: self.dry_run,
+            rate_dry_run: self.rate_dry_run,
+            concurrency_dry_run: self.concurrency_dry_run,
         }
+    }
+
+    /// Whether the rate is in dry-run (the whole scope, or the rate alone).
+    pub fn rate_dry(&self) -> bool {
+        self.dry_run || self.rate_dry_run
+    }
+
+    /// Whether the concurrency cap is in dry-run (the whole scope, or the cap alone).
+    pub fn concurrency_dry(&self) -> bool {
+        self.dry_run || self.concurrency_dry_run
+    }
+
+    /// Whether the budget of `window` is in dry-run (the whole scope, or that budget alone;
+    /// a scope has at most one budget per window).
+    pub fn budget_dry(&self, window: Window) -> bool {
+        self.dry_run || self.budgets.iter().any(|b| b.window == window && b.dry_run)
+    }
+
+    /// Whether any of this scope's limits is in dry-run.
+    pub fn any_dry(&self) -> bool {
+        self.dry_run
+            || self.rate_dry_run
+            || self.concurrency_dry_run
+            || self.budgets.iter().any(|b| b.dry_run)
     }
 }
 
@@ -197,6 +250,11 @@ impl Policy {
         self.for_kind(kind).is_some_and(|p| p.dry_run)
     }
 
+    /// Whether the budget of a scope kind in `window` is in dry-run (never for `run`).
+    pub fn budget_dry_run(&self, kind: ScopeKind, window: Window) -> bool {
+        self.for_kind(kind).is_some_and(|p| p.budget_dry(window))
+    }
+
     pub fn for_kind(&self, kind: ScopeKind) -> Option<&ScopePolicy> {
         match kind {
             ScopeKind::Global => Some(&self.global),
@@ -212,10 +270,7 @@ impl Default for Policy {
     /// The defaults of SPEC §9 for global and run; per-guest limits an operator of a public
     /// chat page would start from.
     fn default() -> Self {
-        let budget = |units: u64, window| Budget {
-            amount: Micros(units),
-            window,
-        };
+        let budget = |units: u64, window| Budget::new(Micros(units), window);
         Policy {
             global: ScopePolicy {
                 budgets: vec![
@@ -229,6 +284,8 @@ impl Default for Policy {
                 }),
                 concurrency: Some(64),
                 dry_run: false,
+                rate_dry_run: false,
+                concurrency_dry_run: false,
             },
             ip: ScopePolicy {
                 budgets: vec![budget(1_000_000, Window::Day)],
@@ -239,6 +296,8 @@ impl Default for Policy {
                 }),
                 concurrency: Some(4),
                 dry_run: false,
+                rate_dry_run: false,
+                concurrency_dry_run: false,
             },
             session: ScopePolicy {
                 budgets: vec![budget(500_000, Window::Day)],
@@ -249,12 +308,16 @@ impl Default for Policy {
                 }),
                 concurrency: Some(2),
                 dry_run: false,
+                rate_dry_run: false,
+                concurrency_dry_run: false,
             },
             conversation: ScopePolicy {
                 budgets: vec![budget(500_000, Window::Day)],
                 rate: None,
                 concurrency: Some(1),
                 dry_run: false,
+                rate_dry_run: false,
+                concurrency_dry_run: false,
             },
             run: RunBounds::default(),
             mode: ReservationMode::PerStep,
@@ -270,5 +333,43 @@ impl Default for Policy {
                 burst: 600,
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A single limit in dry-run is its own, the scope's flag covers them all, and scaling
+    /// (wider address prefixes) keeps both.
+    #[test]
+    fn dry_run_of_a_scope_or_of_a_single_limit() {
+        let mut p = Policy::default();
+        let s = &mut p.session;
+        s.budgets = vec![
+            Budget::new(Micros(500_000), Window::Day),
+            Budget {
+                dry_run: true,
+                ..Budget::new(Micros(100_000), Window::Hour)
+            },
+        ];
+        s.rate_dry_run = true;
+        assert!(s.budget_dry(Window::Hour) && !s.budget_dry(Window::Day));
+        assert!(!s.budget_dry(Window::Month), "no budget there");
+        assert!(s.rate_dry() && !s.concurrency_dry() && s.any_dry());
+        let wide = s.scaled(4);
+        assert!(wide.budget_dry(Window::Hour) && !wide.budget_dry(Window::Day));
+        assert!(wide.rate_dry() && !wide.concurrency_dry());
+        assert_eq!(wide.budgets[1].amount, Micros(400_000));
+        assert!(p.budget_dry_run(ScopeKind::Session, Window::Hour));
+        assert!(!p.budget_dry_run(ScopeKind::Session, Window::Day));
+        assert!(!p.budget_dry_run(ScopeKind::Run, Window::Hour));
+        assert!(
+            !p.dry_run(ScopeKind::Session),
+            "the scope itself is enforced"
+        );
+        p.ip.dry_run = true;
+        assert!(p.ip.budget_dry(Window::Day) && p.ip.rate_dry() && p.ip.concurrency_dry());
+        assert!(!Policy::default().global.any_dry());
     }
 }

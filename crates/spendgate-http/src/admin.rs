@@ -399,19 +399,36 @@ pub async fn dashboard() -> Response {
     resp
 }
 
-/// The scope kinds whose limits are in dry-run (`limits.X.dry_run`, or all with
-/// `server.dry_run`).
-fn dry_run_limits(p: &spendgate_core::Policy) -> Vec<&'static str> {
-    [
+/// The limits in dry-run: a scope kind's name when all its limits are (`limits.X.dry_run`, or
+/// all with `server.dry_run`), else each single limit in dry-run (`session.rate`,
+/// `ip.concurrency`, `global.budgets.month`).
+fn dry_run_limits(p: &spendgate_core::Policy) -> Vec<String> {
+    let mut out = Vec::new();
+    for kind in [
         ScopeKind::Global,
         ScopeKind::Ip,
         ScopeKind::Session,
         ScopeKind::Conversation,
-    ]
-    .into_iter()
-    .filter(|k| p.dry_run(*k))
-    .map(|k| k.name())
-    .collect()
+    ] {
+        let Some(sp) = p.for_kind(kind) else {
+            continue;
+        };
+        let name = kind.name();
+        if sp.dry_run {
+            out.push(name.to_string());
+            continue;
+        }
+        if sp.rate_dry_run {
+            out.push(format!("{name}.rate"));
+        }
+        if sp.concurrency_dry_run {
+            out.push(format!("{name}.concurrency"));
+        }
+        for b in sp.budgets.iter().filter(|b| b.dry_run) {
+            out.push(format!("{name}.budgets.{}", b.window.name()));
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -421,13 +421,16 @@ do
     for _, kind in ipairs({ 'global', 'ip', 'session', 'conversation' }) do
       local kp = { budgets = {} }
       local nb = nn()
+      -- each limit is followed by whether it is in dry-run (the scope's flag or its own)
       for _ = 1, nb do
         local w = nx()
-        kp.budgets[#kp.budgets + 1] = { w, nn() }
+        local amt = nn()
+        kp.budgets[#kp.budgets + 1] = { w, amt, nn() == 1 }
       end
       if nn() == 1 then kp.rate = { nn(), nn(), nn() } end
+      kp.rate_dry = nn() == 1
       if nn() == 1 then kp.conc = nn() end
-      kp.dry = nn() == 1
+      kp.conc_dry = nn() == 1
       p.kinds[kind] = kp
     end
     local r = {}
@@ -745,7 +748,7 @@ local function scope_counters(v, kind, id, factor, now)
         WIDX[w] = wi
       end
       v[#v + 1] = { enc = w .. '|' .. wi[3] .. '|' .. kind .. '|' .. id, limit = amt, kind = kind, window = w,
-        index = wi[2] }
+        index = wi[2], dry = b[3] }
     end
   end
 end
@@ -775,12 +778,6 @@ local function budget_refusal(k, c, now, held)
     S(k.limit), S(now) }
 end
 
--- Whether a scope kind's limits are in dry-run (never 'run').
-local function is_dry(kind)
-  local kp = P.kinds[kind]
-  return kp ~= nil and kp.dry
-end
-
 -- The refusal of the counters `amount` does not fit (admission::decide): a spent one before
 -- any held one (spent: used spend alone leaves no room, or overrun); among spent ones the one
 -- that frees last (the latest window reset, a lifetime budget a day away
@@ -796,7 +793,7 @@ local function check_budgets(counters, amount, now)
     local c = cload(k.enc)
     if not (c.overrun == 0 and c.used + c.reserved + amount <= k.limit) then
       local p = pick[1]
-      if is_dry(k.kind) then p = pick[2] end
+      if k.dry then p = pick[2] end -- (a budget in dry-run; never the run's own)
       if c.overrun == 0 and c.used + amount <= k.limit then
         if not p[3] then p[3] = budget_refusal(k, c, now, true) end
       else
@@ -816,7 +813,7 @@ local function hold(counters, amount)
     local c = cload(k.enc)
     c.limit = k.limit
     c.reserved = mmin(c.reserved + amount, MAX)
-    if c.used + c.reserved > c.limit and is_dry(k.kind) then c.overrun = 1 end
+    if c.used + c.reserved > c.limit and k.dry then c.overrun = 1 end
     csave(c)
   end
 end
@@ -1254,7 +1251,7 @@ function OPS.admit_run(now, swept, A)
         local good, v = rate_check(r, rate_get(key), now_us)
         if not good then
           local refusal = text_refusal('rate_limited', s[1], S(wait_secs(v)), s[1] .. ' request rate exceeded')
-          if not kp.dry then
+          if not kp.rate_dry then
             outcome = refusal
             break
           end
@@ -1280,7 +1277,7 @@ function OPS.admit_run(now, swept, A)
         if held >= cap then
           local refusal = text_refusal('concurrency_limited', s[1], '1',
             s[1] .. ' already has ' .. S(held) .. ' active run(s) (limit ' .. S(cap) .. ')')
-          if not kp.dry then
+          if not kp.conc_dry then
             outcome = refusal
             break
           end
@@ -1441,7 +1438,7 @@ function OPS.reserve_step(now, swept, A)
         -- (only enforced limits bound the output: a limit in dry-run never refuses)
         local room = nil
         for _, k in ipairs(counters) do
-          if not is_dry(k.kind) then
+          if not k.dry then
             local r = remaining(cload(k.enc), k.limit)
             if room == nil or r < room then room = r end
           end

@@ -744,12 +744,16 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
             .for_kind(kind)
             .ok_or_else(|| unavailable("policy has no limits for a scope kind"))?;
         let what = format!("limits.{}", kind.name());
+        let flag = |on: bool| if on { "1" } else { "0" };
+        // Each limit with whether it is in dry-run (the scope's flag or its own).
         out.num(sp.budgets.len() as u64, &what)?;
         for b in &sp.budgets {
             out.word(b.window.name());
             out.num(b.amount.0, &what)?;
+            out.word(flag(sp.budget_dry(b.window)));
         }
         out.rate(&sp.rate, &what)?;
+        out.word(flag(sp.rate_dry()));
         match sp.concurrency {
             None => out.word("0"),
             Some(c) => {
@@ -757,7 +761,7 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
                 out.num(u64::from(c), &what)?;
             }
         }
-        out.word(if sp.dry_run { "1" } else { "0" });
+        out.word(flag(sp.concurrency_dry()));
     }
     let b = &p.run;
     for (v, what) in [
@@ -1812,7 +1816,7 @@ mod tests {
             "{RECORD_RETENTION_MS} {IDEMPOTENCY_RETENTION_MS} {LEDGER_RECORDS_MAX} {EXPIRIES_PER_CALL_MAX} {ID_BYTES_MAX} "
         );
         let rest = s.strip_prefix(&core).expect("core constants first");
-        assert!(rest.starts_with("2 day 50000000 month 1000000000 1 100 1000 20 1 64 "));
+        assert!(rest.starts_with("2 day 50000000 0 month 1000000000 0 1 100 1000 20 0 1 64 0 "));
         assert!(s.contains(" per_step 30000 1 10 3600000 10 1 600 60000 600"));
     }
 

@@ -27,19 +27,17 @@ const T0: UnixMs = UnixMs(1_800_000_000_000);
 
 fn policy() -> Policy {
     let day = |amount: u64| ScopePolicy {
-        budgets: vec![Budget {
-            amount: Micros(amount),
-            window: Window::Day,
-        }],
+        budgets: vec![Budget::new(Micros(amount), Window::Day)],
         rate: None,
         concurrency: None,
         dry_run: false,
+        rate_dry_run: false,
+        concurrency_dry_run: false,
     };
     let mut global = day(1_000_000_000_000);
-    global.budgets.push(Budget {
-        amount: Micros(4_000_000_000_000),
-        window: Window::Month,
-    });
+    global
+        .budgets
+        .push(Budget::new(Micros(4_000_000_000_000), Window::Month));
     Policy {
         global,
         ip: day(100_000_000_000),

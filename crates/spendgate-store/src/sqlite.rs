@@ -1803,10 +1803,7 @@ mod tests {
     fn ledger_with_every_kind_of_record() -> Ledger {
         let policy = Policy {
             global: ScopePolicy {
-                budgets: vec![Budget {
-                    amount: Micros(1_000_000),
-                    window: Window::Day,
-                }],
+                budgets: vec![Budget::new(Micros(1_000_000), Window::Day)],
                 rate: Some(Rate {
                     count: 10,
                     period_ms: 1000,
@@ -1814,6 +1811,8 @@ mod tests {
                 }),
                 concurrency: Some(4),
                 dry_run: false,
+                rate_dry_run: false,
+                concurrency_dry_run: false,
             },
             ..Policy::default()
         };

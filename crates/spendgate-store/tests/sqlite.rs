@@ -32,13 +32,12 @@ const READY: &str = "SPENDGATE_CHILD_READY";
 fn policy() -> Policy {
     Policy {
         global: ScopePolicy {
-            budgets: vec![Budget {
-                amount: BUDGET,
-                window: Window::Day,
-            }],
+            budgets: vec![Budget::new(BUDGET, Window::Day)],
             rate: None,
             concurrency: None,
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         ip: ScopePolicy::default(),
         session: ScopePolicy::default(),

@@ -215,9 +215,24 @@ mod tests {
             format!("{base}[limits.session]\nrate = \"5/minute\"\n"),
             format!("{base}[tools.search]\nper_call = \"0.01\"\n"),
             format!("[store]\nlease_ttl_s = 31\n{base}"),
+            // Dry-run, of a scope or of a single limit, changes what is enforced.
+            format!("{base}dry_run = true\n"),
+            "[limits.global]\nbudgets = [{ amount = \"50.00\", window = \"day\", dry_run = true }]\n"
+                .to_string(),
+            format!("{base}rate_dry_run = true\n"),
+            format!("{base}concurrency_dry_run = true\n"),
+            "[limits.global]\nbudgets = []\nunbudgeted = true\n".to_string(),
         ] {
             assert_ne!(a, policy_fingerprint(&config(&other)), "{other}");
         }
+        // Single limits in dry-run are told apart from each other.
+        let rate = policy_fingerprint(&config(&format!("{base}rate_dry_run = true\n")));
+        let cap = policy_fingerprint(&config(&format!("{base}concurrency_dry_run = true\n")));
+        assert_ne!(rate, cap);
+        // And a budget explicitly enforced is the same policy as one that says nothing.
+        let explicit =
+            "[limits.global]\nbudgets = [{ amount = \"50.00\", window = \"day\", dry_run = false }]\n";
+        assert_eq!(a, policy_fingerprint(&config(explicit)));
     }
 
     #[test]

@@ -242,8 +242,9 @@ pub struct AdminSummaryAnswer {
     pub overruns: u64,
     /// `server.dry_run`: every limit reported, none enforced.
     pub dry_run: bool,
-    /// The scope kinds whose limits are reported, not enforced.
-    pub dry_run_limits: Vec<&'static str>,
+    /// The limits reported, not enforced: a scope kind (all its limits) or one limit of it
+    /// (`session.rate`, `ip.concurrency`, `global.budgets.month`).
+    pub dry_run_limits: Vec<String>,
     /// The global budgets in their current windows.
     pub global: Vec<UsageScope>,
     /// Live replicas on this ledger enforce different policies (issue 18).

@@ -62,7 +62,70 @@ impl Validator<'_, '_> {
                 Some(u32::try_from(n).unwrap_or(u32::MAX))
             }
         };
-        let budgets = match &raw.budgets {
+        let rate_dry_run = raw.rate_dry_run.unwrap_or(default.rate_dry_run);
+        if rate_dry_run && rate.is_none() {
+            return Err(self.err(
+                &p.key("rate_dry_run"),
+                "is true but this scope has no rate (rate = \"off\")",
+            ));
+        }
+        let concurrency_dry_run = raw
+            .concurrency_dry_run
+            .unwrap_or(default.concurrency_dry_run);
+        if concurrency_dry_run && concurrency.is_none() {
+            return Err(self.err(
+                &p.key("concurrency_dry_run"),
+                "is true but this scope has no concurrency cap (concurrency = \"off\")",
+            ));
+        }
+        let budgets = self.budgets(&p, raw, default)?;
+        self.unbudgeted(&p, name, raw, &budgets)?;
+        Ok(ScopePolicy {
+            budgets,
+            rate,
+            concurrency,
+            dry_run: all_dry || raw.dry_run.unwrap_or(default.dry_run),
+            rate_dry_run,
+            concurrency_dry_run,
+        })
+    }
+
+    /// `limits.X.unbudgeted`: only `[limits.global]` takes it, and it must say what the
+    /// budgets do: a global scope without a budget is refused unless it is `true`, and it is
+    /// `true` only without one.
+    fn unbudgeted(&self, p: &KeyPath, name: &str, raw: &RawScope, budgets: &[Budget]) -> R<()> {
+        let key = p.key("unbudgeted");
+        if name != ScopeKind::Global.name() {
+            return match raw.unbudgeted {
+                Some(_) => Err(self.err(
+                    &key,
+                    "is a key of [limits.global] only: any other scope may have no budget",
+                )),
+                None => Ok(()),
+            };
+        }
+        let unbudgeted = raw.unbudgeted.unwrap_or(false);
+        match (budgets.is_empty(), unbudgeted) {
+            (true, false) => Err(self.err(
+                &p.key("budgets"),
+                "has no budget: nothing would bound what the whole service spends. Add one \
+                 (budgets = [{ amount = \"50\", window = \"day\" }]), or set \
+                 limits.global.unbudgeted = true to run without a global budget explicitly",
+            )),
+            (false, true) => Err(self.err(
+                &key,
+                format!(
+                    "is true but limits.global.budgets has {} budget(s): remove one or the other",
+                    budgets.len()
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// `limits.X.budgets`: the scope's default when left out.
+    fn budgets(&self, p: &KeyPath, raw: &RawScope, default: &ScopePolicy) -> R<Vec<Budget>> {
+        Ok(match &raw.budgets {
             None => default.budgets.clone(),
             Some(list) => {
                 let bp = p.key("budgets");
@@ -90,16 +153,14 @@ impl Validator<'_, '_> {
                             format!("a second {} budget; one per window", window.name()),
                         ));
                     }
-                    out.push(Budget { amount, window });
+                    out.push(Budget {
+                        amount,
+                        window,
+                        dry_run: b.dry_run.unwrap_or(false),
+                    });
                 }
                 out
             }
-        };
-        Ok(ScopePolicy {
-            budgets,
-            rate,
-            concurrency,
-            dry_run: all_dry || raw.dry_run.unwrap_or(default.dry_run),
         })
     }
 

@@ -72,7 +72,7 @@ impl Ledger {
         let check = |dry: bool| -> Result<(), Refusal> {
             let picked: Vec<&(CounterKey, Micros)> = counters
                 .iter()
-                .filter(|(key, _)| policy.dry_run(key.scope.kind) == dry)
+                .filter(|(key, _)| policy.budget_dry_run(key.scope.kind, key.window.window) == dry)
                 .collect();
             let views: Vec<BudgetView> = picked
                 .iter()
@@ -97,7 +97,7 @@ impl Ledger {
         amount: Micros,
     ) {
         for (key, limit) in counters {
-            let dry = policy.dry_run(key.scope.kind);
+            let dry = policy.budget_dry_run(key.scope.kind, key.window.window);
             let c = self.counter_mut(key, *limit);
             c.reserved = c.reserved.add_capped(amount);
             if c.used.0 + c.reserved.0 > c.limit.0 {

@@ -118,7 +118,7 @@ impl Ledger {
                         format!("{} request rate exceeded", scope.kind.name()),
                     )
                     .retry_after(wait_us.div_ceil(1_000_000));
-                    if !p.dry_run {
+                    if !p.rate_dry() {
                         return Err(refusal);
                     }
                     // The rate's state stays: a refused request would not have moved it.
@@ -172,7 +172,7 @@ impl Ledger {
                     ),
                 )
                 .retry_after(1);
-                if !p.dry_run {
+                if !p.concurrency_dry() {
                     return Err(refusal);
                 }
                 dry_run.get_or_insert(refusal);

@@ -129,7 +129,7 @@ impl Ledger {
         let room = plan
             .counters
             .iter()
-            .filter(|(k, _)| !policy.dry_run(k.scope.kind))
+            .filter(|(k, _)| !policy.budget_dry_run(k.scope.kind, k.window.window))
             .map(|(k, l)| self.counter_view(k, *l).remaining())
             .min()
             .unwrap_or_default();

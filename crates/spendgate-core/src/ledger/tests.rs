@@ -198,10 +198,7 @@ fn admission_without_rates_reports_none_and_ties_take_the_longer_reset() {
 #[test]
 fn adjustments_keep_the_scaled_limit_and_record_what_they_applied() {
     let mut p = policy();
-    p.ip.budgets = vec![Budget {
-        amount: Micros(1_000_000),
-        window: Window::Day,
-    }];
+    p.ip.budgets = vec![Budget::new(Micros(1_000_000), Window::Day)];
     let now = UnixMs(1_700_000_000_000);
     let wide = ScopeKey::new(ScopeKind::Ip, "2001:db8::/48");
     let mut l = Ledger::new();

@@ -61,10 +61,7 @@ pub fn policy(kind: &str) -> Policy {
         }
     }
     if kind == "bench" {
-        p.global.budgets = vec![Budget {
-            amount: Micros(1_000_000_000_000),
-            window: Window::Day,
-        }];
+        p.global.budgets = vec![Budget::new(Micros(1_000_000_000_000), Window::Day)];
         p.ip.budgets.clear();
         p.ip.concurrency = None;
         p.session.budgets.clear();

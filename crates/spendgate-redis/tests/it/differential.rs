@@ -33,10 +33,7 @@ impl Rng {
 }
 
 fn budget(amount: u64, window: Window) -> Budget {
-    Budget {
-        amount: Micros(amount),
-        window,
-    }
+    Budget::new(Micros(amount), window)
 }
 
 fn rate(count: u64, period_ms: u64, burst: u64) -> Option<Rate> {
@@ -70,24 +67,32 @@ fn policy(variant: u8) -> Policy {
             rate: rate(20, 1000, 10),
             concurrency: Some(6),
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         ip: ScopePolicy {
             budgets: vec![budget(4000, Window::Day)],
             rate: rate(2, 1000, 2),
             concurrency: Some(3),
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         session: ScopePolicy {
             budgets: vec![budget(3000, Window::Day)],
             rate: rate(10, 60_000, 4),
             concurrency: Some(2),
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         conversation: ScopePolicy {
             budgets: vec![budget(2000, Window::Day)],
             rate: None,
             concurrency: Some(1),
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         run: bounds(true),
         mode: ReservationMode::PerStep,
@@ -118,6 +123,21 @@ fn policy(variant: u8) -> Policy {
             p.ip.dry_run = true;
             p.session.dry_run = true;
             p.conversation.dry_run = true;
+        }
+        4 => {
+            // Dry-run on single limits: the address's rate, the session's cap, the global
+            // month budget and the session's day budget (its hour budget enforced); every
+            // other limit enforced.
+            p.ip.rate_dry_run = true;
+            p.session.concurrency_dry_run = true;
+            p.global.budgets[1].dry_run = true;
+            p.session.budgets = vec![
+                Budget {
+                    dry_run: true,
+                    ..budget(1500, Window::Day)
+                },
+                budget(2500, Window::Hour),
+            ];
         }
         _ => {}
     }
@@ -576,6 +596,24 @@ async fn same_answers_as_the_core_with_limits_in_dry_run() {
             "run ok, dry-run concurrency_limited",
             "step ok, dry-run budget_exhausted",
             "step shrunk",
+        ],
+    )
+    .await;
+}
+
+/// Single limits in dry-run (a rate, a cap, one budget of a scope whose other budget is
+/// enforced) report the same way on both, and every other limit refuses the same way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_answers_as_the_core_with_single_limits_in_dry_run() {
+    variant(
+        4,
+        61..=63,
+        &[
+            "run ok, dry-run rate_limited",
+            "run ok, dry-run concurrency_limited",
+            "step ok, dry-run budget_exhausted",
+            "refused rate_limited",
+            "refused concurrency_limited",
         ],
     )
     .await;

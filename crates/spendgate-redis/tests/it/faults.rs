@@ -18,13 +18,12 @@ const TOOL: u64 = 10_000;
 fn policy() -> Policy {
     Policy {
         global: ScopePolicy {
-            budgets: vec![Budget {
-                amount: Micros(BUDGET),
-                window: Window::Day,
-            }],
+            budgets: vec![Budget::new(Micros(BUDGET), Window::Day)],
             rate: None,
             concurrency: None,
             dry_run: false,
+            rate_dry_run: false,
+            concurrency_dry_run: false,
         },
         ip: ScopePolicy::default(),
         session: ScopePolicy::default(),

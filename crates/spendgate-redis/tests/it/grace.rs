@@ -19,10 +19,7 @@ const TOOL: u64 = 10_000;
 fn policy() -> Policy {
     Policy {
         global: ScopePolicy {
-            budgets: vec![Budget {
-                amount: Micros(1_000_000),
-                window: Window::Day,
-            }],
+            budgets: vec![Budget::new(Micros(1_000_000), Window::Day)],
             ..ScopePolicy::default()
         },
         run: RunBounds {

@@ -50,6 +50,10 @@ fn bad_configs_are_refused_naming_the_key() {
         ("[server]\nlisten_on = \"x\"\n", "listen_on"),
         ("[limits.global]\nbudgets = [{ amount = \"1.0000001\", window = \"day\" }]\n", "limits.global.budgets[0].amount"),
         ("[run]\nmode = \"sometimes\"\n", "run.mode"),
+        // No global budget, not said explicitly: the error names the key and the opt-out.
+        ("[limits.global]\nbudgets = []\n", "limits.global.budgets"),
+        ("[limits.global]\nbudgets = []\n", "limits.global.unbudgeted = true"),
+        ("[limits.ip]\nconcurrency = \"off\"\nconcurrency_dry_run = true\n", "limits.ip.concurrency_dry_run"),
         ("[models.\"m\"]\nupstream = \"nowhere\"\ninput_per_million = \"1\"\noutput_per_million = \"1\"\n", "upstream"),
     ] {
         let path = dir.path().join("bad.toml");
@@ -61,6 +65,30 @@ fn bad_configs_are_refused_naming_the_key() {
             assert!(stderr.contains(key), "{cmd}: error for {text:?} does not name {key}: {stderr}");
         }
     }
+}
+
+/// A service without a global budget is what the config says explicitly: `unbudgeted = true`
+/// is accepted by `check-config` (with a warning), and shown in its output.
+#[test]
+fn no_global_budget_is_accepted_only_when_said() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = dir.path().join("unbudgeted.toml");
+    std::fs::write(&path, "[limits.global]\nbudgets = []\nunbudgeted = true\n").expect("write");
+    let out = spendgate()
+        .args(["check-config", "--config"])
+        .arg(&path)
+        .output()
+        .expect("run");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    assert!(stdout.contains("unbudgeted = true"), "{stdout}");
+    assert!(
+        stderr.contains("warning: limits.global.unbudgeted: no global budget"),
+        "{stderr}"
+    );
 }
 
 /// A redis store needs its ledger pinned: `serve` refuses to start without `store.ledger_id`

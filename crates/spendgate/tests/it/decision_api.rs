@@ -764,6 +764,9 @@ async fn ratelimit_header_counts_the_session_burst_down() {
 
 const GLOBAL_DRY_RUN: &str = tool_budget_config!("0.02", "dry_run = true\n");
 
+/// Tool steps of 0.01 against an enforced global day budget of 0.04 (the hour budget beside it
+/// in dry-run is added by [`hour_budget_dry_run`]).
+const DAY_BUDGET: &str = tool_budget_config!("0.04", "");
 /// SPEC §8 dry-run, per limit: with the global budget (0.02) in dry-run, a third tool step
 /// of 0.01 is still granted (201), the response says `Spendgate-Dry-Run: budget_held;
 /// scope=global` (the first two are held, not used), `/metrics` counts it, and the usage
@@ -830,6 +833,82 @@ async fn a_limit_in_dry_run_reports_and_admits() {
         .await;
     assert_eq!(status, 429, "{v}");
     assert_eq!(code(&v), "concurrency_limited");
+}
+
+/// SPEC §8 dry-run on a single limit, through HTTP: the global hour budget (0.02) in dry-run
+/// beside the enforced global day budget (0.04). The third and fourth tool steps of 0.01 go
+/// past the hour: granted, reported (`Spendgate-Dry-Run`, the metric); the fifth does not fit the day: refused (429) whatever the hour says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_budget_in_dry_run_reports_while_the_other_refuses() {
+    let config = DAY_BUDGET.replace(
+        r#"budgets = [{ amount = "0.04", window = "day" }]"#,
+        r#"budgets = [{ amount = "0.02", window = "hour", dry_run = true }, { amount = "0.04", window = "day" }]"#,
+    );
+    assert_ne!(config, DAY_BUDGET, "the hour budget is added");
+    let server = Server::start(&config);
+    let s = server.session().await;
+    let run = server.run(&s, "192.0.2.1", "c1").await;
+    let step = || async {
+        let r = server
+            .http
+            .post(server.url(&format!("/v1/runs/{run}/steps")))
+            .bearer_auth(SERVICE)
+            .json(&json!({"kind": "tool", "tool": "web_search"}))
+            .send()
+            .await
+            .expect("send");
+        let status = r.status().as_u16();
+        let dry = r
+            .headers()
+            .get("spendgate-dry-run")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string);
+        let v: Value = r.json().await.expect("json");
+        (status, dry, v)
+    };
+    for _ in 0..2 {
+        let (status, dry, v) = step().await;
+        assert_eq!((status, dry), (201, None), "{v}");
+    }
+    // The third: the hour's room is held by the first two; the fourth: the hour, held past
+    // its limit by the third, is overrun (spent until it resets).
+    for expect in [
+        "budget_held; scope=global",
+        "budget_exhausted; scope=global",
+    ] {
+        let (status, dry, v) = step().await;
+        assert_eq!(
+            status, 201,
+            "the hour budget in dry-run does not refuse: {v}"
+        );
+        assert_eq!(dry.as_deref(), Some(expect), "{v}");
+    }
+    let (status, dry, v) = step().await;
+    assert_eq!(status, 429, "the enforced day budget refuses: {v}");
+    assert_eq!(code(&v), "budget_held", "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("budget for day:")),
+        "the day budget refuses, not the hour: {v}"
+    );
+    assert_eq!(dry, None);
+    let summary = server.admin_get("/admin/v1/summary").await;
+    assert_eq!(
+        summary["dry_run_limits"],
+        json!(["global.budgets.hour"]),
+        "{summary}"
+    );
+    assert_eq!(summary["dry_run"], false, "{summary}");
+    let metrics = server.metrics().await;
+    assert!(
+        metrics.contains(
+            "spendgate_dry_run_refusals_total{what=\"step\",code=\"budget_held\",scope=\"global\"} 1"
+        ) && metrics.contains(
+            "spendgate_dry_run_refusals_total{what=\"step\",code=\"budget_exhausted\",scope=\"global\"} 1"
+        ),
+        "{metrics}"
+    );
 }
 
 /// Sends the head of a POST with a body of `Content-Length: 1000` of which only `{` arrives,

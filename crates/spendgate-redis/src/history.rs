@@ -460,6 +460,7 @@ pub fn spawn_drain(
         sink,
         consumer,
         status: status.clone(),
+        claim_idle: CLAIM_IDLE,
     };
     let task = tokio::spawn(drain.run());
     DrainHandle { status, task }
@@ -471,6 +472,7 @@ pub struct Drain {
     sink: Option<Arc<dyn HistorySink>>,
     consumer: String,
     status: Arc<DrainStatus>,
+    claim_idle: Duration,
 }
 
 impl Drain {
@@ -485,7 +487,14 @@ impl Drain {
             sink,
             consumer,
             status: Arc::new(DrainStatus::default()),
+            claim_idle: CLAIM_IDLE,
         }
+    }
+
+    /// Claims entries pending this long with another consumer (default [`CLAIM_IDLE`]).
+    pub fn with_claim_idle(mut self, idle: Duration) -> Drain {
+        self.claim_idle = idle;
+        self
     }
 
     pub fn status(&self) -> Arc<DrainStatus> {
@@ -567,7 +576,7 @@ impl Drain {
                     .arg(keys.stream())
                     .arg(DRAIN_GROUP)
                     .arg(&self.consumer)
-                    .arg(CLAIM_IDLE.as_millis() as u64)
+                    .arg(self.claim_idle.as_millis() as u64)
                     .arg("0-0")
                     .arg("COUNT")
                     .arg(DRAIN_BATCH_MAX),

@@ -1379,6 +1379,18 @@ local function lapse(id, now)
   return false
 end
 local function bound(msg) return text_refusal('run_bound_exceeded', 'run', '', msg) end
+-- A step decided: admitted, its run's lease renewed and its figures (the largest prompt) kept;
+-- refused, the refusal counted (and among its run's codes while the run is active). (One
+-- function for both: reserve_step is at Lua's bound of 60 upvalues.)
+function H.step_done(run_id, now, outcome, prompt_s)
+  if outcome[1] == 'step_ok' then
+    renew(run_id, now, P.ttl)
+    if prompt_s then H.stat(run_id, 'ctx', N(prompt_s)) end
+    return
+  end
+  local rr = run_get(run_id)
+  H.refused(outcome, now, rr and rr[R_STATE] == 'active' and run_id or nil)
+end
 function OPS.reserve_step(now, swept, A)
   local run_id, step_id = A[1], A[2]
   local has_idem, ikey, ifp = A[3] == '1', A[4], A[5]
@@ -1511,16 +1523,12 @@ function OPS.reserve_step(now, swept, A)
     rr[R_NSTEPS] = rr[R_NSTEPS] + 1
     rr[R_NHELD] = rr[R_NHELD] + 1
     run_put(run_id, rr)
-    renew(run_id, now, P.ttl)
-    if kind == 'model' then H.stat(run_id, 'ctx', N(prompt_s)) end
     local mo = ''
     if plan.max_out then mo = plan.max_out end
     outcome = { 'step_ok', step_id, plan.amount, mo, I01(plan.shrunk) }
     add_dry(outcome, plan.dry)
-  else
-    local rr = run_get(run_id)
-    H.refused(outcome, now, rr and rr[R_STATE] == 'active' and run_id or nil)
   end
+  if kind == 'model' then H.step_done(run_id, now, outcome, prompt_s) else H.step_done(run_id, now, outcome, nil) end
   if has_idem then remember(ikey, ifp, 'step', outcome, now) end
   local changed = swept or plan ~= nil or has_idem
   if changed then bump() end
@@ -1985,20 +1993,21 @@ end
 -- {prefix}:rh:<run> ('in', 'ctx', 'out', 'trb', 'ref').
 do
   -- How long a minute's refusal counts stay when no drain takes them (HISTORY_REFUSALS_TTL_S
-  -- in history.rs), and the distinct codes a run's record keeps (RUN_REFUSALS_MAX).
-  local REFUSALS_TTL_S, RUN_REFUSALS_MAX = 604800, 8
-  local js = function(v) return cjson.encode(v) end
-  local function kRh(id) return B .. ':rh:' .. id end
-  local function tf(b) if b then return 'true' end return 'false' end
+  -- in history.rs), and the distinct codes a run's record keeps (H.RUN_REFUSALS_MAX).
+  -- (no locals here: the main chunk is at Lua's bound of 200, and a block's count too)
+  H.REFUSALS_TTL_S, H.RUN_REFUSALS_MAX = 604800, 8
+  function H.js(v) return cjson.encode(v) end
+  function H.kRh(id) return B .. ':rh:' .. id end
+  function H.tf(b) if b then return 'true' end return 'false' end
 
   -- CounterKey of an encoding 'window|index|kind|id'
-  local function counter_json(e)
+  function H.counter_json(e)
     local w, idx, kind, id = string.match(e, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
-    return '{"scope":{"kind":"' .. kind .. '","id":' .. js(id) .. '},"window":{"window":"' .. w ..
+    return '{"scope":{"kind":"' .. kind .. '","id":' .. H.js(id) .. '},"window":{"window":"' .. w ..
       '","index":' .. idx .. '}}'
   end
   -- The run's narrowest address prefix (the lowest factor; the first of equals).
-  local function narrowest(ips)
+  function H.narrowest(ips)
     local best = nil
     for _, ip in ipairs(ips) do
       if not best or ip[2] < best[2] then best = ip end
@@ -2013,7 +2022,7 @@ do
 
   -- A run figure: 'in' is set, 'out' adds up, the others keep the largest.
   function H.stat(run_id, field, v)
-    local k = kRh(run_id)
+    local k = H.kRh(run_id)
     local c = N(rcall('HGET', k, field) or '0')
     if field == 'out' then
       v = c + v
@@ -2029,7 +2038,7 @@ do
     local session, conv, addr = '', '', ''
     if run then
       local imm = run_imm(run, true)
-      session, conv, addr = imm[R_SESSION], imm[R_CONV], narrowest(imm[R_IPS])
+      session, conv, addr = imm[R_SESSION], imm[R_CONV], H.narrowest(imm[R_IPS])
     end
     local kind = f[S_KIND]
     local usage, units, bytes = 'null', 'null', 'null'
@@ -2047,15 +2056,15 @@ do
     local class = kind
     if kind == 'hold' then class = 'run_hold' end
     local cs = {}
-    for i, e in ipairs(f[S_COUNTERS]) do cs[i] = counter_json(e) end
+    for i, e in ipairs(f[S_COUNTERS]) do cs[i] = H.counter_json(e) end
     local resolved = f[S_RESOLVED]
     if resolved == '' then resolved = f[S_CREATED] end
-    H.add(tconcat({ '{"type":"reservation","id":', js(f[S_ID]), ',"run_id":', js(f[S_RUN]), ',"session":',
-      js(session), ',"conversation":', js(conv), ',"address":', js(addr), ',"class":"', class, '","name":',
-      js(f[S_NAME]), ',"retry":', tf(f[S_RETRY] == '1'), ',"usage":', usage, ',"units":', units,
+    H.add(tconcat({ '{"type":"reservation","id":', H.js(f[S_ID]), ',"run_id":', H.js(f[S_RUN]), ',"session":',
+      H.js(session), ',"conversation":', H.js(conv), ',"address":', H.js(addr), ',"class":"', class, '","name":',
+      H.js(f[S_NAME]), ',"retry":', H.tf(f[S_RETRY] == '1'), ',"usage":', usage, ',"units":', units,
       ',"result_bytes":', bytes, ',"reserved":', S(f[S_AMOUNT]), ',"charged":', S(f[S_CHARGED]), ',"state":"',
       f[S_STATE], '","created":', S(f[S_CREATED]), ',"resolved_at":', S(resolved), ',"overrun":',
-      tf(f[S_OVERRUN] == 1), ',"result_too_large":', tf(f[S_BIG] == 1), ',"counters":[', tconcat(cs, ','),
+      H.tf(f[S_OVERRUN] == 1), ',"result_too_large":', H.tf(f[S_BIG] == 1), ',"counters":[', tconcat(cs, ','),
       ']}' }))
   end
 
@@ -2078,14 +2087,14 @@ do
 
   -- A run ended: its record (its figures' hash goes).
   function H.run_ended(id, run, imm, now, endstate, cost)
-    local k = kRh(id)
+    local k = H.kRh(id)
     local h = rcall('HMGET', k, 'in', 'ctx', 'out', 'trb', 'ref')
     rcall('DEL', k)
     local refs = {}
     for c in string.gmatch(h[5] or '', '[^,]+') do refs[#refs + 1] = '"' .. c .. '"' end
     local created = imm[R_CREATED]
-    H.add(tconcat({ '{"type":"run","id":', js(id), ',"session":', js(imm[R_SESSION]), ',"conversation":',
-      js(imm[R_CONV]), ',"address":', js(narrowest(imm[R_IPS])), ',"created":', S(created), ',"ended_at":',
+    H.add(tconcat({ '{"type":"run","id":', H.js(id), ',"session":', H.js(imm[R_SESSION]), ',"conversation":',
+      H.js(imm[R_CONV]), ',"address":', H.js(H.narrowest(imm[R_IPS])), ',"created":', S(created), ',"ended_at":',
       S(now), ',"ended":"', endstate, '","input_bytes":', h[1] or '0', ',"context_tokens":', h[2] or '0',
       ',"output_tokens":', h[3] or '0', ',"tool_result_bytes":', h[4] or '0', ',"rounds":', S(run[R_ROUNDS]),
       ',"tool_calls":', S(run[R_TOOLS]), ',"retries":', S(run[R_RETRIES]), ',"duration_ms":',
@@ -2104,7 +2113,7 @@ do
         groups[a[2]] = g
         order[#order + 1] = a[2]
       end
-      g[#g + 1] = counter_json(a[1])
+      g[#g + 1] = H.counter_json(a[1])
     end
     for i, amount in ipairs(order) do
       local id = S(SEQ)
@@ -2123,19 +2132,19 @@ do
     local k = B .. ':refusals:' .. S(minute)
     if rcall('HINCRBY', k, code .. '|' .. scope, 1) == 1 then
       local z = B .. ':refusals'
-      rcall('EXPIRE', k, REFUSALS_TTL_S)
+      rcall('EXPIRE', k, H.REFUSALS_TTL_S)
       rcall('ZADD', z, S(minute), S(minute))
-      rcall('ZREMRANGEBYSCORE', z, '-inf', '(' .. S(minute - REFUSALS_TTL_S * 1000))
+      rcall('ZREMRANGEBYSCORE', z, '-inf', '(' .. S(minute - H.REFUSALS_TTL_S * 1000))
     end
     if not run_id then return end
-    local rk = kRh(run_id)
+    local rk = H.kRh(run_id)
     local ref = rcall('HGET', rk, 'ref') or ''
     local n = 0
     for c in string.gmatch(ref, '[^,]+') do
       if c == code then return end
       n = n + 1
     end
-    if n >= RUN_REFUSALS_MAX then return end
+    if n >= H.RUN_REFUSALS_MAX then return end
     if ref ~= '' then ref = ref .. ',' end
     rcall('HSET', rk, 'ref', ref .. code)
   end

@@ -46,6 +46,9 @@ pub const REFUSAL_MINUTES_MAX: usize = 64;
 pub const STREAM_SCAN_MAX: usize = 1_000_000;
 /// Entries one `XRANGE` of a scan returns at most.
 const SCAN_CHUNK: usize = 1_000;
+/// A consumer of the group with nothing pending and idle this long (a replica that stopped:
+/// every start is a new consumer) is deleted from the group, so the group stays small.
+pub const CONSUMER_IDLE_DROP: Duration = Duration::from_secs(3_600);
 /// The consumer group every replica drains through.
 pub const DRAIN_GROUP: &str = "spendgate-drain";
 
@@ -712,6 +715,48 @@ impl Drain {
         self.status.pending.store(pending, Ordering::Relaxed);
         let lag = oldest.map_or(0, |at| now_ms.saturating_sub(at));
         self.status.lag_ms.store(lag, Ordering::Relaxed);
+        self.drop_idle_consumers(&keys).await
+    }
+
+    /// Deletes the group's consumers that hold nothing and were idle past
+    /// [`CONSUMER_IDLE_DROP`] (never this one).
+    async fn drop_idle_consumers(&self, keys: &Keys) -> Result<(), StoreError> {
+        let all = keys
+            .run(
+                redis::cmd("XINFO")
+                    .arg("CONSUMERS")
+                    .arg(keys.stream())
+                    .arg(DRAIN_GROUP),
+            )
+            .await?;
+        for c in array(&all) {
+            let f = array(c);
+            let field = |name: &str| {
+                f.chunks(2).find_map(|p| match p {
+                    [k, v] if bulk(k).as_deref() == Some(name) => bulk(v),
+                    _ => None,
+                })
+            };
+            let (Some(name), Some(pending), Some(idle)) =
+                (field("name"), field("pending"), field("idle"))
+            else {
+                continue;
+            };
+            let idle: u64 = idle.parse().unwrap_or(0);
+            if name != self.consumer
+                && pending == "0"
+                && idle > CONSUMER_IDLE_DROP.as_millis() as u64
+            {
+                keys.run(
+                    redis::cmd("XGROUP")
+                        .arg("DELCONSUMER")
+                        .arg(keys.stream())
+                        .arg(DRAIN_GROUP)
+                        .arg(&name),
+                )
+                .await?;
+            }
+        }
         Ok(())
     }
 

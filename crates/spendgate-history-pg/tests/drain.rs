@@ -38,6 +38,14 @@ fn policy() -> Policy {
 }
 
 async fn open(server: &RedisServer, clock: Arc<ManualClock>) -> Arc<RedisStore> {
+    open_with(server, clock, policy()).await
+}
+
+async fn open_with(
+    server: &RedisServer,
+    clock: Arc<ManualClock>,
+    policy: Policy,
+) -> Arc<RedisStore> {
     let opts = RedisOptions {
         url: server.url(),
         prefix: "hist".into(),
@@ -55,7 +63,7 @@ async fn open(server: &RedisServer, clock: Arc<ManualClock>) -> Arc<RedisStore> 
         ..opts
     };
     Arc::new(
-        RedisStore::open(opts, policy())
+        RedisStore::open(opts, policy)
             .await
             .unwrap_or_else(|e| panic!("open: {e}")),
     )
@@ -426,4 +434,66 @@ async fn without_postgres_the_stream_is_the_history() {
         .await
         .expect("read");
     assert_eq!(again.items.len(), all.len());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_run_hold_is_in_the_history_as_its_budgets_were_charged() {
+    let server = redis();
+    let pgs = postgres();
+    let clock = Arc::new(ManualClock::new(START));
+    let mut p = policy();
+    p.mode = spendgate_core::ReservationMode::WholeRun;
+    p.run.max_cost = spendgate_core::Micros(1_000_000);
+    let store = open_with(&server, clock.clone(), p).await;
+    let s: Arc<dyn Store> = store.clone();
+    for i in 0..4 {
+        let run = format!("w{i}");
+        admit(&s, who(i).run(&run)).await;
+        reserve(&s, model_step(&run, &format!("{run}-m"), 100, Some(50))).await;
+        resolve(&s, &format!("{run}-m"), tokens(90, 40)).await;
+        reserve(&s, micros_step(&run, &format!("{run}-t"), 300)).await;
+        if i % 2 == 0 {
+            resolve(&s, &format!("{run}-t"), units(200)).await;
+            finish(&s, &run).await;
+        }
+    }
+    // two runs' leases run out: their holds are charged in full
+    clock.advance_ms(31_000);
+    cs::sweep(&s).await;
+    let pg = Arc::new(PgHistory::new(&pgs.url()));
+    let d = Drain::new(
+        store.clone(),
+        Some(pg.clone() as Arc<dyn HistorySink>),
+        "r1".into(),
+    );
+    drain_all(&d, 100).await;
+    check_sums(&s, &pg).await;
+    let period = HistoryFilter::period(UnixMs(0), UnixMs(u64::MAX / 2));
+    let holds: BTreeMap<String, u64> = pg
+        .reservations(&period, None, 10_000)
+        .await
+        .expect("read")
+        .items
+        .into_iter()
+        .filter(|r| r.class == spendgate_core::history::StepClass::RunHold)
+        .map(|r| (r.run_id.0, r.charged.0))
+        .collect();
+    assert_eq!(holds.len(), 4);
+    let runs = pg.runs(&period, None, 100).await.expect("runs").items;
+    assert_eq!(runs.len(), 4);
+    for r in &runs {
+        assert_eq!(
+            r.cost.0, holds[&r.id.0],
+            "run {}: cost is its hold's charge",
+            r.id.0
+        );
+        if r.ended == spendgate_core::RunState::Expired {
+            assert_eq!(
+                r.cost.0, 1_000_000,
+                "an expired run's hold is charged in full"
+            );
+        } else {
+            assert!(r.cost.0 < 1_000_000);
+        }
+    }
 }

@@ -124,6 +124,12 @@ async fn load(s: &Arc<dyn Store>, clock: &ManualClock, tag: &str, n: usize) -> M
             reserve_refused(s, model_step(&run, &step("big"), 1_000_000, None)).await;
         }
         if i % 2 == 0 {
+            // a tool result's size, kept as the run's largest
+            made.steps.push(step("b"));
+            reserve(s, micros_step(&run, &step("b"), 50)).await;
+            let bytes =
+                Resolution::Commit(spendgate_core::Settlement::ResultBytes(1_000 + i as u64));
+            resolve(s, &step("b"), bytes).await;
             finish(s, &run).await;
         } else {
             // left held: it expires with the run
@@ -285,8 +291,40 @@ async fn a_drained_history_equals_the_ledger_to_the_micro() {
         );
         assert_eq!(r.input_bytes, 100);
         assert_eq!(r.context_tokens, 100);
-        assert!(r.output_tokens >= 20);
+        let i: u64 = r.id.0.trim_start_matches("a-r").parse().expect("run index");
+        // reported completions, and the bound of a step whose usage was unknown when it ended
+        let out = 20 + i + if i % 3 == 0 { 10 } else { 0 } + if i % 4 == 1 { 30 } else { 0 };
+        assert_eq!(r.output_tokens, out, "run {}", r.id.0);
+        let trb = if i % 2 == 0 { 1_000 + i } else { 0 };
+        assert_eq!(r.tool_result_bytes, trb, "run {}", r.id.0);
+        let ended = if i % 2 == 0 {
+            spendgate_core::RunState::Finished
+        } else {
+            spendgate_core::RunState::Expired
+        };
+        assert_eq!(r.ended, ended);
+        let rounds = 1 + u32::from(i % 3 == 0) + u32::from(i % 4 == 1);
+        assert_eq!((r.rounds, r.tool_calls), (rounds, 3), "run {}", r.id.0);
     }
+    let bytes: Vec<u64> = records
+        .items
+        .iter()
+        .filter_map(|r| r.result_bytes)
+        .collect();
+    assert_eq!(
+        bytes.len(),
+        10,
+        "every result size committed is in its record"
+    );
+    let usage = records
+        .items
+        .iter()
+        .find(|r| r.id.0 == "a-r3-m")
+        .and_then(|r| r.usage);
+    assert_eq!(
+        usage.map(|u| (u.prompt_tokens, u.completion_tokens)),
+        Some((80, 23))
+    );
     let refused: u64 = pg
         .refusals(UnixMs(0), UnixMs(u64::MAX / 2))
         .await

@@ -91,7 +91,7 @@ async fn load(s: &Arc<dyn Store>, clock: &ManualClock, tag: &str, n: usize) -> M
         for k in ["m", "t", "rel"] {
             made.steps.push(step(k));
         }
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             made.steps.push(step("u"));
             made.late += 1;
         }
@@ -107,7 +107,7 @@ async fn load(s: &Arc<dyn Store>, clock: &ManualClock, tag: &str, n: usize) -> M
         resolve(s, &step("t"), units(250)).await;
         reserve(s, micros_step(&run, &step("rel"), 700)).await;
         resolve(s, &step("rel"), Resolution::Release).await;
-        if i % 3 == 0 {
+        if i.is_multiple_of(3) {
             // unknown, then a late commit above what it was charged
             reserve(s, model_step(&run, &step("u"), 10, Some(10))).await;
             resolve(s, &step("u"), Resolution::Unknown).await;
@@ -123,7 +123,7 @@ async fn load(s: &Arc<dyn Store>, clock: &ManualClock, tag: &str, n: usize) -> M
             admit_refused(s, w.run(&format!("{run}-x"))).await;
             reserve_refused(s, model_step(&run, &step("big"), 1_000_000, None)).await;
         }
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             // a tool result's size, kept as the run's largest
             made.steps.push(step("b"));
             reserve(s, micros_step(&run, &step("b"), 50)).await;
@@ -293,17 +293,18 @@ async fn a_drained_history_equals_the_ledger_to_the_micro() {
         assert_eq!(r.context_tokens, 100);
         let i: u64 = r.id.0.trim_start_matches("a-r").parse().expect("run index");
         // reported completions, and the bound of a step whose usage was unknown when it ended
-        let out = 20 + i + if i % 3 == 0 { 10 } else { 0 } + if i % 4 == 1 { 30 } else { 0 };
+        let out =
+            20 + i + if i.is_multiple_of(3) { 10 } else { 0 } + if i % 4 == 1 { 30 } else { 0 };
         assert_eq!(r.output_tokens, out, "run {}", r.id.0);
-        let trb = if i % 2 == 0 { 1_000 + i } else { 0 };
+        let trb = if i.is_multiple_of(2) { 1_000 + i } else { 0 };
         assert_eq!(r.tool_result_bytes, trb, "run {}", r.id.0);
-        let ended = if i % 2 == 0 {
+        let ended = if i.is_multiple_of(2) {
             spendgate_core::RunState::Finished
         } else {
             spendgate_core::RunState::Expired
         };
         assert_eq!(r.ended, ended);
-        let rounds = 1 + u32::from(i % 3 == 0) + u32::from(i % 4 == 1);
+        let rounds = 1 + u32::from(i.is_multiple_of(3)) + u32::from(i % 4 == 1);
         assert_eq!((r.rounds, r.tool_calls), (rounds, 3), "run {}", r.id.0);
     }
     let bytes: Vec<u64> = records
@@ -490,7 +491,7 @@ async fn a_whole_run_hold_is_in_the_history_as_its_budgets_were_charged() {
         reserve(&s, model_step(&run, &format!("{run}-m"), 100, Some(50))).await;
         resolve(&s, &format!("{run}-m"), tokens(90, 40)).await;
         reserve(&s, micros_step(&run, &format!("{run}-t"), 300)).await;
-        if i % 2 == 0 {
+        if i.is_multiple_of(2) {
             resolve(&s, &format!("{run}-t"), units(200)).await;
             finish(&s, &run).await;
         }

@@ -99,6 +99,23 @@ fn chown_all(path: &Path, uid: u32, gid: u32) -> Result<(), TestkitError> {
     Ok(())
 }
 
+/// The processes whose parent is `parent` (from `/proc`).
+fn children_of(parent: u32) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // "pid (comm) state ppid ...": comm may hold anything, up to the last ')'
+            let rest = &stat[stat.rfind(')')? + 1..];
+            let ppid: u32 = rest.split_whitespace().nth(1)?.parse().ok()?;
+            (ppid == parent).then_some(pid)
+        })
+        .collect()
+}
+
 impl PostgresServer {
     /// Runs `initdb` in a fresh temp dir (trust auth, superuser `postgres`) and starts the
     /// server on a free port of 127.0.0.1, waiting until it accepts connections.
@@ -253,6 +270,14 @@ impl PostgresServer {
     /// SIGKILL, as a crash (the cluster stays; [`PostgresServer::restart`] recovers it).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
+            // (each backend calls setsid(): neither the postmaster's death nor a kill of its
+            // process group stops one at once, and a connection's backend would go on
+            // answering; they are killed one by one, as a machine that dies kills them)
+            for pid in children_of(child.id()) {
+                if let Some(pid) = rustix::process::Pid::from_raw(pid) {
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                }
+            }
             if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
                 let _ = rustix::process::kill_process_group(pid, rustix::process::Signal::KILL);
             }

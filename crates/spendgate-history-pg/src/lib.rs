@@ -10,7 +10,9 @@
 //! grows). A batch is one transaction.
 
 use async_trait::async_trait;
-use spendgate_core::history::{HistoryEvent, RefusalMinute, ReservationRecord, RunRecord};
+use spendgate_core::history::{
+    AdjustmentRecord, HistoryEvent, RefusalMinute, ReservationRecord, RunRecord,
+};
 use spendgate_core::{ScopeKind, UnixMs};
 use spendgate_redis::history::HistorySink;
 use spendgate_store::history::{cursor, parse_cursor, HistoryFilter, HistoryReader, Page};
@@ -33,7 +35,8 @@ pub const PG_TIMEOUT: Duration = Duration::from_secs(10);
 
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS spendgate_reservations (
-    id TEXT PRIMARY KEY,
+    key TEXT PRIMARY KEY,
+    id TEXT NOT NULL,
     run_id TEXT NOT NULL,
     session TEXT NOT NULL,
     conversation TEXT NOT NULL,
@@ -46,7 +49,8 @@ CREATE TABLE IF NOT EXISTS spendgate_reservations (
 );
 CREATE INDEX IF NOT EXISTS spendgate_reservations_time ON spendgate_reservations (resolved_at, id);
 CREATE TABLE IF NOT EXISTS spendgate_runs (
-    id TEXT PRIMARY KEY,
+    key TEXT PRIMARY KEY,
+    id TEXT NOT NULL,
     session TEXT NOT NULL,
     conversation TEXT NOT NULL,
     address TEXT NOT NULL,
@@ -55,7 +59,8 @@ CREATE TABLE IF NOT EXISTS spendgate_runs (
 );
 CREATE INDEX IF NOT EXISTS spendgate_runs_time ON spendgate_runs (ended_at, id);
 CREATE TABLE IF NOT EXISTS spendgate_adjustments (
-    id TEXT PRIMARY KEY,
+    key TEXT PRIMARY KEY,
+    id TEXT NOT NULL,
     at BIGINT NOT NULL,
     record TEXT NOT NULL
 );
@@ -71,16 +76,16 @@ CREATE TABLE IF NOT EXISTS spendgate_refusals (
 
 const INSERT_RESERVATION: &str = "
 INSERT INTO spendgate_reservations
-    (id, run_id, session, conversation, address, name, state, charged, resolved_at, record)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
-ON CONFLICT (id) DO UPDATE SET charged = EXCLUDED.charged, record = EXCLUDED.record
+    (key, id, run_id, session, conversation, address, name, state, charged, resolved_at, record)
+VALUES ($11, $1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+ON CONFLICT (key) DO UPDATE SET charged = EXCLUDED.charged, record = EXCLUDED.record
 WHERE spendgate_reservations.charged < EXCLUDED.charged";
 const INSERT_RUN: &str = "
-INSERT INTO spendgate_runs (id, session, conversation, address, ended_at, record)
-VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (id) DO NOTHING";
+INSERT INTO spendgate_runs (key, id, session, conversation, address, ended_at, record)
+VALUES ($7, $1, $2, $3, $4, $5, $6) ON CONFLICT (key) DO NOTHING";
 const INSERT_ADJUSTMENT: &str = "
-INSERT INTO spendgate_adjustments (id, at, record) VALUES ($1, $2, $3)
-ON CONFLICT (id) DO NOTHING";
+INSERT INTO spendgate_adjustments (key, id, at, record) VALUES ($4, $1, $2, $3)
+ON CONFLICT (key) DO NOTHING";
 const INSERT_REFUSALS: &str = "
 INSERT INTO spendgate_refusals (minute, code, scope, count) VALUES ($1, $2, $3, $4)
 ON CONFLICT (minute, code, scope) DO UPDATE
@@ -191,11 +196,11 @@ impl PgHistory {
             ("spendgate_adjustments", "at"),
         ] {
             let by_age = format!(
-                "DELETE FROM {table} WHERE id IN \
-                 (SELECT id FROM {table} WHERE {time} < $1 ORDER BY {time} LIMIT $2)"
+                "DELETE FROM {table} WHERE key IN \
+                 (SELECT key FROM {table} WHERE {time} < $1 ORDER BY {time} LIMIT $2)"
             );
             let by_size = format!(
-                "DELETE FROM {table} WHERE id IN (SELECT id FROM {table} ORDER BY {time}, id \
+                "DELETE FROM {table} WHERE key IN (SELECT key FROM {table} ORDER BY {time}, key \
                  LIMIT LEAST($2, GREATEST((SELECT count(*) FROM {table}) - $1, 0)))"
             );
             gone += self.repeat(&by_age, cutoff).await?;
@@ -259,18 +264,20 @@ pub fn spawn_retention(
 
 /// One event's insert: the statement and its parameters, owned.
 enum Row {
-    Reservation(ReservationRecord, String),
-    Run(RunRecord, String),
-    Adjustment(String, i64, String),
+    Reservation(ReservationRecord, String, String),
+    Run(RunRecord, String, String),
+    Adjustment(String, i64, String, String),
     Refusals(RefusalMinute, i64),
 }
 
 fn row(e: &HistoryEvent) -> Result<Row, String> {
     let json = |e| serde_json::to_string(e).map_err(|e| pg_err("encoding a record", e));
     Ok(match e {
-        HistoryEvent::Reservation(r) => Row::Reservation(r.clone(), json(e)?),
-        HistoryEvent::Run(r) => Row::Run(r.clone(), json(e)?),
-        HistoryEvent::Adjustment(a) => Row::Adjustment(a.id.clone(), big(a.at.0), json(e)?),
+        HistoryEvent::Reservation(r) => Row::Reservation(r.clone(), json(e)?, e.key()),
+        HistoryEvent::Run(r) => Row::Run(r.clone(), json(e)?, e.key()),
+        HistoryEvent::Adjustment(a) => {
+            Row::Adjustment(a.id.clone(), big(a.at.0), json(e)?, e.key())
+        }
         HistoryEvent::Refusals { at, count } => Row::Refusals(*at, big(*count)),
     })
 }
@@ -280,7 +287,7 @@ async fn insert(
     row: &Row,
 ) -> Result<(), tokio_postgres::Error> {
     match row {
-        Row::Reservation(r, json) => {
+        Row::Reservation(r, json, key) => {
             tx.execute(
                 INSERT_RESERVATION,
                 &[
@@ -294,11 +301,12 @@ async fn insert(
                     &big(r.charged.0),
                     &big(r.resolved_at.0),
                     json,
+                    key,
                 ],
             )
             .await?;
         }
-        Row::Run(r, json) => {
+        Row::Run(r, json, key) => {
             tx.execute(
                 INSERT_RUN,
                 &[
@@ -308,12 +316,13 @@ async fn insert(
                     &r.address,
                     &big(r.ended_at.0),
                     json,
+                    key,
                 ],
             )
             .await?;
         }
-        Row::Adjustment(id, at, json) => {
-            tx.execute(INSERT_ADJUSTMENT, &[id, at, json]).await?;
+        Row::Adjustment(id, at, json, key) => {
+            tx.execute(INSERT_ADJUSTMENT, &[id, at, json, key]).await?;
         }
         Row::Refusals(at, count) => {
             let scope = at.scope.map_or("", ScopeKind::name);
@@ -567,6 +576,50 @@ impl HistoryReader for PgHistory {
     }
 }
 
+impl PgHistory {
+    /// Operator adjustments made in `[since, until)`, in time order, at most `limit` (and
+    /// [`HISTORY_PAGE_MAX`]). (`HistoryReader::adjustments` once the trait has it.)
+    pub async fn adjustments_in(
+        &self,
+        since: UnixMs,
+        until: UnixMs,
+        limit: usize,
+    ) -> Result<Vec<AdjustmentRecord>, StoreError> {
+        let (s, u, n) = (
+            big(since.0),
+            big(until.0),
+            limit.clamp(1, HISTORY_PAGE_MAX) as i64,
+        );
+        let records = self
+            .with("reading adjustments", move |c| {
+                Box::pin(async move {
+                    let rows = c
+                        .query(
+                            "SELECT record FROM spendgate_adjustments WHERE at >= $1 AND at < $2 \
+                             ORDER BY at, id LIMIT $3",
+                            &[&s, &u, &n],
+                        )
+                        .await?;
+                    Ok(rows
+                        .iter()
+                        .map(|r| r.get::<_, String>(0))
+                        .collect::<Vec<_>>())
+                })
+            })
+            .await
+            .map_err(unavailable)?;
+        let mut out = Vec::new();
+        for r in records {
+            if let HistoryEvent::Adjustment(a) = serde_json::from_str(&r)
+                .map_err(|e| unavailable(pg_err("a stored record is not an event", e)))?
+            {
+                out.push(a);
+            }
+        }
+        Ok(out)
+    }
+}
+
 /// Sum of charges per counter and of adjustments, for reconciliation tests and `report`'s
 /// checks: (counter as `kind:id|window|index`, charged + adjusted micros).
 pub async fn totals(pg: &PgHistory) -> Result<Vec<(String, i64)>, String> {
@@ -592,12 +645,18 @@ pub async fn totals(pg: &PgHistory) -> Result<Vec<(String, i64)>, String> {
             let Ok(e) = serde_json::from_str::<HistoryEvent>(&r) else {
                 continue;
             };
+            // (what an adjustment moved each counter by: `applied`, when the record has it)
+            let applied: Vec<i64> = serde_json::from_str::<serde_json::Value>(&r)
+                .ok()
+                .and_then(|v| serde_json::from_value(v.get("applied")?.clone()).ok())
+                .unwrap_or_default();
             let (counters, amount) = match &e {
                 HistoryEvent::Reservation(r) => (&r.counters, big(r.charged.0)),
                 HistoryEvent::Adjustment(a) => (&a.counters, a.amount_micros),
                 _ => continue,
             };
-            for c in counters {
+            for (i, c) in counters.iter().enumerate() {
+                let amount = applied.get(i).copied().unwrap_or(amount);
                 let k = format!(
                     "{}:{}|{}|{}",
                     c.scope.kind.name(),

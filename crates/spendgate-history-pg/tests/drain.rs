@@ -145,6 +145,9 @@ async fn load(s: &Arc<dyn Store>, clock: &ManualClock, tag: &str, n: usize) -> M
         .await
         .expect("adjust");
     s.adjust(session, 1, -1_000, None).await.expect("credit");
+    // a credit on a session that spent nothing moves its counter by nothing
+    let idle = ScopeKey::new(ScopeKind::Session, "idle");
+    s.adjust(idle, 1, -1_000_000, None).await.expect("credit");
     made
 }
 
@@ -173,6 +176,7 @@ fn scopes() -> Vec<(ScopeKey, u64)> {
     for i in 0..3 {
         v.push((ScopeKey::new(ScopeKind::Session, format!("s{i}")), 1));
     }
+    v.push((ScopeKey::new(ScopeKind::Session, "idle"), 1));
     for i in 0..64 {
         v.push((ScopeKey::new(ScopeKind::Conversation, format!("c{i}")), 1));
     }
@@ -340,6 +344,23 @@ async fn a_drained_history_equals_the_ledger_to_the_micro() {
         .filter(|r| !r.refused.is_empty())
         .count();
     assert_eq!(refused_runs, 4);
+    let adjustments = pg
+        .adjustments_in(UnixMs(0), UnixMs(u64::MAX / 2), 100)
+        .await
+        .expect("adjustments");
+    let moved: Vec<(i64, Vec<i64>)> = adjustments
+        .iter()
+        .map(|a| {
+            (
+                a.amount_micros,
+                a.counters.iter().map(|_| a.amount_micros).collect(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        moved,
+        vec![(5_000, vec![5_000]), (-1_000, vec![-1_000]), (0, vec![0])]
+    );
     // drained twice: nothing changes
     let again = Drain::new(
         store.clone(),
@@ -450,6 +471,13 @@ async fn without_postgres_the_stream_is_the_history() {
         .map(|(_, n)| n)
         .sum();
     assert_eq!(refused, 4);
+    let stream = store.history_stream();
+    let adjustments = stream
+        .adjustments_in(UnixMs(0), UnixMs(u64::MAX / 2), 100)
+        .await
+        .expect("adjustments");
+    assert_eq!(adjustments.len(), 3);
+    assert_eq!(adjustments[0].counters[0].scope.id, "s1");
     // the drain without a sink tells the tap, once
     struct Count(std::sync::atomic::AtomicUsize);
     impl spendgate_store::HistoryTap for Count {
@@ -465,8 +493,8 @@ async fn without_postgres_the_stream_is_the_history() {
     let d2 = Drain::new(store.clone(), None, "r2".into());
     drain_all(&d2, 100).await;
     let seen = tap.0.load(std::sync::atomic::Ordering::Relaxed);
-    // every record once (a late overrun's twice), the runs', the two adjustments'
-    assert_eq!(seen, made.steps.len() + made.late + made.runs.len() + 2);
+    // every record once (a late overrun's twice), the runs', the three adjustments'
+    assert_eq!(seen, made.steps.len() + made.late + made.runs.len() + 3);
     // kept in the stream after the drain
     let again = reader
         .reservations(&period, None, 10_000)

@@ -18,7 +18,9 @@
 
 use crate::{map_redis_error, unavailable, RedisStore, SlotConn};
 use async_trait::async_trait;
-use spendgate_core::history::{HistoryEvent, RefusalMinute, ReservationRecord, RunRecord};
+use spendgate_core::history::{
+    AdjustmentRecord, HistoryEvent, RefusalMinute, ReservationRecord, RunRecord,
+};
 use spendgate_core::{RefusalCode, ScopeKind, UnixMs};
 use spendgate_store::history::{cursor, parse_cursor, HistoryFilter, HistoryReader, Page};
 use spendgate_store::{HistoryTap, StoreError, HISTORY_PAGE_MAX};
@@ -309,6 +311,31 @@ impl HistoryStream {
     }
 }
 
+impl HistoryStream {
+    /// Operator adjustments made in `[since, until)`, in time order, at most `limit` (and
+    /// [`HISTORY_PAGE_MAX`]). (`HistoryReader::adjustments` once the trait has it.)
+    pub async fn adjustments_in(
+        &self,
+        since: UnixMs,
+        until: UnixMs,
+        limit: usize,
+    ) -> Result<Vec<AdjustmentRecord>, StoreError> {
+        let mut by_key: BTreeMap<String, AdjustmentRecord> = BTreeMap::new();
+        for e in self.scan().await? {
+            let key = e.key();
+            if let HistoryEvent::Adjustment(a) = e {
+                if a.at >= since && a.at < until {
+                    by_key.entry(key).or_insert(a);
+                }
+            }
+        }
+        let mut out: Vec<AdjustmentRecord> = by_key.into_values().collect();
+        out.sort_by(|a, b| (a.at, &a.id).cmp(&(b.at, &b.id)));
+        out.truncate(limit.clamp(1, HISTORY_PAGE_MAX));
+        Ok(out)
+    }
+}
+
 /// The page of `items` (sorted by (time, id)) after `after`, at most `limit`.
 fn page<T>(
     mut items: Vec<(UnixMs, String, T)>,
@@ -351,11 +378,12 @@ impl HistoryReader for HistoryStream {
     ) -> Result<Page<ReservationRecord>, StoreError> {
         let mut by_id: BTreeMap<String, ReservationRecord> = BTreeMap::new();
         for e in self.scan().await? {
+            let key = e.key();
             if let HistoryEvent::Reservation(r) = e {
-                match by_id.get_mut(&r.id.0) {
+                match by_id.get_mut(&key) {
                     Some(first) => first.merge(&r),
                     None => {
-                        by_id.insert(r.id.0.clone(), r);
+                        by_id.insert(key, r);
                     }
                 }
             }
@@ -376,8 +404,9 @@ impl HistoryReader for HistoryStream {
     ) -> Result<Page<RunRecord>, StoreError> {
         let mut by_id: BTreeMap<String, RunRecord> = BTreeMap::new();
         for e in self.scan().await? {
+            let key = e.key();
             if let HistoryEvent::Run(r) = e {
-                by_id.entry(r.id.0.clone()).or_insert(r);
+                by_id.entry(key).or_insert(r);
             }
         }
         let items = by_id

@@ -2101,9 +2101,12 @@ do
       S(mmax(now - created, 0)), ',"cost":', S(cost), ',"refused":[', tconcat(refs, ','), ']}' }))
   end
 
-  -- An adjustment applied ({encoding, amount applied} per counter): its record, keyed by the
-  -- ledger's seq; one per distinct amount applied (a credit stops at zero, so that used =
-  -- charges + adjustments per counter), '<seq>.<n>' when there are several.
+  -- An adjustment applied (`amount` asked; {encoding, amount applied} per counter): its record,
+  -- keyed by the ledger's seq, with what each counter moved by ('applied': a credit stops at
+  -- zero), so that used = charges + adjustments per counter. amount_micros is what its
+  -- counters moved by (not `amount`, when a credit stopped at zero), and counters moved by
+  -- different amounts get one record per amount ('<seq>.<n>'): exact for a reader that knows
+  -- 'applied' and for one that does not.
   function H.adjusted(applied, now)
     local groups, order = {}, {}
     for _, a in ipairs(applied) do
@@ -2115,11 +2118,14 @@ do
       end
       g[#g + 1] = H.counter_json(a[1])
     end
-    for i, amount in ipairs(order) do
+    for i, moved in ipairs(order) do
       local id = S(SEQ)
       if #order > 1 then id = id .. '.' .. S(i) end
+      local ap = {}
+      for k = 1, #groups[moved] do ap[k] = S(moved) end
       H.add(tconcat({ '{"type":"adjustment","id":"', id, '","at":', S(now), ',"counters":[',
-        tconcat(groups[amount], ','), '],"amount_micros":', S(amount), '}' }))
+        tconcat(groups[moved], ','), '],"amount_micros":', S(moved), ',"applied":[', tconcat(ap, ','),
+        ']}' }))
     end
   end
 

@@ -6,12 +6,12 @@ use spendgate_conformance::support::{
     self as cs, admit, admit_refused, finish, micros_step, model_step, reserve, reserve_refused,
     resolve, tokens, units, Who,
 };
-use spendgate_core::history::HistoryEvent;
+use spendgate_core::history::{HistoryEvent, RunRecord};
 use spendgate_core::{Policy, Resolution, ScopeKey, ScopeKind, UnixMs, UsageLine, Window};
 use spendgate_history_pg::{totals, PgHistory};
 use spendgate_redis::history::{Drain, HistorySink};
 use spendgate_redis::{ClockSource, InitMode, RedisOptions, RedisStore};
-use spendgate_store::{Clock, HistoryFilter, HistoryReader, ManualClock, Store};
+use spendgate_store::{Clock, HistoryFilter, HistoryReader, ManualClock, Page, Store};
 use spendgate_testkit::{PostgresServer, RedisServer};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -258,26 +258,9 @@ async fn check_once(pg: &PgHistory, made: &Made) {
     assert_eq!(run_page.items.len(), runs.len());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_drained_history_equals_the_ledger_to_the_micro() {
-    let server = redis();
-    let pgs = postgres();
-    let clock = Arc::new(ManualClock::new(START));
-    let store = open(&server, clock.clone()).await;
-    let s: Arc<dyn Store> = store.clone();
-    let made = load(&s, &clock, "a", 20).await;
-    let pg = Arc::new(PgHistory::new(&pgs.url()));
-    // the refusal minutes are drained once the ledger's clock is past them
-    clock.advance_ms(120_000);
-    cs::sweep(&s).await;
-    let d = Drain::new(
-        store.clone(),
-        Some(pg.clone() as Arc<dyn HistorySink>),
-        "r1".into(),
-    );
-    drain_all(&d, 100).await;
-    check_once(&pg, &made).await;
-    check_sums(&s, &pg).await;
+/// Each run's record: its cost (what its steps were charged), its figures; each reservation
+/// record's result size and usage. Returns the run records.
+async fn check_records(pg: &PgHistory) -> Page<RunRecord> {
     // per run: its record's cost is what its steps were charged
     let period = HistoryFilter::period(UnixMs(0), UnixMs(u64::MAX / 2));
     let records = pg.reservations(&period, None, 10_000).await.expect("read");
@@ -330,6 +313,30 @@ async fn a_drained_history_equals_the_ledger_to_the_micro() {
         usage.map(|u| (u.prompt_tokens, u.completion_tokens)),
         Some((80, 23))
     );
+    run_records
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_history_equals_the_ledger_to_the_micro() {
+    let server = redis();
+    let pgs = postgres();
+    let clock = Arc::new(ManualClock::new(START));
+    let store = open(&server, clock.clone()).await;
+    let s: Arc<dyn Store> = store.clone();
+    let made = load(&s, &clock, "a", 20).await;
+    let pg = Arc::new(PgHistory::new(&pgs.url()));
+    // the refusal minutes are drained once the ledger's clock is past them
+    clock.advance_ms(120_000);
+    cs::sweep(&s).await;
+    let d = Drain::new(
+        store.clone(),
+        Some(pg.clone() as Arc<dyn HistorySink>),
+        "r1".into(),
+    );
+    drain_all(&d, 100).await;
+    check_once(&pg, &made).await;
+    check_sums(&s, &pg).await;
+    let run_records = check_records(&pg).await;
     let refused: u64 = pg
         .refusals(UnixMs(0), UnixMs(u64::MAX / 2))
         .await

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh Debian machine with Rust: installs what the tests need
-# (redis-server for the tests that start their own Redis, and a Valkey server; Chromium and its driver for the
+# (redis-server for the tests that start their own Redis, and a Valkey server; PostgreSQL's
+# server binaries for the history's tests; Chromium and its driver for the
 # page test; a Python virtualenv with the official `openai` package for the proxy's
 # real-client tests and `selenium` for the page test), then checks formatting and lints and
 # runs every test.
@@ -15,6 +16,9 @@ apt_install() {
 }
 
 command -v redis-server >/dev/null 2>&1 || apt_install redis-server
+# PostgreSQL's server binaries (initdb, postgres), for the tests that start their own PostgreSQL
+# (the Redis ledger's history drained into it); the tests never use the system's server.
+compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || apt_install postgresql
 # openssl, to make the certificates of the test of Redis over TLS.
 command -v openssl >/dev/null 2>&1 || apt_install openssl
 # curl and jq, for README's walkthrough (crates/spendgate-testkit/tests/readme.rs runs it).

@@ -108,6 +108,22 @@ pub const SLOW_GRACE_MS_MAX: u64 = 5_000;
 /// `timeout_ms`.
 pub const SLOW_GRACE_MS_DEFAULT: u64 = 1_000;
 const _: () = assert!(SLOW_GRACE_MS_MAX as u128 == spendgate_store::SLOW_GRACE_MAX.as_millis());
+/// `history.retention_days` range.
+pub const HISTORY_RETENTION_DAYS_MAX: u64 = 36_500;
+/// `history.retention_days` by default.
+pub const HISTORY_RETENTION_DAYS_DEFAULT: u64 = 90;
+/// `history.stream_max_len` by default (the redis crate's `history::STREAM_MAX_LEN_DEFAULT`):
+/// at about a thousand records a second, some 15 minutes of drain lag.
+pub const HISTORY_STREAM_MAX_LEN_DEFAULT: u64 = 1_000_000;
+/// `history.stream_max_len` range.
+pub const HISTORY_STREAM_MAX_LEN_MAX: u64 = 100_000_000;
+/// `history.drain_lag_alert_s` by default, and its range.
+pub const HISTORY_DRAIN_LAG_ALERT_S_DEFAULT: u64 = 60;
+pub const HISTORY_DRAIN_LAG_ALERT_S_MAX: u64 = 86_400;
+/// `history.rows_max` by default (sqlite and PostgreSQL: reservation records kept at most).
+pub const HISTORY_ROWS_MAX_DEFAULT: u64 = 50_000_000;
+/// `history.rows_max` range.
+pub const HISTORY_ROWS_MAX_MAX: u64 = 10_000_000_000;
 /// `store.lease_ttl_s` range.
 pub const LEASE_TTL_S_MAX: u64 = 3_600;
 /// `sessions.ttl_s` range: browsers cap a cookie's `Max-Age` at 400 days.

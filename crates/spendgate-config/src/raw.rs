@@ -8,7 +8,10 @@ use crate::{
     ADDRESS_REQUESTS_MAX_DEFAULT, ADMIN_REQUESTS_MAX_DEFAULT, BODY_GRACE_MS_DEFAULT,
     BODY_GRACE_MS_MAX, BODY_GRACE_MS_MIN, BODY_MIN_BYTES_PER_S_DEFAULT, BODY_MIN_BYTES_PER_S_FLOOR,
     BODY_MIN_BYTES_PER_S_MAX, BURST_MAX, CHALLENGE_BITS_MAX, CLASS_REQUESTS_MAX, CONCURRENCY_MAX,
-    CONNECTIONS_MAX, HEALTH_REQUESTS_MAX_DEFAULT, IPV6_WIDER_MAX, LEASE_TTL_S_MAX, LIST_LEN_MAX,
+    CONNECTIONS_MAX, HEALTH_REQUESTS_MAX_DEFAULT, HISTORY_DRAIN_LAG_ALERT_S_DEFAULT,
+    HISTORY_DRAIN_LAG_ALERT_S_MAX, HISTORY_RETENTION_DAYS_DEFAULT, HISTORY_RETENTION_DAYS_MAX,
+    HISTORY_ROWS_MAX_DEFAULT, HISTORY_ROWS_MAX_MAX, HISTORY_STREAM_MAX_LEN_DEFAULT,
+    HISTORY_STREAM_MAX_LEN_MAX, IPV6_WIDER_MAX, LEASE_TTL_S_MAX, LIST_LEN_MAX,
     PUBLIC_REQUESTS_MAX_DEFAULT, RUN_BYTES_MAX, RUN_COUNT_MAX, RUN_SECONDS_MAX, RUN_TOKENS_MAX,
     SERVICE_REQUESTS_MAX_DEFAULT, SESSION_TTL_S_MAX, SLOW_GRACE_MS_DEFAULT, SLOW_GRACE_MS_MAX,
     STORE_TIMEOUT_MS_MAX, TRUSTED_PROXIES_MAX, UPSTREAM_TIMEOUT_S_MAX,
@@ -59,6 +62,38 @@ table! {
         /// every replica; also on overruns, expiries and store outages.
         #[key(Ty::Table(&RawAlerts::TABLE))]
         alerts: RawAlerts = RawAlerts::default(),
+        /// The usage history: one record per reservation and per run, refusals per minute.
+        /// sqlite keeps it in its file; Redis in a capped stream, drained by the replicas into
+        /// PostgreSQL when `url` is set.
+        #[key(Ty::Table(&RawHistory::TABLE))]
+        history: RawHistory = RawHistory::default(),
+    }
+}
+
+table! {
+    /// `[history]`.
+    struct RawHistory {
+        /// The PostgreSQL database the replicas of a redis store drain the history into
+        /// (`postgres://user:password@host:port/db`); `""`: none (the history is then kept in
+        /// Redis only, up to `stream_max_len` records). A secret: it may hold a password.
+        #[key(Ty::Secret("a postgres:// URL, or \"\""))]
+        url: String = String::new(),
+        /// Records older than this many days are deleted (sqlite and PostgreSQL).
+        #[key(Ty::Int { min: 1, max: HISTORY_RETENTION_DAYS_MAX })]
+        retention_days: u64 = HISTORY_RETENTION_DAYS_DEFAULT,
+        /// Reservation records kept at most (sqlite and PostgreSQL; runs, adjustments and
+        /// refusal minutes each as many): the oldest beyond it are deleted.
+        #[key(Ty::Int { min: 1, max: HISTORY_ROWS_MAX_MAX })]
+        rows_max: u64 = HISTORY_ROWS_MAX_DEFAULT,
+        /// Redis: the history stream's cap (approximate, trimmed as Redis trims `MAXLEN ~`).
+        /// Records not drained before the cap evicts them are lost to PostgreSQL: size it for
+        /// the longest drain outage at the peak record rate. About 1 KB of Redis memory each.
+        #[key(Ty::Int { min: 1, max: HISTORY_STREAM_MAX_LEN_MAX })]
+        stream_max_len: u64 = HISTORY_STREAM_MAX_LEN_DEFAULT,
+        /// Redis with PostgreSQL: when the oldest record not yet drained is older than this many
+        /// seconds, an alert is raised (and `spendgate_history_drain_lag_seconds` says it).
+        #[key(Ty::Int { min: 1, max: HISTORY_DRAIN_LAG_ALERT_S_MAX })]
+        drain_lag_alert_s: u64 = HISTORY_DRAIN_LAG_ALERT_S_DEFAULT,
     }
 }
 

@@ -8,8 +8,8 @@
 
 use crate::diagnostics::KeyPath;
 use crate::raw::{
-    RawAlerts, RawAmount, RawBudget, RawConfig, RawCount, RawIdentity, RawLimits, RawModel, RawRun,
-    RawScope, RawServer, RawSessions, RawStore, RawTool, RawUpstream,
+    RawAlerts, RawAmount, RawBudget, RawConfig, RawCount, RawHistory, RawIdentity, RawLimits,
+    RawModel, RawRun, RawScope, RawServer, RawSessions, RawStore, RawTool, RawUpstream,
 };
 use crate::schema::{Key, Table, Ty, ROOT};
 use crate::text::{amount_text, mode_name, shown_url, MASK};
@@ -141,6 +141,7 @@ impl Config {
                 .collect(),
             upstreams: self.raw_upstreams(&mut notes),
             alerts: self.raw_alerts(&mut notes),
+            history: self.raw_history(&mut notes),
         };
         (raw, notes)
     }
@@ -356,6 +357,25 @@ impl Config {
             out.insert(name.clone(), upstream);
         }
         out
+    }
+
+    fn raw_history(&self, notes: &mut Notes) -> RawHistory {
+        let h = &self.history;
+        let url = match &h.url {
+            None => String::new(),
+            Some(u) => {
+                let (v, n) = url_shown(u);
+                note(notes, &KeyPath::of(&["history", "url"]), n);
+                v
+            }
+        };
+        RawHistory {
+            url,
+            retention_days: h.retention.as_secs() / 86_400,
+            rows_max: h.rows_max,
+            stream_max_len: h.stream_max_len,
+            drain_lag_alert_s: h.drain_lag_alert.as_secs(),
+        }
     }
 
     fn raw_alerts(&self, notes: &mut Notes) -> RawAlerts {

@@ -1402,3 +1402,45 @@ fn unknown_keys_suggest_the_nearest_known_key() {
         }
     }
 }
+
+#[test]
+fn history_keys_have_defaults_ranges_and_a_masked_postgres_url() {
+    let c = load("", &no_env).expect("valid");
+    assert_eq!(c.history.url, None);
+    assert_eq!(c.history.retention, Duration::from_secs(90 * 86_400));
+    assert_eq!(
+        c.history.stream_max_len,
+        crate::HISTORY_STREAM_MAX_LEN_DEFAULT
+    );
+    assert_eq!(c.history.drain_lag_alert, Duration::from_secs(60));
+    assert_eq!(c.history.rows_max, crate::HISTORY_ROWS_MAX_DEFAULT);
+
+    const URL: &str = "postgres://spend:pgsecret42@db.example.com:5432/history";
+    let text = format!("[history]\nurl = \"{URL}\"\nretention_days = 7\nstream_max_len = 5000\n");
+    let c = load(&text, &no_env).expect("valid");
+    assert_eq!(c.history.url.as_ref().map(Secret::expose), Some(URL));
+    assert_eq!(c.history.retention, Duration::from_secs(7 * 86_400));
+    assert_eq!(c.history.stream_max_len, 5000);
+    let rendered = c.render_effective();
+    assert!(!rendered.contains("pgsecret42"), "{rendered}");
+    assert_eq!(
+        load(&rendered.replace("***", "x"), &no_env)
+            .map(|c| c.history.stream_max_len)
+            .ok(),
+        Some(5000)
+    );
+
+    let e = load_err("[history]\nurl = \"mysql://u:pgsecret42@h/db\"\n");
+    assert_eq!(e.key(), "history.url");
+    assert!(!e.to_string().contains("pgsecret42"), "{e}");
+    assert_eq!(
+        load_err("[history]\nstream_max_len = 0\n").key(),
+        "history.stream_max_len"
+    );
+    assert_eq!(
+        load_err("[history]\nretention_days = 0\n").key(),
+        "history.retention_days"
+    );
+    let e = load("[history]\nurl = \"env:PG\"\n", &no_env).expect_err("unset");
+    assert_eq!(e.key(), "history.url");
+}

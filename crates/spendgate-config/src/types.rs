@@ -29,6 +29,7 @@ pub struct Config {
     pub tools: BTreeMap<String, ToolPrice>,
     pub upstreams: BTreeMap<String, UpstreamConfig>,
     pub alerts: AlertsConfig,
+    pub history: HistoryConfig,
     /// Every `env:NAME` secret whose variable was unset or empty, in file order.
     pub unset_env: Vec<UnsetEnv>,
 }
@@ -240,6 +241,21 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
     /// An upstream error response that shows no work was done releases the reservation.
     pub release_on_error: bool,
+}
+
+/// `[history]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HistoryConfig {
+    /// PostgreSQL (a secret: `postgres://` or `postgresql://`); `None`: none.
+    pub url: Option<Secret>,
+    /// Records older than this are deleted (sqlite and PostgreSQL).
+    pub retention: Duration,
+    /// Reservation records kept at most (sqlite and PostgreSQL).
+    pub rows_max: u64,
+    /// The Redis history stream's cap.
+    pub stream_max_len: u64,
+    /// The drain lag past which an alert is raised.
+    pub drain_lag_alert: Duration,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -32,6 +32,7 @@ pub mod challenge;
 pub mod client;
 pub mod error;
 pub mod health;
+pub mod history;
 pub mod idempotency;
 pub mod identity;
 pub mod ids;
@@ -53,6 +54,7 @@ pub mod usage;
 pub use spendgate_config as config;
 
 pub use error::ServerError;
+pub use history::{spawn_history, HistorySetup, HistoryTasks};
 pub use router::{router, API_REQUEST_TIMEOUT};
 pub use serve::{serve, SWEEP_EVERY};
 pub use state::{build_state, AppState, Shared, Upstream};

@@ -17,11 +17,14 @@ pub async fn open_store(config: &Config) -> Result<Arc<dyn Store>, ServerError> 
 pub struct OpenedStore {
     pub store: Arc<dyn Store>,
     pub witness: Option<spendgate_redis::Witness>,
+    /// A Redis store's history, for [`crate::spawn_history`] once the replica runs.
+    pub history: Option<crate::history::HistorySetup>,
 }
 
 /// [`open_store`], keeping the Redis store's witness.
 pub async fn open_store_with_witness(config: &Config) -> Result<OpenedStore, ServerError> {
     let policy = config.policy.clone();
+    let mut history = None;
     let (inner, witness): (Arc<dyn Store>, _) = match config.store.kind {
         StoreKind::Memory => (
             Arc::new(MemoryStore::new(policy, Arc::new(SystemClock))),
@@ -35,8 +38,12 @@ pub async fn open_store_with_witness(config: &Config) -> Result<OpenedStore, Ser
             )
         }
         StoreKind::Redis => {
-            let store = open_redis(config, policy).await?;
+            let (store, pg) = open_redis(config, policy).await?;
             let witness = store.witness();
+            history = Some(crate::history::HistorySetup {
+                redis: store.clone(),
+                pg,
+            });
             (store, witness)
         }
     };
@@ -47,6 +54,7 @@ pub async fn open_store_with_witness(config: &Config) -> Result<OpenedStore, Ser
             config.store.slow_grace,
         )),
         witness,
+        history,
     })
 }
 
@@ -80,7 +88,13 @@ pub fn redis_command_options(config: &Config) -> spendgate_redis::RedisOptions {
 async fn open_redis(
     config: &Config,
     policy: spendgate_core::Policy,
-) -> Result<Arc<spendgate_redis::RedisStore>, ServerError> {
+) -> Result<
+    (
+        Arc<spendgate_redis::RedisStore>,
+        Option<Arc<spendgate_history_pg::PgHistory>>,
+    ),
+    ServerError,
+> {
     if config.store.ledger_id.is_none() {
         return Err(ServerError::Config(
             "store.ledger_id is not set: a redis store serves only the ledger it is pinned to. \
@@ -91,7 +105,7 @@ async fn open_redis(
     }
     // `rediss://` urls: TLS with the system's roots (or `SSL_CERT_FILE`), through rustls.
     install_crypto();
-    Ok(Arc::new(
-        spendgate_redis::RedisStore::open(redis_options(config), policy).await?,
-    ))
+    let mut store = spendgate_redis::RedisStore::open(redis_options(config), policy).await?;
+    let pg = crate::history::HistorySetup::configure(&mut store, config)?;
+    Ok((Arc::new(store), pg))
 }

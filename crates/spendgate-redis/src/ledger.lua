@@ -35,6 +35,10 @@ local K_META, K_TIMERS, K_RATES, K_SLOTS, K_TOP, K_CWIN, K_RZ, K_GLOBALS
 -- at most 4096, emptied when the base changes). One table: the main chunk is at Lua's bound
 -- of 200 locals.
 local KC = { keys = {}, n = 0 }
+-- The usage history (spendgate_core::history): its helpers (defined under "history" below) and
+-- its per-call state, in one table for the same reason. H.cap: the stream's cap (from the
+-- policy argument); H.x: what the settling call observed ({how, a, b, c} of `resolve`).
+local H = { cap = '1000000' }
 local function set_base(b)
   if b == B then return end
   B = b
@@ -96,8 +100,7 @@ local function clear(t)
   if n > 32 then return {} end
   return t
 end
--- kv_flush's MSET arguments (emptied after each use)
-local MSET_ARGS = {}
+local kv_flush
 local function kv_get(k)
   local v = WB[k]
   if v then return v end
@@ -133,7 +136,10 @@ local function kv_del(k)
   RC[k] = false
   rcall('DEL', k)
 end
-local function kv_flush()
+do
+-- kv_flush's MSET arguments (emptied after each use)
+local MSET_ARGS = {}
+function kv_flush()
   if WBN > 0 then
     local args, i = MSET_ARGS, 0
     for k, v in pairs(WB) do
@@ -153,6 +159,7 @@ local function kv_flush()
     WB, WBN = clear(WB), 0
   end
   RC = clear(RC)
+end
 end
 
 local function S(x) return sfmt('%d', x) end
@@ -442,6 +449,8 @@ do
     p.ttl = nn()
     if nn() == 1 then p.sc_ip = { nn(), nn(), nn() } end
     if nn() == 1 then p.sc_global = { nn(), nn(), nn() } end
+    -- the history stream's cap ([history] stream_max_len)
+    p.hcap = S(nn())
     p.consts = { RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX }
     -- whether a step has budgets of scopes other than global
     p.scoped = #p.kinds.ip.budgets + #p.kinds.session.budgets + #p.kinds.conversation.budgets > 0
@@ -462,6 +471,7 @@ do
       POLICIES_N = POLICIES_N + 1
     end
     RETENTION, IDEM_RETENTION, RECORDS_MAX, EXPIRIES_PER_CALL, ID_MAX = unpack(p.consts)
+    H.cap = p.hcap
     return p
   end
 end
@@ -972,6 +982,7 @@ local function settle(id, state, charged, now, acc, pre)
       csave(c)
     end
   end
+  H.settled(f)
 end
 
 -- Ledger::top_up: a late overrun. A terminal reservation's charge grows to `charged`, its
@@ -988,6 +999,8 @@ local function top_up(id, charged, f)
     if charged > f[S_AMOUNT] then overrun = 1 end
     f[S_CHARGED], f[S_OVERRUN] = charged, overrun
     res_put(id, f)
+    -- (its record again, with the larger charge: a sink keeps the larger one)
+    H.reservation(f)
     for _, e in ipairs(f[S_COUNTERS]) do
       local c = cload(e)
       c.used = mmin(c.used + delta, MAX)
@@ -1062,6 +1075,8 @@ local function end_run(id, now, endstate)
   acc_flush(acc)
   local imm = run_imm(run, true)
   local hid = imm[R_HOLD]
+  -- what its budgets were charged (RunRecord::cost)
+  local cost = run[R_CHARGED]
   if hid ~= '' then
     local used = cload(RUN_C .. id).used
     local r = res_get(hid)
@@ -1072,7 +1087,9 @@ local function end_run(id, now, endstate)
     else
       settle(hid, 'committed', used, now, nil, r)
     end
+    if r then cost = r[S_CHARGED] end
   end
+  H.run_ended(id, run, imm, now, endstate, cost)
   for _, s in ipairs(imm[R_SLOTS]) do
     local n = rcall('HGET', K_SLOTS, s)
     if n then
@@ -1097,6 +1114,7 @@ local function purge_run(id)
     for _, s in ipairs(rcall('LRANGE', ks, '0', '-1')) do res_remove(s) end
     rcall('DEL', ks)
   end
+  rcall('DEL', B .. ':rh:' .. id)
   if hid ~= '' then res_remove(hid) end
   cdel(RUN_C .. id)
   run_del(id)
@@ -1315,6 +1333,7 @@ function OPS.admit_run(now, swept, A)
     local imm = imm_pack({ b['in'], b.ctx, b.out, b.trb, b.rounds, b.tools, b.retries, b.secs, b.cost, b.shrink,
       b.minout }, P.mode, { run_id, session, conv, ips, now, slots, hid })
     run_put(run_id, { 'active', deadline, lease, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, imm })
+    H.stat(run_id, 'in', input)
     timer_add(lease, '1|' .. run_id)
     mincr('nrec', 1)
     mincr('active', 1)
@@ -1331,6 +1350,8 @@ function OPS.admit_run(now, swept, A)
       outcome[#outcome + 1] = '0'
     end
     add_dry(outcome, dry)
+  else
+    H.refused(outcome, now, nil)
   end
   if has_idem then remember(ikey, ifp, 'run', outcome, now) end
   local changed = swept or admitted or has_idem
@@ -1355,6 +1376,18 @@ local function lapse(id, now)
   return false
 end
 local function bound(msg) return text_refusal('run_bound_exceeded', 'run', '', msg) end
+-- A step decided: admitted, its run's lease renewed and its figures (the largest prompt) kept;
+-- refused, the refusal counted (and among its run's codes while the run is active). (One
+-- function for both: reserve_step is at Lua's bound of 60 upvalues.)
+function H.step_done(run_id, now, outcome, prompt_s)
+  if outcome[1] == 'step_ok' then
+    renew(run_id, now, P.ttl)
+    if prompt_s then H.stat(run_id, 'ctx', N(prompt_s)) end
+    return
+  end
+  local rr = run_get(run_id)
+  H.refused(outcome, now, rr and rr[R_STATE] == 'active' and run_id or nil)
+end
 function OPS.reserve_step(now, swept, A)
   local run_id, step_id = A[1], A[2]
   local has_idem, ikey, ifp = A[3] == '1', A[4], A[5]
@@ -1487,12 +1520,12 @@ function OPS.reserve_step(now, swept, A)
     rr[R_NSTEPS] = rr[R_NSTEPS] + 1
     rr[R_NHELD] = rr[R_NHELD] + 1
     run_put(run_id, rr)
-    renew(run_id, now, P.ttl)
     local mo = ''
     if plan.max_out then mo = plan.max_out end
     outcome = { 'step_ok', step_id, plan.amount, mo, I01(plan.shrunk) }
     add_dry(outcome, plan.dry)
   end
+  if kind == 'model' then H.step_done(run_id, now, outcome, prompt_s) else H.step_done(run_id, now, outcome, nil) end
   if has_idem then remember(ikey, ifp, 'step', outcome, now) end
   local changed = swept or plan ~= nil or has_idem
   if changed then bump() end
@@ -1502,6 +1535,7 @@ end
 -- args: step_id how ...; how = tokens uncached cached completion | units n | bytes n | release | unknown
 function OPS.resolve(now, swept, A)
   local id, how = A[1], A[2]
+  H.x = { how, A[3], A[4], A[5], id = id }
   local f = res_get(id)
   if f and f[S_STATE] == 'held' then
     -- its run and counters, in one read (the lapse check below reads the run from it)
@@ -1631,8 +1665,10 @@ function OPS.create_session(now, swept, A)
       tats[#tats + 1] = { c[1], v }
     else
       if swept then bump() end
-      return ok(swept, text_refusal('rate_limited', c[3], S(wait_secs(v)),
-        'session creation rate exceeded (' .. c[3] .. ')'))
+      local refusal = text_refusal('rate_limited', c[3], S(wait_secs(v)),
+        'session creation rate exceeded (' .. c[3] .. ')')
+      H.refused(refusal, now, nil)
+      return ok(swept, refusal)
     end
   end
   -- dry: only the answer a creation would get (the flag follows the address prefixes)
@@ -1717,6 +1753,7 @@ do -- (a block of its own: the main chunk is at Lua's 200-locals limit)
       end
       if not mark_used(key, fp, now + 86400000) then return err({ 'full' }) end -- ADJUSTMENT_KEY_TTL_MS
     end
+    local applied = {}
     for _, k in ipairs(counters) do
       local c = cload(k.enc)
       c.limit = k.limit
@@ -1730,8 +1767,10 @@ do -- (a block of its own: the main chunk is at Lua's 200-locals limit)
       c.adjusted = c.adjusted + (c.used - before)
       if mmin(c.used + c.reserved, MAX) > c.limit then c.overrun = 1 end
       csave(c)
+      applied[#applied + 1] = { k.enc, c.used - before }
     end
     bump()
+    H.adjusted(applied, now)
     local out = { '0' }
     for _, l in ipairs(lines(scopes, now)) do out[#out + 1] = l end
     return ok(true, out)
@@ -1948,6 +1987,196 @@ do
   end
 end
 
+---------------------------------------------------------------- history
+
+-- The usage history (spendgate_core::history::HistoryEvent, in the JSON serde_json writes):
+-- the call that makes a change appends its records to the capped stream {prefix}:history
+-- (field 'e'), which the replicas drain (history.rs). Refusals are not streamed (a flood of
+-- them would evict spend records): counted per minute in the hash {prefix}:refusals:<minute>
+-- (field 'code|scope kind'), the minutes listed in the sorted set {prefix}:refusals.
+-- A run's figures for its record are kept beside it until it ends, in the hash
+-- {prefix}:rh:<run> ('in', 'ctx', 'out', 'trb', 'ref').
+do
+  -- How long a minute's refusal counts stay when no drain takes them (HISTORY_REFUSALS_TTL_S
+  -- in history.rs), and the distinct codes a run's record keeps (H.RUN_REFUSALS_MAX).
+  -- (no locals here: the main chunk is at Lua's bound of 200, and a block's count too)
+  H.REFUSALS_TTL_S, H.RUN_REFUSALS_MAX = 604800, 8
+  function H.js(v) return cjson.encode(v) end
+  function H.kRh(id) return B .. ':rh:' .. id end
+  function H.tf(b) if b then return 'true' end return 'false' end
+
+  -- CounterKey of an encoding 'window|index|kind|id'
+  function H.counter_json(e)
+    local w, idx, kind, id = string.match(e, '^([^|]*)|([^|]*)|([^|]*)|(.*)$')
+    return '{"scope":{"kind":"' .. kind .. '","id":' .. H.js(id) .. '},"window":{"window":"' .. w ..
+      '","index":' .. idx .. '}}'
+  end
+  -- The run's narrowest address prefix (the lowest factor; the first of equals).
+  function H.narrowest(ips)
+    local best = nil
+    for _, ip in ipairs(ips) do
+      if not best or ip[2] < best[2] then best = ip end
+    end
+    if best then return best[1] end
+    return ''
+  end
+
+  function H.add(json)
+    rcall('XADD', B .. ':history', 'MAXLEN', '~', H.cap, '*', 'e', json)
+  end
+
+  -- A run figure: 'in' is set, 'out' adds up, the others keep the largest.
+  function H.stat(run_id, field, v)
+    local k = H.kRh(run_id)
+    local c = N(rcall('HGET', k, field) or '0')
+    if field == 'out' then
+      v = c + v
+    elseif v <= c then
+      return
+    end
+    rcall('HSET', k, field, S(mmin(v, MAX)))
+  end
+
+  -- A reservation's record, as it stands (f: as res_get reads it).
+  function H.reservation(f)
+    local run = run_get(f[S_RUN])
+    local session, conv, addr = '', '', ''
+    if run then
+      local imm = run_imm(run, true)
+      session, conv, addr = imm[R_SESSION], imm[R_CONV], H.narrowest(imm[R_IPS])
+    end
+    local kind = f[S_KIND]
+    local usage, units, bytes = 'null', 'null', 'null'
+    local x = H.x
+    if x and x.id == f[S_ID] then
+      if kind == 'model' and x[1] == 'tokens' then
+        usage = '{"prompt_tokens":' .. S(mmin(N(x[2]) + N(x[3]), MAX)) .. ',"completion_tokens":' .. x[4] ..
+          ',"cached_tokens":' .. x[3] .. '}'
+      elseif kind == 'tool' and x[1] == 'units' then
+        units = x[2]
+      elseif kind == 'tool' and x[1] == 'bytes' then
+        bytes = x[2]
+      end
+    end
+    local class = kind
+    if kind == 'hold' then class = 'run_hold' end
+    local cs = {}
+    for i, e in ipairs(f[S_COUNTERS]) do cs[i] = H.counter_json(e) end
+    local resolved = f[S_RESOLVED]
+    if resolved == '' then resolved = f[S_CREATED] end
+    H.add(tconcat({ '{"type":"reservation","id":', H.js(f[S_ID]), ',"run_id":', H.js(f[S_RUN]), ',"session":',
+      H.js(session), ',"conversation":', H.js(conv), ',"address":', H.js(addr), ',"class":"', class, '","name":',
+      H.js(f[S_NAME]), ',"retry":', H.tf(f[S_RETRY] == '1'), ',"usage":', usage, ',"units":', units,
+      ',"result_bytes":', bytes, ',"reserved":', S(f[S_AMOUNT]), ',"charged":', S(f[S_CHARGED]), ',"state":"',
+      f[S_STATE], '","created":', S(f[S_CREATED]), ',"resolved_at":', S(resolved), ',"overrun":',
+      H.tf(f[S_OVERRUN] == 1), ',"result_too_large":', H.tf(f[S_BIG] == 1), ',"counters":[', tconcat(cs, ','),
+      ']}' }))
+  end
+
+  -- A reservation reached a terminal state: its run's figures, then its record.
+  function H.settled(f)
+    local x, state, run_id = H.x, f[S_STATE], f[S_RUN]
+    if x and x.id ~= f[S_ID] then x = nil end
+    if f[S_KIND] == 'model' then
+      -- output tokens: as reported, or the bound it was reserved for when unknown
+      if state == 'committed' and x and x[1] == 'tokens' then
+        H.stat(run_id, 'out', N(x[4]))
+      elseif (state == 'unknown' or state == 'expired') and f[S_MAXOUT] ~= '' then
+        H.stat(run_id, 'out', N(f[S_MAXOUT]))
+      end
+    elseif f[S_KIND] == 'tool' and state == 'committed' and x and x[1] == 'bytes' then
+      H.stat(run_id, 'trb', N(x[2]))
+    end
+    H.reservation(f)
+  end
+
+  -- A run ended: its record (its figures' hash goes).
+  function H.run_ended(id, run, imm, now, endstate, cost)
+    local k = H.kRh(id)
+    local h = rcall('HMGET', k, 'in', 'ctx', 'out', 'trb', 'ref')
+    rcall('DEL', k)
+    local refs = {}
+    for c in string.gmatch(h[5] or '', '[^,]+') do refs[#refs + 1] = '"' .. c .. '"' end
+    local created = imm[R_CREATED]
+    H.add(tconcat({ '{"type":"run","id":', H.js(id), ',"session":', H.js(imm[R_SESSION]), ',"conversation":',
+      H.js(imm[R_CONV]), ',"address":', H.js(H.narrowest(imm[R_IPS])), ',"created":', S(created), ',"ended_at":',
+      S(now), ',"ended":"', endstate, '","input_bytes":', h[1] or '0', ',"context_tokens":', h[2] or '0',
+      ',"output_tokens":', h[3] or '0', ',"tool_result_bytes":', h[4] or '0', ',"rounds":', S(run[R_ROUNDS]),
+      ',"tool_calls":', S(run[R_TOOLS]), ',"retries":', S(run[R_RETRIES]), ',"duration_ms":',
+      S(mmax(now - created, 0)), ',"cost":', S(cost), ',"refused":[', tconcat(refs, ','), ']}' }))
+  end
+
+  -- An adjustment applied (`amount` asked; {encoding, amount applied} per counter): its record,
+  -- keyed by the ledger's seq, with what each counter moved by ('applied': a credit stops at
+  -- zero), so that used = charges + adjustments per counter. amount_micros is what its
+  -- counters moved by (not `amount`, when a credit stopped at zero), and counters moved by
+  -- different amounts get one record per amount ('<seq>.<n>'): exact for a reader that knows
+  -- 'applied' and for one that does not.
+  function H.adjusted(applied, now)
+    local groups, order = {}, {}
+    for _, a in ipairs(applied) do
+      local g = groups[a[2]]
+      if not g then
+        g = {}
+        groups[a[2]] = g
+        order[#order + 1] = a[2]
+      end
+      g[#g + 1] = H.counter_json(a[1])
+    end
+    for i, moved in ipairs(order) do
+      local id = S(SEQ)
+      if #order > 1 then id = id .. '.' .. S(i) end
+      local ap = {}
+      for k = 1, #groups[moved] do ap[k] = S(moved) end
+      H.add(tconcat({ '{"type":"adjustment","id":"', id, '","at":', S(now), ',"counters":[',
+        tconcat(groups[moved], ','), '],"amount_micros":', S(moved), ',"applied":[', tconcat(ap, ','),
+        ']}' }))
+    end
+  end
+
+  -- An operation refused (outcome: its answer, when a refusal): counted in its minute, and
+  -- among its run's codes (run_id: an active run's, else nil).
+  function H.refused(outcome, now, run_id)
+    if outcome[1] ~= 'refused' then return end
+    local code, scope = outcome[2], outcome[3] or ''
+    local minute = now - now % 60000
+    local k = B .. ':refusals:' .. S(minute)
+    if rcall('HINCRBY', k, code .. '|' .. scope, 1) == 1 then
+      local z = B .. ':refusals'
+      rcall('EXPIRE', k, H.REFUSALS_TTL_S)
+      rcall('ZADD', z, S(minute), S(minute))
+      rcall('ZREMRANGEBYSCORE', z, '-inf', '(' .. S(minute - H.REFUSALS_TTL_S * 1000))
+    end
+    if not run_id then return end
+    local rk = H.kRh(run_id)
+    local ref = rcall('HGET', rk, 'ref') or ''
+    local n = 0
+    for c in string.gmatch(ref, '[^,]+') do
+      if c == code then return end
+      n = n + 1
+    end
+    if n >= H.RUN_REFUSALS_MAX then return end
+    if ref ~= '' then ref = ref .. ',' end
+    rcall('HSET', rk, 'ref', ref .. code)
+  end
+
+  -- A drain's refusal minutes (READS: no write): those before the ledger's clock's minute,
+  -- which no call adds to any more (the clock never goes back), at most A[1] of them, each as
+  -- { minute, field, count, field, count, ... }.
+  function READS.refusal_minutes(now, A)
+    local cur = MV[1] - MV[1] % 60000
+    local ms = rcall('ZRANGEBYSCORE', B .. ':refusals', '-inf', '(' .. S(cur), 'LIMIT', '0', A[1])
+    local out = {}
+    for i, m in ipairs(ms) do
+      local row = { m }
+      local all = rcall('HGETALL', B .. ':refusals:' .. m)
+      for j = 1, #all do row[j + 1] = all[j] end
+      out[i] = row
+    end
+    return { 'OK', S(SEQ), out }
+  end
+end
+
 ---------------------------------------------------------------- dispatch
 
 -- One operation, its changes written before it answers.
@@ -1961,8 +2190,10 @@ local function run_op(op, now, A)
   -- Ledger::advance: the clock never goes back; due expiries are processed first (a sweep
   -- processes and counts them itself).
   local swept = false
+  H.x = nil
   if op ~= 'sweep' then swept = expire_due(now, EXPIRIES_PER_CALL) > 0 end
   local reply = f(now, swept, A)
+  H.x = nil
   run_flush()
   kv_flush()
   if now ~= MV[1] then meta_flush(now) else meta_flush(nil) end

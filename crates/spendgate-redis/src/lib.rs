@@ -76,6 +76,7 @@
 //! most 256 expiries, 1024 idle rates and 1024 stale counters per call (the core: `SWEEP_EXPIRIES_MAX` expiries and all the rest);
 //! listings return at most 100 000 entries.
 
+pub mod history;
 pub mod plant;
 mod protocol;
 pub mod witness;
@@ -299,6 +300,8 @@ pub struct RedisStore {
     /// The pinned ledger id ([`RedisOptions::ledger_id`]).
     ledger: String,
     policy_arg: String,
+    /// The policy, to rebuild `policy_arg` when the history stream's cap is set.
+    policy: Policy,
     conn: Arc<SlotConn>,
     lib: Arc<Library>,
     epoch: Arc<Mutex<EpochState>>,
@@ -307,6 +310,7 @@ pub struct RedisStore {
     witness: Option<Witness>,
     /// Writes the witness every [`WITNESS_EVERY`]; stopped when the store is dropped.
     _witness_task: Option<AbortOnDrop>,
+    history: history::HistoryState,
 }
 
 impl fmt::Debug for RedisStore {
@@ -691,7 +695,7 @@ fn check_prefix(prefix: &str) -> Result<String, StoreError> {
 
 /// The policy as the script reads it (see `parse_policy` in ledger.lua). Refuses figures the
 /// script could not represent exactly.
-fn policy_arg(p: &Policy) -> Result<String, StoreError> {
+fn policy_arg(p: &Policy, history_cap: u64) -> Result<String, StoreError> {
     struct Out(Vec<String>);
     impl Out {
         fn word(&mut self, w: &str) {
@@ -791,6 +795,7 @@ fn policy_arg(p: &Policy) -> Result<String, StoreError> {
     out.num(p.lease_ttl_ms, "store.lease_ttl")?;
     out.rate(&p.session_create_per_ip, "sessions.create_rate_per_ip")?;
     out.rate(&p.session_create_global, "sessions.create_rate_global")?;
+    out.num(history_cap, "history.stream_max_len")?;
     Ok(out.0.join(" "))
 }
 
@@ -1155,7 +1160,7 @@ impl RedisStore {
             Ok(None) => return Err(unavailable(IdentityError::NotPinned.to_string())),
             Err(e) => return Err(unavailable(e.to_string())),
         };
-        let policy_arg = policy_arg(&policy)?;
+        let policy_arg = policy_arg(&policy, history::STREAM_MAX_LEN_DEFAULT)?;
         let conn = Arc::new(SlotConn::open(&opts)?);
         let mut state = EpochState::default();
         let file = match &opts.witness {
@@ -1205,6 +1210,7 @@ impl RedisStore {
             base,
             ledger,
             policy_arg,
+            policy,
             conn,
             lib: Arc::new(library()),
             epoch,
@@ -1212,6 +1218,7 @@ impl RedisStore {
             refreshing: AtomicBool::new(false),
             witness,
             _witness_task: task,
+            history: history::HistoryState::default(),
             opts,
         };
         if let Err(e) = store.ready().await {
@@ -1779,6 +1786,14 @@ impl Store for RedisStore {
     fn kind(&self) -> &'static str {
         "redis"
     }
+
+    fn history(&self) -> Option<Arc<dyn spendgate_store::HistoryReader>> {
+        Some(history::store_history(self))
+    }
+
+    fn tap_history(&self, tap: Arc<dyn spendgate_store::HistoryTap>) {
+        history::store_tap(self, tap)
+    }
 }
 
 #[cfg(test)]
@@ -1811,7 +1826,8 @@ mod tests {
 
     #[test]
     fn default_policy_encodes() {
-        let s = policy_arg(&Policy::default()).expect("default policy fits");
+        let s = policy_arg(&Policy::default(), history::STREAM_MAX_LEN_DEFAULT)
+            .expect("default policy fits");
         let core = format!(
             "{RECORD_RETENTION_MS} {IDEMPOTENCY_RETENTION_MS} {LEDGER_RECORDS_MAX} {EXPIRIES_PER_CALL_MAX} {ID_BYTES_MAX} "
         );
@@ -1926,6 +1942,6 @@ mod tests {
     fn too_large_figures_are_refused() {
         let mut p = Policy::default();
         p.run.max_output_tokens = u64::MAX;
-        assert!(policy_arg(&p).is_err());
+        assert!(policy_arg(&p, 1).is_err());
     }
 }

@@ -21,4 +21,4 @@ pub mod metrics;
 pub use alerts::Alerts;
 pub use drift::{PolicyView, Replica};
 pub use metered::Metered;
-pub use metrics::{Metrics, StoreTiming};
+pub use metrics::{HistoryDrain, Metrics, StoreTiming};

@@ -27,6 +27,21 @@ pub struct Metrics {
     unknown_outcomes: AtomicU64,
     /// Proxied answers cut at the output bound their upstream went past.
     output_cuts: AtomicU64,
+    /// The Redis history drain's gauges, once a drain reports ([`Metrics::history_drain`]).
+    history_drain: Mutex<Option<HistoryDrain>>,
+}
+
+/// What the Redis history drain reports (`spendgate_redis::history::DrainStatus`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HistoryDrain {
+    /// Age of the oldest record not yet drained, in milliseconds.
+    pub lag_ms: u64,
+    /// Records delivered to a drain and not yet acknowledged.
+    pub pending: u64,
+    /// Records this replica drained.
+    pub drained: u64,
+    /// Records the stream's cap evicted before any drain took them.
+    pub evicted: u64,
 }
 
 /// Upper bounds of the latency histograms' buckets, in microseconds (Prometheus `le`, in
@@ -140,6 +155,11 @@ impl Metrics {
         self.upstream_calls.record(d);
     }
 
+    /// The history drain's latest figures.
+    pub fn history_drain(&self, d: HistoryDrain) {
+        *self.history_drain.lock().unwrap_or_else(|p| p.into_inner()) = Some(d);
+    }
+
     /// `global`: the global budgets' lines (the real spend per window: `summary` counts only
     /// the reservations the ledger still holds, and ended runs are purged after a minute).
     pub fn render(&self, summary: Option<&Summary>, global: &[UsageLine]) -> String {
@@ -205,6 +225,22 @@ impl Metrics {
             "# TYPE spendgate_output_cuts_total counter\nspendgate_output_cuts_total {}",
             l(&self.output_cuts)
         );
+        let drain = *self.history_drain.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = drain {
+            let _ = writeln!(
+                out,
+                "# HELP spendgate_history_drain_lag_seconds Age of the oldest history record not \
+                 yet drained into PostgreSQL.\n# TYPE spendgate_history_drain_lag_seconds gauge\n\
+                 spendgate_history_drain_lag_seconds {}\n\
+                 # TYPE spendgate_history_drain_pending gauge\nspendgate_history_drain_pending {}\n\
+                 # TYPE spendgate_history_drained_total counter\nspendgate_history_drained_total {}\n\
+                 # TYPE spendgate_history_evicted_total counter\nspendgate_history_evicted_total {}",
+                d.lag_ms as f64 / 1000.0,
+                d.pending,
+                d.drained,
+                d.evicted
+            );
+        }
         self.store_calls.render(out, "spendgate_store_call_seconds");
         self.upstream_calls
             .render(out, "spendgate_upstream_call_seconds");

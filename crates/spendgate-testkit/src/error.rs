@@ -17,6 +17,20 @@ pub enum TestkitError {
     )]
     RedisNotInstalled { searched: String },
 
+    /// No PostgreSQL server binaries could be found.
+    #[error(
+        "PostgreSQL's initdb and postgres not found (looked for {searched}); install them with `apt-get install -y postgresql`"
+    )]
+    PostgresNotInstalled { searched: String },
+
+    /// `initdb` or `postgres` failed.
+    #[error("postgres on port {port} failed to start: {reason}\n--- log ---\n{log}")]
+    PostgresStart {
+        port: u16,
+        reason: String,
+        log: String,
+    },
+
     /// `redis-server` exited or never answered PING.
     #[error("redis-server on port {port} failed to start: {reason}\n--- redis log ---\n{log}")]
     RedisStart {

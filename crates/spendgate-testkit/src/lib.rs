@@ -4,6 +4,9 @@
 //! * [`RedisServer`]: a private `redis-server` child process (own port, own temp
 //!   dir) that can be paused, crashed, shut down and restarted. Tests must never
 //!   touch the shared Redis on `127.0.0.1:6379`; this launcher never uses it.
+//! * [`PostgresServer`]: a private PostgreSQL server (Debian's `initdb` and `postgres`, own
+//!   port, own temp dir, trust auth on 127.0.0.1), killable and restartable. Never the shared
+//!   server on 5432.
 //! * [`ChildGuard`]: any child process, killed and reaped on `Drop`.
 //! * [`workspace_bin`]: locate a binary of this workspace built by cargo.
 //!
@@ -18,6 +21,7 @@ mod bin;
 mod child;
 mod error;
 mod net;
+mod postgres;
 mod redis;
 mod signal;
 
@@ -25,4 +29,5 @@ pub use bin::workspace_bin;
 pub use child::ChildGuard;
 pub use error::TestkitError;
 pub use net::{free_port, wait_for_port};
+pub use postgres::{PostgresServer, POSTGRES_LIB_DIR};
 pub use redis::{RedisOptions, RedisServer, RespValue, REDIS_SERVER_PATH};

@@ -252,11 +252,13 @@ async fn serve(config: Option<&PathBuf>, listen: Option<String>) -> anyhow::Resu
         _ => {}
     }
     let opened = spendgate_http::open_store_with_witness(&cfg).await?;
-    let (store, witness) = (opened.store, opened.witness);
+    let (store, witness, history) = (opened.store, opened.witness, opened.history);
     let listener = spendgate_listener::bind(cfg.server.listen)
         .with_context(|| format!("binding {}", cfg.server.listen))?;
     let addr = listener.local_addr()?;
     let state = spendgate_http::build_state(cfg, store)?;
+    // (a Redis store's history: this replica's drain into PostgreSQL, until it stops)
+    let _history = history.map(|h| spendgate_http::spawn_history(&state, h));
     tracing::info!(%addr, store = state.store.kind(), "spendgate listening");
     println!("spendgate listening on http://{addr}");
     let app = spendgate_http::router(state.clone(), spendgate_proxy::routes());

@@ -344,6 +344,7 @@ impl Validator<'_, '_> {
         let models = self.models(&raw.models, &upstreams)?;
         let tools = self.tools(&raw.tools)?;
         let alerts = self.alerts(&raw.alerts)?;
+        let history = self.history(&raw.history)?;
         Ok(Config {
             server,
             store,
@@ -354,6 +355,7 @@ impl Validator<'_, '_> {
             tools,
             upstreams,
             alerts,
+            history,
             unset_env: std::mem::take(&mut self.unset),
         })
     }

@@ -3,11 +3,11 @@
 use super::{Resolved, Validator, R};
 use crate::diagnostics::{toml_str, KeyPath};
 use crate::raw::{
-    RawAlerts, RawAmount, RawCount, RawModel, RawRun, RawScope, RawTool, RawUpstream,
+    RawAlerts, RawAmount, RawCount, RawHistory, RawModel, RawRun, RawScope, RawTool, RawUpstream,
 };
 use crate::text::amount_text;
 use crate::types::{
-    AlertsConfig, ModelConfig, OutputBoundField, Secret, Tokenizer, UpstreamConfig,
+    AlertsConfig, HistoryConfig, ModelConfig, OutputBoundField, Secret, Tokenizer, UpstreamConfig,
 };
 use crate::{MOCK_UPSTREAM, TABLE_LEN_MAX, THRESHOLD_PERMILLE_MAX};
 use spendgate_core::{
@@ -369,6 +369,45 @@ impl Validator<'_, '_> {
             out.insert(name.clone(), ToolPrice { per_call, per_unit });
         }
         Ok(out)
+    }
+
+    pub(crate) fn history(&mut self, raw: &RawHistory) -> R<HistoryConfig> {
+        let p = KeyPath::of(&["history"]);
+        let up = p.key("url");
+        let url = if raw.url.trim().is_empty() {
+            None
+        } else {
+            let url = match self.secret(&up, &raw.url)? {
+                Resolved::Set(s) => s,
+                Resolved::Unset(var) => {
+                    return Err(self.err(
+                        &up,
+                        format!(
+                            "environment variable {var} is unset or empty; set it or leave url \
+                             empty for no PostgreSQL"
+                        ),
+                    ));
+                }
+            };
+            let v = url.expose();
+            if !(v.starts_with("postgres://") || v.starts_with("postgresql://")) {
+                return Err(self.err(
+                    &up,
+                    "is not a postgres:// URL (value not shown: it may hold a password)",
+                ));
+            }
+            Some(url)
+        };
+        let days = self.int(&p.key("retention_days"), raw.retention_days)?;
+        Ok(HistoryConfig {
+            url,
+            retention: Duration::from_secs(days * 86_400),
+            rows_max: self.int(&p.key("rows_max"), raw.rows_max)?,
+            stream_max_len: self.int(&p.key("stream_max_len"), raw.stream_max_len)?,
+            drain_lag_alert: Duration::from_secs(
+                self.int(&p.key("drain_lag_alert_s"), raw.drain_lag_alert_s)?,
+            ),
+        })
     }
 
     pub(crate) fn alerts(&mut self, raw: &RawAlerts) -> R<AlertsConfig> {

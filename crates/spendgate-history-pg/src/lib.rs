@@ -571,6 +571,14 @@ impl HistoryReader for PgHistory {
             .collect())
     }
 
+    async fn adjustments(
+        &self,
+        since: UnixMs,
+        until: UnixMs,
+        limit: usize,
+    ) -> Result<Vec<AdjustmentRecord>, StoreError> {
+        self.adjustments_in(since, until, limit).await
+    }
     fn kind(&self) -> &'static str {
         "postgres"
     }

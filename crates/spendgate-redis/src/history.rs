@@ -462,6 +462,14 @@ impl HistoryReader for HistoryStream {
             .collect())
     }
 
+    async fn adjustments(
+        &self,
+        since: UnixMs,
+        until: UnixMs,
+        limit: usize,
+    ) -> Result<Vec<AdjustmentRecord>, StoreError> {
+        self.adjustments_in(since, until, limit).await
+    }
     fn kind(&self) -> &'static str {
         "redis-stream"
     }

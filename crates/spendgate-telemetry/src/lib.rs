@@ -14,11 +14,15 @@
 //! Modules depend one way: [`metered`] on [`metrics`], [`drift`] on [`alerts`].
 
 pub mod alerts;
+pub mod burn;
 pub mod drift;
 pub mod metered;
 pub mod metrics;
+pub mod totals;
 
 pub use alerts::Alerts;
+pub use burn::{Burn, Forecast};
 pub use drift::{PolicyView, Replica};
 pub use metered::Metered;
 pub use metrics::{Metrics, StoreTiming};
+pub use totals::HistoryTotals;

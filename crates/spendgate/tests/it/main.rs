@@ -12,6 +12,7 @@ mod cli;
 mod decision_api;
 mod drift;
 mod holds;
+mod metrics;
 mod proxy;
 mod replicas;
 mod sessions;

@@ -286,18 +286,17 @@ impl StepGuard {
             }
         }
         let a = r?;
-        if !a.value.repeated || retried {
-            if a.value.overrun {
-                state.metrics.overrun();
-                state
-                    .alerts
-                    .overrun(step_name, a.value.reserved.0, a.value.charged.0);
-                tracing::warn!(
-                    charged = a.value.charged.0,
-                    reserved = a.value.reserved.0,
-                    "overrun: upstream usage above the reservation, charged in full"
-                );
-            }
+        // (unknown outcomes are counted from the history, whoever resolved them)
+        if (!a.value.repeated || retried) && a.value.overrun {
+            state.metrics.overrun();
+            state
+                .alerts
+                .overrun(step_name, a.value.reserved.0, a.value.charged.0);
+            tracing::warn!(
+                charged = a.value.charged.0,
+                reserved = a.value.reserved.0,
+                "overrun: upstream usage above the reservation, charged in full"
+            );
         }
         Ok(a)
     }

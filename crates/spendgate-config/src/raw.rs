@@ -56,7 +56,8 @@ table! {
         #[key(Ty::Map(&Ty::Table(&RawUpstream::TABLE)))]
         upstreams: BTreeMap<String, RawUpstream> = BTreeMap::new(),
         /// Spending alerts: a webhook and the log, once per threshold per budget window across
-        /// every replica; also on overruns, expiries and store outages.
+        /// every replica, and once per window when a global budget's burn rate would spend it
+        /// before the window resets; also on overruns, expiries and store outages.
         #[key(Ty::Table(&RawAlerts::TABLE))]
         alerts: RawAlerts = RawAlerts::default(),
     }

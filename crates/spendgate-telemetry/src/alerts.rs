@@ -1,7 +1,9 @@
 //! Alerts (SPEC §8): a log line and a webhook POST (JSON with a Slack-compatible `text`) when
 //! global spend (or, with `alerts.scopes`, any ip, session or conversation's) crosses a
-//! configured threshold, once per scope, threshold and window across all replicas; also on
-//! overruns, expired reservations and store outages.
+//! configured threshold, once per scope, threshold and window across all replicas; when a
+//! global budget burns fast enough to be spent before its window resets ([`crate::burn`], once
+//! per budget window across replicas, `alert:burn:global:WINDOW`); also on overruns, expired
+//! reservations and store outages.
 //!
 //! "Once across all replicas" uses the store itself: the replica that first marks
 //! `alert:global:WINDOW:THRESHOLD` (for another scope `alert:KIND:DIGEST:WINDOW:THRESHOLD`,

@@ -21,6 +21,9 @@ wait_url() {
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 
 BENCH_TOKEN=bench-service-token-0123456789
+# /metrics is served to the admin token: `curl -H "$BENCH_ADMIN_AUTH" .../metrics`.
+BENCH_ADMIN_TOKEN=bench-admin-token-0123456789
+BENCH_ADMIN_AUTH="Authorization: Bearer $BENCH_ADMIN_TOKEN"
 
 # bench_config PORT STORE_TOML [EXTRA_TOML]: prints the config.
 bench_config() {
@@ -28,6 +31,7 @@ bench_config() {
 [server]
 listen = "127.0.0.1:$1"
 service_tokens = ["$BENCH_TOKEN"]
+admin_tokens = ["$BENCH_ADMIN_TOKEN"]
 [sessions]
 keys = ["bench-session-key-0123456789abcdef"]
 secure_cookie = false

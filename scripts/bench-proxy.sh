@@ -48,7 +48,7 @@ echo "spendgate $(git rev-parse --short HEAD), $(nproc) cores, $(date -u +%FT%TZ
   --service-token "$token" --rate "$RATE" --seconds "$SECONDS_EACH" "$@"
 echo
 echo "mock upstream counted: $(curl -fs "http://127.0.0.1:$mport/mock/stats" | python3 -c 'import json,sys; s=json.load(sys.stdin); print(s["requests"], "requests,", s["completed"], "completed")')"
-echo "spendgate: $(curl -fs "http://127.0.0.1:$port/metrics" | grep -E '^spendgate_(admissions_total\{what="proxy_step"\}|unknown_outcomes_total|reservations\{state="held"\})' | tr '\n' ' ')"
+echo "spendgate: $(curl -fs -H "$BENCH_ADMIN_AUTH" "http://127.0.0.1:$port/metrics" | grep -E '^spendgate_(admissions_total\{what="proxy_step"\}|unknown_outcomes_total|reservations_held) ' | tr '\n' ' ')"
 echo
 echo "| measure | value |"
 echo "|---|---|"

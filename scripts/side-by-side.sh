@@ -118,7 +118,7 @@ witness_path = \"$work/side.witness\""
   echo "$out"
   # Every store call by latency (the server's own histogram: the proxy's calls and the lease
   # sweeper's alike): how many a bound of 100 ms, 250 ms, ... would have cut.
-  curl -fs "http://127.0.0.1:$port/metrics" | python3 -c '
+  curl -fs -H "$BENCH_ADMIN_AUTH" "http://127.0.0.1:$port/metrics" | python3 -c '
 import sys
 b = {}
 for line in sys.stdin:

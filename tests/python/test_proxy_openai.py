@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - environment problem, reported plainly
 
 BASE_URL = os.environ.get("SPENDGATE_BASE_URL", "")
 METRICS_URL = os.environ.get("SPENDGATE_METRICS_URL", "")
+ADMIN_TOKEN = os.environ.get("SPENDGATE_ADMIN_TOKEN", "")
 TOKEN = os.environ.get("SPENDGATE_SERVICE_TOKEN", "")
 SESSION = os.environ.get("SPENDGATE_SESSION", "")
 MODEL = os.environ.get("SPENDGATE_MODEL", "mock-model")
@@ -68,7 +69,9 @@ def expected_charge(usage):
 
 
 def metric(prefix):
-    with urllib.request.urlopen(METRICS_URL, timeout=10) as r:
+    # /metrics is served to the admin token on the API's listener.
+    req = urllib.request.Request(METRICS_URL, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
         for line in r.read().decode().splitlines():
             if line.startswith(prefix):
                 return int(float(line[len(prefix):].strip()))

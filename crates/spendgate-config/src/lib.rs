@@ -100,6 +100,8 @@ pub const STORE_TIMEOUT_MS_MAX: u64 = 5_000;
 /// `store.slow_grace_ms` range (the store crate's `SLOW_GRACE_MAX`): `timeout_ms` plus it stays
 /// below `API_REQUEST_TIMEOUT` too.
 pub const SLOW_GRACE_MS_MAX: u64 = 5_000;
+/// Longest burn-rate window (`alerts.burn_short_s`, `alerts.burn_long_s`): a week.
+pub const BURN_WINDOW_S_MAX: u64 = 7 * 86_400;
 /// `store.slow_grace_ms` by default: a store call slower than `timeout_ms` under ordinary load
 /// is waited for this much longer while the store is not known to be failing. Under the
 /// side-by-side load (`scripts/side-by-side.sh`, 2 cores shared with other builds) up to 74

@@ -7,14 +7,15 @@ use crate::text::amount_text;
 use crate::{
     ADDRESS_REQUESTS_MAX_DEFAULT, ADMIN_REQUESTS_MAX_DEFAULT, BODY_GRACE_MS_DEFAULT,
     BODY_GRACE_MS_MAX, BODY_GRACE_MS_MIN, BODY_MIN_BYTES_PER_S_DEFAULT, BODY_MIN_BYTES_PER_S_FLOOR,
-    BODY_MIN_BYTES_PER_S_MAX, BURST_MAX, CHALLENGE_BITS_MAX, CLASS_REQUESTS_MAX, CONCURRENCY_MAX,
-    CONNECTIONS_MAX, HEALTH_REQUESTS_MAX_DEFAULT, HISTORY_DRAIN_LAG_ALERT_S_DEFAULT,
-    HISTORY_DRAIN_LAG_ALERT_S_MAX, HISTORY_RETENTION_DAYS_DEFAULT, HISTORY_RETENTION_DAYS_MAX,
-    HISTORY_ROWS_MAX_DEFAULT, HISTORY_ROWS_MAX_MAX, HISTORY_STREAM_MAX_LEN_DEFAULT,
-    HISTORY_STREAM_MAX_LEN_MAX, IPV6_WIDER_MAX, LEASE_TTL_S_MAX, LIST_LEN_MAX,
-    PUBLIC_REQUESTS_MAX_DEFAULT, RUN_BYTES_MAX, RUN_COUNT_MAX, RUN_SECONDS_MAX, RUN_TOKENS_MAX,
-    SERVICE_REQUESTS_MAX_DEFAULT, SESSION_TTL_S_MAX, SLOW_GRACE_MS_DEFAULT, SLOW_GRACE_MS_MAX,
-    STORE_TIMEOUT_MS_MAX, TRUSTED_PROXIES_MAX, UPSTREAM_TIMEOUT_S_MAX,
+    BODY_MIN_BYTES_PER_S_MAX, BURN_WINDOW_S_MAX, BURST_MAX, CHALLENGE_BITS_MAX, CLASS_REQUESTS_MAX,
+    CONCURRENCY_MAX, CONNECTIONS_MAX, HEALTH_REQUESTS_MAX_DEFAULT,
+    HISTORY_DRAIN_LAG_ALERT_S_DEFAULT, HISTORY_DRAIN_LAG_ALERT_S_MAX,
+    HISTORY_RETENTION_DAYS_DEFAULT, HISTORY_RETENTION_DAYS_MAX, HISTORY_ROWS_MAX_DEFAULT,
+    HISTORY_ROWS_MAX_MAX, HISTORY_STREAM_MAX_LEN_DEFAULT, HISTORY_STREAM_MAX_LEN_MAX,
+    IPV6_WIDER_MAX, LEASE_TTL_S_MAX, LIST_LEN_MAX, PUBLIC_REQUESTS_MAX_DEFAULT, RUN_BYTES_MAX,
+    RUN_COUNT_MAX, RUN_SECONDS_MAX, RUN_TOKENS_MAX, SERVICE_REQUESTS_MAX_DEFAULT,
+    SESSION_TTL_S_MAX, SLOW_GRACE_MS_DEFAULT, SLOW_GRACE_MS_MAX, STORE_TIMEOUT_MS_MAX,
+    TRUSTED_PROXIES_MAX, UPSTREAM_TIMEOUT_S_MAX,
 };
 use serde::de::{self, Visitor};
 use serde::{Deserialize, Serialize};
@@ -59,7 +60,8 @@ table! {
         #[key(Ty::Map(&Ty::Table(&RawUpstream::TABLE)))]
         upstreams: BTreeMap<String, RawUpstream> = BTreeMap::new(),
         /// Spending alerts: a webhook and the log, once per threshold per budget window across
-        /// every replica; also on overruns, expiries and store outages.
+        /// every replica, and once per window when a global budget's burn rate would spend it
+        /// before the window resets; also on overruns, expiries and store outages.
         #[key(Ty::Table(&RawAlerts::TABLE))]
         alerts: RawAlerts = RawAlerts::default(),
         /// The usage history: one record per reservation and per run, refusals per minute.
@@ -103,6 +105,12 @@ table! {
         /// The address and port to listen on (`"[::]:8080"`: every address).
         #[key(Ty::Str("an address and port such as \"127.0.0.1:8080\" or \"[::]:8080\""))]
         listen: String = "127.0.0.1:8080".to_string(),
+        /// A second address and port that serves `/metrics` (and `/healthz`, `/readyz`)
+        /// without a token, for a scraper on a private network; `""`: none, and `/metrics` is
+        /// served on `listen` to the admin token only. It tells how much budget is left: never
+        /// expose it where guests reach.
+        #[key(Ty::Str("\"\" or an address and port such as \"127.0.0.1:9090\""))]
+        metrics_listen: String = String::new(),
         /// Reverse proxies whose `X-Forwarded-For` is believed: the client is then the
         /// rightmost address that is not a trusted proxy. Never list a range your guests
         /// connect from: whoever connects from a trusted address picks their own address.
@@ -481,6 +489,14 @@ table! {
         /// `conversation` (their top spenders). Distinct.
         #[key(Ty::List { of: &Ty::Choice(&["global", "ip", "session", "conversation"]), max: 4 })]
         scopes: Vec<String> = vec!["global".to_string()],
+        /// The burn-rate alert's short window (seconds): the global budgets' spend rate over
+        /// it, and over `burn_long_s`, must both exhaust the budget before its window resets.
+        #[key(Ty::Int { min: 1, max: BURN_WINDOW_S_MAX })]
+        burn_short_s: u64 = 300,
+        /// The burn-rate alert's long window (seconds), longer than `burn_short_s`. Rates and
+        /// forecasts over both are in `/admin/v1/summary` and `/metrics`.
+        #[key(Ty::Int { min: 2, max: BURN_WINDOW_S_MAX })]
+        burn_long_s: u64 = 3600,
     }
 }
 

@@ -178,6 +178,7 @@ impl Config {
         let p = KeyPath::of(&["server"]);
         RawServer {
             listen: s.listen.to_string(),
+            metrics_listen: s.metrics_listen.map(|a| a.to_string()).unwrap_or_default(),
             trusted_proxies: s.trusted_proxies.iter().map(|n| n.to_string()).collect(),
             service_tokens: self.raw_secrets(
                 &p.key("service_tokens"),
@@ -402,6 +403,8 @@ impl Config {
                 .map(|p| f64::from(*p) / 1000.0)
                 .collect(),
             scopes: a.scopes.iter().map(|k| k.name().to_string()).collect(),
+            burn_short_s: a.burn_short.as_secs(),
+            burn_long_s: a.burn_long.as_secs(),
         }
     }
 }

@@ -1444,3 +1444,41 @@ fn history_keys_have_defaults_ranges_and_a_masked_postgres_url() {
     let e = load("[history]\nurl = \"env:PG\"\n", &no_env).expect_err("unset");
     assert_eq!(e.key(), "history.url");
 }
+
+#[test]
+fn metrics_listen_and_burn_windows() {
+    let c = load("", &no_env).expect("valid");
+    assert_eq!(c.server.metrics_listen, None, "off by default");
+    assert_eq!(
+        (c.alerts.burn_short.as_secs(), c.alerts.burn_long.as_secs()),
+        (300, 3600)
+    );
+    let c = load(
+        "[server]\nmetrics_listen = \"127.0.0.1:9090\"\n[alerts]\nburn_short_s = 5\nburn_long_s = 30\n",
+        &no_env,
+    )
+    .expect("valid");
+    assert_eq!(
+        c.server.metrics_listen,
+        Some("127.0.0.1:9090".parse().expect("addr"))
+    );
+    assert_eq!(
+        (c.alerts.burn_short.as_secs(), c.alerts.burn_long.as_secs()),
+        (5, 30)
+    );
+    let rendered = c.render_effective();
+    assert!(
+        rendered.contains("metrics_listen = \"127.0.0.1:9090\""),
+        "{rendered}"
+    );
+    assert!(rendered.contains("burn_long_s = 30"), "{rendered}");
+    let e = load_err("[server]\nmetrics_listen = \"9090\"\n");
+    assert_eq!(e.key(), "server.metrics_listen");
+    let e =
+        load_err("[server]\nlisten = \"127.0.0.1:9090\"\nmetrics_listen = \"127.0.0.1:9090\"\n");
+    assert_eq!(e.key(), "server.metrics_listen");
+    let e = load_err("[alerts]\nburn_short_s = 600\nburn_long_s = 300\n");
+    assert_eq!(e.key(), "alerts.burn_long_s");
+    let e = load_err("[alerts]\nburn_short_s = 0\n");
+    assert_eq!(e.key(), "alerts.burn_short_s");
+}

@@ -46,6 +46,9 @@ pub struct UnsetEnv {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServerConfig {
     pub listen: SocketAddr,
+    /// Where `/metrics` is served without a token (`None`: nowhere; on `listen` to the admin
+    /// token only).
+    pub metrics_listen: Option<SocketAddr>,
     pub trusted_proxies: Vec<ipnet::IpNet>,
     /// Empty when no token is set: the service API is then closed.
     pub service_tokens: Vec<Secret>,
@@ -268,6 +271,9 @@ pub struct AlertsConfig {
     /// `conversation` (their top spenders, see
     /// `spendgate_telemetry::alerts::SCOPE_ALERT_TOP`). Distinct.
     pub scopes: Vec<ScopeKind>,
+    /// The burn-rate alert's two windows (`burn_short_s`, `burn_long_s`; long > short).
+    pub burn_short: std::time::Duration,
+    pub burn_long: std::time::Duration,
 }
 
 /// A secret value. `Debug` and `Display` print `***`; [`Secret::expose`] gives the value.

@@ -10,12 +10,12 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{Html, IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
-use spendgate_core::{rfc3339, ReservationState, ScopeKey, ScopeKind, MICROS_MAX};
-use spendgate_telemetry::PolicyView;
+use spendgate_core::{rfc3339, ReservationState, ScopeKey, ScopeKind, UnixMs, MICROS_MAX};
+use spendgate_telemetry::{Forecast, PolicyView};
 use spendgate_wire::answers::{
     AdjustAnswer, AdminReservationRow, AdminReservationsAnswer, AdminScopeRow, AdminScopesAnswer,
-    AdminSummaryAnswer, CutoffAnswer, CutoffState, ErrorBody, FingerprintCount, PolicyAnswer,
-    ReplicaRow,
+    AdminSummaryAnswer, BurnAnswer, BurnRateAnswer, CutoffAnswer, CutoffState, ErrorBody,
+    FingerprintCount, PolicyAnswer, ReplicaRow,
 };
 use spendgate_wire::error::{ApiError, ApiResult};
 
@@ -53,8 +53,38 @@ pub async fn summary(_auth: AdminAuth, State(state): State<Shared>) -> ApiResult
         global: usage_scopes(&global),
         policy_drift: policy.drift(),
         policy: policy_answer(policy),
+        burn: state.burn.forecasts().iter().map(burn_answer).collect(),
     })
     .into_response())
+}
+
+/// A global budget's burn as the summary shows it.
+fn burn_answer(f: &Forecast) -> BurnAnswer {
+    let line = &f.line;
+    BurnAnswer {
+        window: line.window.window.name(),
+        window_id: line.window.to_string(),
+        limit_micros: line.limit.0,
+        used_micros: line.used.0,
+        resets_at: line.resets_at.map(rfc3339),
+        sampled_at: rfc3339(UnixMs(f.at_ms)),
+        would_exhaust: f.would_exhaust(),
+        rates: f
+            .rates
+            .iter()
+            .map(|r| BurnRateAnswer {
+                over_s: r.over_s,
+                watched_s: r.watched_s,
+                micros_per_s: r.micros_per_s,
+                projected_micros: r.projected_micros,
+                exhausted_in_s: r.exhausted_in_s,
+                exhausted_at: r
+                    .exhausted_in_s
+                    .filter(|s| *s < 1e12)
+                    .map(|s| rfc3339(UnixMs(f.at_ms.saturating_add((s * 1000.0) as u64)))),
+            })
+            .collect(),
+    }
 }
 
 /// The replicas' policies as the summary shows them.

@@ -1,5 +1,6 @@
 //! Health, readiness, metrics, and the answers to routes and methods that do not exist.
 
+use crate::auth::AdminAuth;
 use crate::state::Shared;
 use axum::extract::State;
 use axum::http::{header, StatusCode};
@@ -43,21 +44,28 @@ pub async fn readyz(State(state): State<Shared>) -> Response {
     }
 }
 
-/// Prometheus text format (admin token, or a separate listen address).
+/// Prometheus text format: to the admin token on the API's listener; without one on
+/// `server.metrics_listen` only ([`metrics_open`]).
 #[utoipa::path(get, path = "/metrics", tag = "operations",
     responses(
         (status = 200, description = "the metrics", body = String, content_type = "text/plain"),
         (status = 401, description = "unauthorized", body = ErrorBody),
     ),
     security(("admin" = [])))]
-pub async fn metrics(State(state): State<Shared>) -> Response {
+pub async fn metrics(_auth: AdminAuth, State(state): State<Shared>) -> Response {
+    metrics_open(State(state)).await
+}
+
+/// `/metrics` on `server.metrics_listen`, the private listener: no token.
+pub async fn metrics_open(State(state): State<Shared>) -> Response {
     let summary = state.store.summary().await.ok();
     let global = state
         .store
         .usage(vec![(ScopeKey::global(), 1)])
         .await
         .unwrap_or_default();
-    let mut text = state.metrics.render(summary.as_ref(), &global);
+    let burn = state.burn.forecasts();
+    let mut text = state.metrics.render(summary.as_ref(), &global, &burn);
     if let Ok(live) = state.store.replicas().await {
         let view = PolicyView::of(&state.replica, live);
         let me = (

@@ -198,6 +198,21 @@ pub fn router(state: Shared, extra: Router<Shared>) -> Router {
         .with_state(state)
 }
 
+/// The routes of `server.metrics_listen`: `/metrics` without a token, and the health routes,
+/// behind the same bounds as the API's listener.
+pub fn metrics_router(state: Shared) -> Router {
+    Router::new()
+        .route("/metrics", get(health::metrics_open))
+        .route("/healthz", get(health::healthz))
+        .route("/readyz", get(health::readyz))
+        .method_not_allowed_fallback(health::method_not_allowed)
+        .fallback(health::fallback)
+        .layer(middleware::from_fn(limit_headers))
+        .layer(middleware::from_fn_with_state(state.clone(), admit::admit))
+        .layer(middleware::from_fn_with_state(state.clone(), count_errors))
+        .with_state(state)
+}
+
 // A store call fails closed (503 `store_unavailable`) before the request it serves times out,
 // its grace included.
 const _: () = assert!(

@@ -12,20 +12,27 @@ pub const SWEEP_EVERY: Duration = Duration::from_millis(500);
 
 /// Serves `app` (the [`router`](crate::router::router) with the proxy's routes) until
 /// `shutdown` completes, then drains in-flight requests. Runs the lease sweeper, the alert
-/// checker and the policy publisher meanwhile.
+/// checker and the policy publisher meanwhile, and `server.metrics_listen`'s listener when
+/// one is configured (bound here: an address that cannot be bound fails the start).
 pub async fn serve(
     state: Shared,
     app: Router,
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
+    let metrics = match state.config.server.metrics_listen {
+        Some(addr) => Some(spawn_metrics_listener(&state, addr)?),
+        None => None,
+    };
     let sweeper = spendgate_store::spawn_sweeper(state.store.clone(), SWEEP_EVERY);
     let checker = alerts::spawn_checker(
         state.store.clone(),
         state.alerts.clone(),
         state.config.alerts.thresholds_permille.clone(),
         state.config.alerts.scopes.clone(),
+        state.burn.clone(),
     );
+
     let publisher = drift::spawn_publisher(
         state.store.clone(),
         state.alerts.clone(),
@@ -35,7 +42,27 @@ pub async fn serve(
     sweeper.abort();
     checker.abort();
     publisher.abort();
+    if let Some(m) = metrics {
+        m.abort();
+    }
     result
+}
+
+/// Serves [`metrics_router`](crate::router::metrics_router) on `addr` until aborted.
+fn spawn_metrics_listener(
+    state: &Shared,
+    addr: std::net::SocketAddr,
+) -> std::io::Result<tokio::task::JoinHandle<()>> {
+    let listener = spendgate_listener::bind(addr)?;
+    tracing::info!(%addr, "metrics listening (no token)");
+    let app = crate::router::metrics_router(state.clone());
+    let state = state.clone();
+    Ok(tokio::spawn(async move {
+        let forever = std::future::pending::<()>();
+        if let Err(e) = serve_bounded(&state, app, listener, forever).await {
+            tracing::error!(error = %e, "the metrics listener stopped");
+        }
+    }))
 }
 
 /// Serves `app` on `listener` in the bounds of `state`'s config (connections at once and per

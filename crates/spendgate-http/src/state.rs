@@ -8,7 +8,7 @@ use crate::plant;
 use crate::tls::install_crypto;
 use spendgate_config::Config;
 use spendgate_store::Store;
-use spendgate_telemetry::{Alerts, Metered, Metrics, Replica};
+use spendgate_telemetry::{Alerts, Burn, Metered, Metrics, Replica};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -40,6 +40,8 @@ pub struct AppState {
     pub capacity: Capacity,
     /// This process as the store knows it: its id and its policy's fingerprint.
     pub replica: Replica,
+    /// The global budgets' burn rates, fed by the alert checker (`serve`).
+    pub burn: Arc<Burn>,
 }
 
 /// The state as handlers take it.
@@ -110,8 +112,12 @@ pub fn build_state(config: Config, store: Arc<dyn Store>) -> Result<Shared, Serv
     let alerts = Alerts::start(http.clone(), webhook);
     let capacity = Capacity::new(&config.server.capacity);
     let metrics = Metrics::default();
+    // The history's running totals: the store tells them of every record it makes durable.
+    store.tap_history(metrics.history_tap());
     let replica = Replica::of(&config);
+    let burn = Arc::new(Burn::new(config.alerts.burn_short, config.alerts.burn_long));
     Ok(Arc::new(AppState {
+        burn,
         replica,
         alerts,
         upstreams,

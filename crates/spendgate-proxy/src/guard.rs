@@ -224,13 +224,12 @@ impl StepGuard {
         run: Option<RunId>,
         how: Resolution,
     ) -> Option<Applied<Resolved>> {
-        let unknown = how == Resolution::Unknown;
         let step_name = step.0.clone();
         let mut cmds = vec![Command::Resolve { step, how }];
         if let Some(run) = run {
             cmds.push(Command::Finish { run });
         }
-        match Self::settle_once(&state, cmds.clone(), unknown, &step_name, false).await {
+        match Self::settle_once(&state, cmds.clone(), &step_name, false).await {
             Ok(a) => Some(a),
             Err(e @ (StoreError::Unavailable(_) | StoreError::Timeout(_))) => {
                 let Some(slot) = RetrySlot::take() else {
@@ -242,9 +241,7 @@ impl StepGuard {
                     let _slot = slot;
                     for pause in SETTLE_RETRY_PAUSES {
                         tokio::time::sleep(pause).await;
-                        match Self::settle_once(&state, cmds.clone(), unknown, &step_name, true)
-                            .await
-                        {
+                        match Self::settle_once(&state, cmds.clone(), &step_name, true).await {
                             Ok(_) => return,
                             Err(StoreError::Unavailable(_) | StoreError::Timeout(_)) => {}
                             Err(e) => {
@@ -271,7 +268,6 @@ impl StepGuard {
     pub(crate) async fn settle_once(
         state: &AppState,
         cmds: Vec<Command>,
-        unknown: bool,
         step_name: &str,
         retried: bool,
     ) -> Result<Applied<Resolved>, StoreError> {
@@ -290,21 +286,17 @@ impl StepGuard {
             }
         }
         let a = r?;
-        if !a.value.repeated || retried {
-            if unknown {
-                state.metrics.unknown_outcome();
-            }
-            if a.value.overrun {
-                state.metrics.overrun();
-                state
-                    .alerts
-                    .overrun(step_name, a.value.reserved.0, a.value.charged.0);
-                tracing::warn!(
-                    charged = a.value.charged.0,
-                    reserved = a.value.reserved.0,
-                    "overrun: upstream usage above the reservation, charged in full"
-                );
-            }
+        // (unknown outcomes are counted from the history, whoever resolved them)
+        if (!a.value.repeated || retried) && a.value.overrun {
+            state.metrics.overrun();
+            state
+                .alerts
+                .overrun(step_name, a.value.reserved.0, a.value.charged.0);
+            tracing::warn!(
+                charged = a.value.charged.0,
+                reserved = a.value.reserved.0,
+                "overrun: upstream usage above the reservation, charged in full"
+            );
         }
         Ok(a)
     }

@@ -1,7 +1,9 @@
 //! Alerts (SPEC §8): a log line and a webhook POST (JSON with a Slack-compatible `text`) when
 //! global spend (or, with `alerts.scopes`, any ip, session or conversation's) crosses a
-//! configured threshold, once per scope, threshold and window across all replicas; also on
-//! overruns, expired reservations and store outages.
+//! configured threshold, once per scope, threshold and window across all replicas; when a
+//! global budget burns fast enough to be spent before its window resets ([`crate::burn`], once
+//! per budget window across replicas, `alert:burn:global:WINDOW`); also on overruns, expired
+//! reservations and store outages.
 //!
 //! "Once across all replicas" uses the store itself: the replica that first marks
 //! `alert:global:WINDOW:THRESHOLD` (for another scope `alert:KIND:DIGEST:WINDOW:THRESHOLD`,
@@ -64,7 +66,7 @@ pub const EXPIRED_LISTING_MAX: usize = 100;
 
 #[derive(Clone)]
 pub struct Alerts {
-    tx: mpsc::Sender<Value>,
+    pub(crate) tx: mpsc::Sender<Value>,
     store_down: Arc<AtomicBool>,
     /// Overrun alerts: (start of the current period, sent in it, not sent since the last one).
     overruns: Arc<std::sync::Mutex<(std::time::Instant, u32, u64)>>,
@@ -104,7 +106,7 @@ impl Alerts {
     }
 
     /// Logs an alert and makes its webhook event.
-    fn event(kind: &str, text: String, mut detail: Value) -> Value {
+    pub(crate) fn event(kind: &str, text: String, mut detail: Value) -> Value {
         tracing::warn!(alert = kind, "{text}");
         detail["event"] = json!(kind);
         detail["text"] = json!(format!("spendgate: {text}"));
@@ -246,7 +248,7 @@ pub fn crossed_amounts(used: u64, limit: u64, thresholds_permille: &[u32]) -> Ve
 /// Whether this replica sends the alert of `key`: once across replicas by the store; but a
 /// dedupe call whose outcome is unknown (a timeout may have consumed the key) must not lose
 /// the alert: this replica sends it then, once, and remembers it locally.
-async fn first_to_send(
+pub(crate) async fn first_to_send(
     store: &Arc<dyn Store>,
     sent_here: &mut std::collections::HashSet<String>,
     key: String,
@@ -342,7 +344,7 @@ impl Crossing<'_> {
 }
 
 /// How long a window's alert key must be remembered: past the window's reset.
-fn key_ttl_ms(resets_at: Option<spendgate_core::UnixMs>) -> u64 {
+pub(crate) fn key_ttl_ms(resets_at: Option<spendgate_core::UnixMs>) -> u64 {
     match resets_at {
         Some(r) => {
             r.0.saturating_sub(now_ms())
@@ -409,12 +411,14 @@ impl ExpiredSeen {
 
 /// Checks spend against the thresholds every `CHECK_EVERY`: global spend when `scopes` holds
 /// `Global`, and the top spenders of every other kind it holds; sends each crossing once per
-/// scope, threshold and window across replicas.
+/// scope, threshold and window across replicas. Feeds `burn` the global budgets' spend and,
+/// with `Global` watched, sends the burn-rate alert ([`crate::burn`]).
 pub fn spawn_checker(
     store: Arc<dyn Store>,
     alerts: Alerts,
     thresholds_permille: Vec<u32>,
     scopes: Vec<ScopeKind>,
+    burn: Arc<crate::Burn>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(CHECK_EVERY);
@@ -435,6 +439,7 @@ pub fn spawn_checker(
                 }
                 Err(_) => continue,
             };
+            burn.observe(now_ms(), &lines);
             checks += 1;
             if checks.is_multiple_of(SUMMARY_EVERY_CHECKS) {
                 expired_seen.check(&store, &alerts, now_ms()).await;
@@ -452,36 +457,53 @@ pub fn spawn_checker(
                         c.send_once(&store, &alerts, &mut sent_here).await;
                     }
                 }
+                crate::burn::check(&store, &alerts, &mut sent_here, &burn.forecasts()).await;
             }
-            if !checks.is_multiple_of(SCOPE_CHECK_EVERY_CHECKS) {
-                continue;
-            }
-            let mut sent = 0usize;
-            'kinds: for kind in scopes.iter().filter(|k| **k != ScopeKind::Global) {
-                let Ok(top) = store.top_counters(Some(*kind), SCOPE_ALERT_TOP).await else {
-                    continue;
-                };
-                for (key, counter) in &top {
-                    for t in crossed_amounts(counter.used.0, counter.limit.0, &thresholds_permille)
-                    {
-                        if sent >= SCOPE_ALERTS_PER_CHECK_MAX {
-                            break 'kinds;
-                        }
-                        let c = Crossing {
-                            scope: &key.scope,
-                            window: key.window,
-                            used: counter.used.0,
-                            limit: counter.limit.0,
-                            permille: t,
-                        };
-                        if c.send_once(&store, &alerts, &mut sent_here).await {
-                            sent += 1;
-                        }
-                    }
-                }
+            if checks.is_multiple_of(SCOPE_CHECK_EVERY_CHECKS) {
+                check_scopes(
+                    &store,
+                    &alerts,
+                    &thresholds_permille,
+                    &scopes,
+                    &mut sent_here,
+                )
+                .await;
             }
         }
     })
+}
+
+/// The threshold alerts of the top spenders of every kind in `scopes` other than global.
+async fn check_scopes(
+    store: &Arc<dyn Store>,
+    alerts: &Alerts,
+    thresholds_permille: &[u32],
+    scopes: &[ScopeKind],
+    sent_here: &mut std::collections::HashSet<String>,
+) {
+    let mut sent = 0usize;
+    for kind in scopes.iter().filter(|k| **k != ScopeKind::Global) {
+        let Ok(top) = store.top_counters(Some(*kind), SCOPE_ALERT_TOP).await else {
+            continue;
+        };
+        for (key, counter) in &top {
+            for t in crossed_amounts(counter.used.0, counter.limit.0, thresholds_permille) {
+                if sent >= SCOPE_ALERTS_PER_CHECK_MAX {
+                    return;
+                }
+                let c = Crossing {
+                    scope: &key.scope,
+                    window: key.window,
+                    used: counter.used.0,
+                    limit: counter.limit.0,
+                    permille: t,
+                };
+                if c.send_once(store, alerts, sent_here).await {
+                    sent += 1;
+                }
+            }
+        }
+    }
 }
 
 fn now_ms() -> u64 {

@@ -72,7 +72,7 @@ mod tests {
             Arc::new(MemoryStore::new(Policy::default(), Arc::new(SystemClock)));
         let store = Metered::wrap(inner, metrics.store_timing());
         let count = |m: &Metrics| {
-            m.render(None, &[])
+            m.render(None, &[], &[])
                 .lines()
                 .find_map(|l| l.strip_prefix("spendgate_store_call_seconds_count "))
                 .map(str::to_string)

@@ -7,8 +7,25 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::burn::Forecast;
+use crate::totals::{head, HistoryTotals};
+
 /// Distinct label sets kept per counter family (codes × scopes × kinds is far below this).
-const LABEL_SETS_MAX: usize = 256;
+pub const LABEL_SETS_MAX: usize = 256;
+
+/// A label value in the text format: backslash, double quote and line feed escaped.
+pub fn escape(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
 
 #[derive(Default)]
 pub struct Metrics {
@@ -24,7 +41,9 @@ pub struct Metrics {
     store_calls: Arc<Timing>,
     upstream_calls: Timing,
     proxy_overheads: Timing,
-    unknown_outcomes: AtomicU64,
+    /// The usage history's running totals (charges, reservations, refusals, unknown
+    /// outcomes), told by the store ([`Metrics::history_tap`]).
+    history: Arc<HistoryTotals>,
     /// Proxied answers cut at the output bound their upstream went past.
     output_cuts: AtomicU64,
     /// The Redis history drain's gauges, once a drain reports ([`Metrics::history_drain`]).
@@ -71,8 +90,8 @@ impl Timing {
         self.micros.fetch_add(micros, Ordering::Relaxed);
     }
 
-    fn render(&self, out: &mut String, name: &str) {
-        let _ = writeln!(out, "# TYPE {name} histogram");
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        head(out, name, "histogram", Some("seconds"), help);
         let count = self.count.load(Ordering::Relaxed);
         let mut cumulative = 0u64;
         for (bound, n) in BUCKETS_MICROS.iter().zip(&self.buckets) {
@@ -135,8 +154,10 @@ impl Metrics {
     pub fn overrun(&self) {
         self.overruns.fetch_add(1, Ordering::Relaxed);
     }
-    pub fn unknown_outcome(&self) {
-        self.unknown_outcomes.fetch_add(1, Ordering::Relaxed);
+    /// What the store tells of every history event it makes durable
+    /// (`Store::tap_history`): the running totals of charges, reservations and refusals.
+    pub fn history_tap(&self) -> Arc<HistoryTotals> {
+        self.history.clone()
     }
     pub fn output_cut(&self) {
         self.output_cuts.fetch_add(1, Ordering::Relaxed);
@@ -160,12 +181,19 @@ impl Metrics {
         *self.history_drain.lock().unwrap_or_else(|p| p.into_inner()) = Some(d);
     }
 
-    /// `global`: the global budgets' lines (the real spend per window: `summary` counts only
-    /// the reservations the ledger still holds, and ended runs are purged after a minute).
-    pub fn render(&self, summary: Option<&Summary>, global: &[UsageLine]) -> String {
+    /// `global`: the global budgets' lines (their spend per window, from the counters);
+    /// `burn`: their burn rates and forecasts ([`crate::burn`]).
+    pub fn render(
+        &self,
+        summary: Option<&Summary>,
+        global: &[UsageLine],
+        burn: &[Forecast],
+    ) -> String {
         let mut out = String::new();
         self.render_counters(&mut out);
+        self.history.render(&mut out);
         render_global(&mut out, global);
+        crate::burn::render(&mut out, burn);
         self.render_totals(&mut out);
         if let Some(s) = summary {
             render_summary(&mut out, s);
@@ -175,7 +203,13 @@ impl Metrics {
 
     /// Admissions, refusals (enforced and dry-run) and error answers, by label.
     fn render_counters(&self, out: &mut String) {
-        let _ = writeln!(out, "# TYPE spendgate_admissions_total counter");
+        head(
+            out,
+            "spendgate_admissions_total",
+            "counter",
+            None,
+            "Requests this replica admitted, by what was admitted (run, step, proxy_step...).",
+        );
         for (k, v) in self
             .admissions
             .lock()
@@ -184,16 +218,33 @@ impl Metrics {
         {
             let _ = writeln!(out, "spendgate_admissions_total{{what=\"{k}\"}} {v}");
         }
-        for (name, family) in [
-            ("spendgate_refusals_total", &self.refusals),
-            ("spendgate_dry_run_refusals_total", &self.dry_run_refusals),
+        for (name, family, help) in [
+            (
+                "spendgate_refusals_total",
+                &self.refusals,
+                "Requests this replica refused, by what was asked, refusal code and the kind \
+                 of scope that refused (empty: none).",
+            ),
+            (
+                "spendgate_dry_run_refusals_total",
+                &self.dry_run_refusals,
+                "Refusals a limit in dry-run would have given (the request was admitted), by \
+                 what was asked, code and scope kind.",
+            ),
         ] {
-            let _ = writeln!(out, "# TYPE {name} counter");
+            head(out, name, "counter", None, help);
             for ((w, c, s), v) in family.lock().unwrap_or_else(|p| p.into_inner()).iter() {
                 let _ = writeln!(out, "{name}{{what=\"{w}\",code=\"{c}\",scope=\"{s}\"}} {v}");
             }
         }
-        let _ = writeln!(out, "# TYPE spendgate_error_answers_total counter");
+        head(
+            out,
+            "spendgate_error_answers_total",
+            "counter",
+            None,
+            "Error answers of this replica by status and code (refusals, bad input, store \
+             outages, overload; an upstream's error passed through as code \"upstream\").",
+        );
         for ((status, code), v) in self
             .error_answers
             .lock()
@@ -207,23 +258,39 @@ impl Metrics {
         }
     }
 
-    /// Overruns, unknown outcomes, output cuts, and the call-time histograms.
+    /// Overruns, output cuts, and the call-time histograms.
     fn render_totals(&self, out: &mut String) {
         let l = |n: &AtomicU64| n.load(Ordering::Relaxed);
-        let _ = writeln!(
+        head(
             out,
-            "# TYPE spendgate_overruns_total counter\nspendgate_overruns_total {}",
-            l(&self.overruns)
+            "spendgate_overruns_total",
+            "counter",
+            None,
+            "Settlements this replica made with usage above the reservation (charged in full).",
         );
-        let _ = writeln!(
+        let _ = writeln!(out, "spendgate_overruns_total {}", l(&self.overruns));
+        head(
             out,
-            "# TYPE spendgate_unknown_outcomes_total counter\nspendgate_unknown_outcomes_total {}",
-            l(&self.unknown_outcomes)
+            "spendgate_output_cuts_total",
+            "counter",
+            None,
+            "Proxied answers cut at the output bound their upstream went past.",
         );
-        let _ = writeln!(
+        let _ = writeln!(out, "spendgate_output_cuts_total {}", l(&self.output_cuts));
+        self.store_calls.render(
             out,
-            "# TYPE spendgate_output_cuts_total counter\nspendgate_output_cuts_total {}",
-            l(&self.output_cuts)
+            "spendgate_store_call_seconds",
+            "Time of every store call this replica made.",
+        );
+        self.upstream_calls.render(
+            out,
+            "spendgate_upstream_call_seconds",
+            "Time of the proxy's upstream calls, to the end of the answer.",
+        );
+        self.proxy_overheads.render(
+            out,
+            "spendgate_proxy_overhead_seconds",
+            "Time a proxied call spent in spendgate rather than upstream.",
         );
         let drain = *self.history_drain.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(d) = drain {
@@ -232,8 +299,11 @@ impl Metrics {
                 "# HELP spendgate_history_drain_lag_seconds Age of the oldest history record not \
                  yet drained into PostgreSQL.\n# TYPE spendgate_history_drain_lag_seconds gauge\n\
                  spendgate_history_drain_lag_seconds {}\n\
+                 # HELP spendgate_history_drain_pending History records read from the stream and not yet acknowledged.\n\
                  # TYPE spendgate_history_drain_pending gauge\nspendgate_history_drain_pending {}\n\
+                 # HELP spendgate_history_drained_total History records this replica drained.\n\
                  # TYPE spendgate_history_drained_total counter\nspendgate_history_drained_total {}\n\
+                 # HELP spendgate_history_evicted_total History records the stream's cap dropped before they were drained.\n\
                  # TYPE spendgate_history_evicted_total counter\nspendgate_history_evicted_total {}",
                 d.lag_ms as f64 / 1000.0,
                 d.pending,
@@ -241,15 +311,10 @@ impl Metrics {
                 d.evicted
             );
         }
-        self.store_calls.render(out, "spendgate_store_call_seconds");
-        self.upstream_calls
-            .render(out, "spendgate_upstream_call_seconds");
-        self.proxy_overheads
-            .render(out, "spendgate_proxy_overhead_seconds");
     }
 }
 
-/// The global budgets' gauges, per window.
+/// The global budgets' gauges, per window: used, held, limit and what is left.
 fn render_global(out: &mut String, global: &[UsageLine]) {
     for (name, help, value) in [
         (
@@ -259,7 +324,7 @@ fn render_global(out: &mut String, global: &[UsageLine]) {
         ),
         (
             "spendgate_global_reserved_micros",
-            "held in the current window",
+            "held by reservations in flight in the current window",
             |l| l.reserved.0,
         ),
         (
@@ -267,12 +332,27 @@ fn render_global(out: &mut String, global: &[UsageLine]) {
             "the window's budget",
             |l| l.limit.0,
         ),
+        (
+            "spendgate_global_remaining_micros",
+            "what is left to admit in the current window (limit - used - held)",
+            |l| {
+                l.limit
+                    .0
+                    .saturating_sub(l.used.0)
+                    .saturating_sub(l.reserved.0)
+            },
+        ),
     ] {
         if global.is_empty() {
             break;
         }
-        let _ = writeln!(out, "# HELP {name} Global budget: {help}.");
-        let _ = writeln!(out, "# TYPE {name} gauge");
+        head(
+            out,
+            name,
+            "gauge",
+            Some("micros"),
+            &format!("Global budget: {help}."),
+        );
         for line in global {
             let w = line.window.window.name();
             let _ = writeln!(out, "{name}{{window=\"{w}\"}} {}", value(line));
@@ -280,44 +360,54 @@ fn render_global(out: &mut String, global: &[UsageLine]) {
     }
 }
 
-/// What the ledger holds: reservations by state, held and charged, runs, cutoff, sequence.
+/// What the ledger holds now: reservations in flight and what they hold, runs, cutoff,
+/// sequence. (Terminal reservations and charges are the running totals of the history.)
 fn render_summary(out: &mut String, s: &Summary) {
-    let _ = writeln!(
+    let held = s.reservations.get("held").copied().unwrap_or(0);
+    head(
         out,
-        "# HELP spendgate_reservations Reservations the ledger holds, by state (ended \
-             runs' are purged a minute after they end).\n# TYPE spendgate_reservations gauge"
+        "spendgate_reservations_held",
+        "gauge",
+        None,
+        "Reservations in flight (held) in the ledger.",
     );
-    for state in ["held", "committed", "released", "unknown", "expired"] {
-        let n = s.reservations.get(state).copied().unwrap_or(0);
-        let _ = writeln!(out, "spendgate_reservations{{state=\"{state}\"}} {n}");
-    }
-    let _ = writeln!(
+    let _ = writeln!(out, "spendgate_reservations_held {held}");
+    head(
         out,
-        "# TYPE spendgate_held_micros gauge\nspendgate_held_micros {}",
-        s.held_micros.0
+        "spendgate_held_micros",
+        "gauge",
+        Some("micros"),
+        "Micros held by the reservations in flight.",
+    );
+    let _ = writeln!(out, "spendgate_held_micros {}", s.held_micros.0);
+    head(
+        out,
+        "spendgate_runs_active",
+        "gauge",
+        None,
+        "Runs open in the ledger.",
+    );
+    let _ = writeln!(out, "spendgate_runs_active {}", s.runs_active);
+    head(
+        out,
+        "spendgate_cutoff_engaged",
+        "gauge",
+        None,
+        "1 while the kill switch refuses all new work.",
     );
     let _ = writeln!(
         out,
-        "# HELP spendgate_charged_micros Charged by the reservations the ledger holds \
-             (see spendgate_global_used_micros for the spend).\n\
-             # TYPE spendgate_charged_micros gauge\nspendgate_charged_micros {}",
-        s.charged_micros.0
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE spendgate_runs_active gauge\nspendgate_runs_active {}",
-        s.runs_active
-    );
-    let _ = writeln!(
-        out,
-        "# TYPE spendgate_cutoff_engaged gauge\nspendgate_cutoff_engaged {}",
+        "spendgate_cutoff_engaged {}",
         u8::from(s.cutoff.is_some())
     );
-    let _ = writeln!(
+    head(
         out,
-        "# TYPE spendgate_ledger_seq gauge\nspendgate_ledger_seq {}",
-        s.seq
+        "spendgate_ledger_seq",
+        "gauge",
+        None,
+        "The ledger's sequence number (operations applied).",
     );
+    let _ = writeln!(out, "spendgate_ledger_seq {}", s.seq);
 }
 
 /// The policies of the live replicas on this ledger (issue 18): how many distinct
@@ -366,7 +456,7 @@ mod tests {
         m.store_timing().record(Duration::from_micros(500));
         m.store_timing().record(Duration::from_secs(60));
         m.proxy_overhead(Duration::from_millis(3));
-        let out = m.render(None, &[]);
+        let out = m.render(None, &[], &[]);
         for line in [
             "# TYPE spendgate_store_call_seconds histogram",
             "spendgate_store_call_seconds_bucket{le=\"0.0001\"} 0",

@@ -250,6 +250,44 @@ pub struct AdminSummaryAnswer {
     /// Live replicas on this ledger enforce different policies (issue 18).
     pub policy_drift: bool,
     pub policy: PolicyAnswer,
+    /// The global budgets' burn rates and forecasts, from the spend this replica watched
+    /// (after a start or a window's reset, over what was watched since: `watched_s`).
+    pub burn: Vec<BurnAnswer>,
+}
+
+/// One global budget's burn: its spend rate over the short and the long window
+/// (`alerts.burn_short_s`, `alerts.burn_long_s`), and the forecasts at each rate.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BurnAnswer {
+    pub window: &'static str,
+    pub window_id: String,
+    pub limit_micros: u64,
+    pub used_micros: u64,
+    /// RFC 3339; none for a window that never resets.
+    pub resets_at: Option<String>,
+    /// When the rates were last sampled (RFC 3339).
+    pub sampled_at: String,
+    /// At both rates the budget is spent before its window resets (the burn-rate alert's
+    /// rule; it needs the short window watched whole).
+    pub would_exhaust: bool,
+    /// The short window's rate first, then the long one's.
+    pub rates: Vec<BurnRateAnswer>,
+}
+
+/// A budget's spend rate over one window, and what it forecasts.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct BurnRateAnswer {
+    /// The window the rate is meant over, in seconds.
+    pub over_s: u64,
+    /// What it is over: less than `over_s` until that long was watched.
+    pub watched_s: f64,
+    pub micros_per_s: f64,
+    /// Spend at the window's reset at this rate; none for a window that never resets.
+    pub projected_micros: Option<u64>,
+    /// Seconds until the budget is spent at this rate; none when the rate is zero.
+    pub exhausted_in_s: Option<f64>,
+    /// When that is (RFC 3339).
+    pub exhausted_at: Option<String>,
 }
 
 /// The kill switch's state.

@@ -485,7 +485,17 @@ impl Validator<'_, '_> {
             }
             scopes.push(kind);
         }
+        let short = self.int(&p.key("burn_short_s"), raw.burn_short_s)?;
+        let long = self.int(&p.key("burn_long_s"), raw.burn_long_s)?;
+        if long <= short {
+            return Err(self.err(
+                &p.key("burn_long_s"),
+                format!("{long} must be longer than burn_short_s ({short})"),
+            ));
+        }
         Ok(AlertsConfig {
+            burn_short: std::time::Duration::from_secs(short),
+            burn_long: std::time::Duration::from_secs(long),
             scopes,
             webhook_url,
             thresholds_permille,

@@ -81,8 +81,28 @@ impl Validator<'_, '_> {
             }
         }
         let capacity = self.capacity(&p, raw)?;
+        let metrics_listen = match raw.metrics_listen.trim() {
+            "" => None,
+            text => {
+                let key = p.key("metrics_listen");
+                let addr: SocketAddr = text.parse().map_err(|_| {
+                    self.err(
+                        &key,
+                        format!(
+                            "{} is not \"\" nor an address and port such as \"127.0.0.1:9090\"",
+                            toml_str(&raw.metrics_listen)
+                        ),
+                    )
+                })?;
+                if addr == listen {
+                    return Err(self.err(&key, "is the same address as listen: pick another port"));
+                }
+                Some(addr)
+            }
+        };
         Ok(ServerConfig {
             listen,
+            metrics_listen,
             trusted_proxies,
             service_tokens,
             admin_tokens,

@@ -1240,8 +1240,9 @@ async fn metrics_count_every_error_and_show_the_spend() {
     for line in [
         "spendgate_error_answers_total{status=\"400\",code=\"invalid_request\"} 1",
         "spendgate_error_answers_total{status=\"404\",code=\"not_found\"} 1",
-        "spendgate_reservations{state=\"expired\"} 0",
-        "spendgate_reservations{state=\"committed\"} 1",
+        "spendgate_reservations_total{state=\"expired\"} 0",
+        "spendgate_reservations_total{state=\"committed\"} 1",
+        "spendgate_reservations_held 0",
         "spendgate_global_used_micros{window=\"day\"} 10000",
         "spendgate_global_limit_micros{window=\"day\"} 5000000",
     ] {

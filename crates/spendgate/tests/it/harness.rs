@@ -407,10 +407,12 @@ impl Server {
         s["global"][0].clone()
     }
 
-    /// The `/metrics` text.
+    /// The `/metrics` text (with the admin token: the public listener serves it to no one
+    /// else).
     pub async fn metrics(&self) -> String {
         self.http
             .get(self.url("/metrics"))
+            .bearer_auth(ADMIN)
             .send()
             .await
             .expect("metrics")

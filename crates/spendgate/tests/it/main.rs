@@ -13,6 +13,7 @@ mod decision_api;
 mod drift;
 mod history;
 mod holds;
+mod metrics;
 mod proxy;
 mod replicas;
 mod sessions;

@@ -1524,6 +1524,7 @@ async fn official_openai_python_client() {
     cmd.arg(&script)
         .env("SPENDGATE_BASE_URL", g.server.url("/v1"))
         .env("SPENDGATE_METRICS_URL", g.server.url("/metrics"))
+        .env("SPENDGATE_ADMIN_TOKEN", ADMIN)
         .env("SPENDGATE_SERVICE_TOKEN", SERVICE)
         .env("SPENDGATE_SESSION", &g.session)
         .env("SPENDGATE_MODEL", MODEL)

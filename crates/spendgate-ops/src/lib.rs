@@ -6,6 +6,7 @@
 #![warn(clippy::too_many_lines)]
 
 pub mod store;
+pub mod tune;
 
 use serde_json::Value;
 use std::collections::BTreeMap;

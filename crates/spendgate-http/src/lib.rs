@@ -32,6 +32,7 @@ pub mod challenge;
 pub mod client;
 pub mod error;
 pub mod health;
+pub mod history;
 pub mod idempotency;
 pub mod identity;
 pub mod ids;

@@ -6,9 +6,11 @@
 use crate::tune::{self, Tally};
 use crate::{admin_get, client, OpsError};
 use serde_json::{json, Value};
-use spendgate_core::history::{GroupBy, ReservationRecord, RunRecord, StepClass};
+pub use spendgate_core::history::GroupBy;
+use spendgate_core::history::{ReservationRecord, RunRecord, StepClass};
+pub use spendgate_core::UnixMs;
 use spendgate_core::{
-    rfc3339, Micros, ReservationId, ReservationState, RunId, RunState, TokenUsage, UnixMs,
+    rfc3339, Micros, ReservationId, ReservationState, RunId, RunState, TokenUsage,
 };
 use spendgate_store::history_read::{group, parse_time, HISTORY_SCAN_MAX};
 use spendgate_store::{HistoryFilter, HistoryReader, HISTORY_PAGE_MAX};
@@ -21,6 +23,29 @@ pub enum Source {
     Reader(Arc<dyn HistoryReader>),
     /// A running gateway's admin API.
     Admin { url: String, token: String },
+}
+
+/// The store's history, opened from the config: the sqlite file (read-only beside a running
+/// server); PostgreSQL where `[history] url` is set.
+pub fn open_reader(cfg: &spendgate_config::Config) -> Result<Arc<dyn HistoryReader>, OpsError> {
+    match cfg.store.kind {
+        spendgate_config::StoreKind::Sqlite => Err(OpsError::Usage(format!(
+            "TODO(history): reading the history of the sqlite file {} is not built yet \
+             (waits for the sqlite history reader); read it from the running gateway \
+             with --url and --admin-token",
+            cfg.store.path.display()
+        ))),
+        spendgate_config::StoreKind::Redis => Err(OpsError::Usage(
+            "TODO(history): reading the history from PostgreSQL ([history] url) is not \
+             built yet; read it from a running gateway with --url and --admin-token"
+                .into(),
+        )),
+        spendgate_config::StoreKind::Memory => Err(OpsError::Usage(
+            "a memory store keeps its history in the process that serves it: read it \
+             with --url and --admin-token"
+                .into(),
+        )),
+    }
 }
 
 /// How `report` prints its rows.

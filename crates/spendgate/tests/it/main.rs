@@ -11,6 +11,7 @@ mod capacity;
 mod cli;
 mod decision_api;
 mod drift;
+mod history;
 mod holds;
 mod proxy;
 mod replicas;

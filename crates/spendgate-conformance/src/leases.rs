@@ -171,6 +171,7 @@ pub async fn i6_finish_resolves_held_steps(b: &dyn Backend) {
     let want = RunEnded {
         state: RunState::Finished,
         charged: Micros(300 + 10_000 + 400),
+        budgets_charged: Micros(300 + 10_000 + 400),
         steps: 3,
         repeated: false,
     };

@@ -24,6 +24,7 @@ mod conservation;
 mod failure;
 mod hammer;
 mod held;
+mod history;
 mod leases;
 mod limits;
 mod model;
@@ -37,6 +38,7 @@ pub use conservation::*;
 pub use failure::*;
 pub use hammer::*;
 pub use held::*;
+pub use history::*;
 pub use leases::*;
 pub use limits::*;
 pub use model::*;
@@ -125,6 +127,7 @@ macro_rules! __with_conformance_cases {
             ledger_seq,
             whole_run_reserves_and_reconciles,
             whole_run_expiry_charges_the_hold,
+            whole_run_finish_answers_what_the_budgets_were_charged,
             whole_run_overrun_reaches_the_scopes_at_commit,
             whole_run_admission_held_by_other_runs_is_a_wait,
             cutoff_refuses_admission,
@@ -134,6 +137,7 @@ macro_rules! __with_conformance_cases {
             hammer_last_cent,
             model_based,
             model_based_dry_run,
+            history_is_as_exact_as_the_ledger,
         }
     };
 }

@@ -9,8 +9,8 @@ use crate::support::{
 use crate::Backend;
 use spendgate_core::{
     Adjustment, IdempotencyKey, IpScope, LedgerError, Micros, Rate, Refusal, RefusalCode,
-    Reservation, ReservationKind, ReservationMode, ReservationState, Resolution, ScopeKey,
-    ScopeKind, ScopePolicy, SessionGrant, CUTOFF_MESSAGE, RECORD_RETENTION_MS,
+    Reservation, ReservationKind, ReservationMode, ReservationState, Resolution, RunState,
+    ScopeKey, ScopeKind, ScopePolicy, SessionGrant, CUTOFF_MESSAGE, RECORD_RETENTION_MS,
 };
 use spendgate_store::{Store, StoreError};
 use std::sync::Arc;
@@ -694,4 +694,41 @@ pub async fn dry_run_reports_instead_of_refusing(b: &dyn Backend) {
     let lines = check_ledger(&s, &w1.scopes()).await;
     assert_eq!(ur(&lines, ScopeKind::Session), (350_000, 0));
     assert_eq!(ur(&lines, ScopeKind::Global), (350_000, 0));
+}
+
+/// `whole_run`: `finish` answers what the budgets were charged besides the steps' sum: the
+/// hold as committed (the steps' sum) for a finished run, the whole hold for an expired one,
+/// and the hold as a late overrun topped it up.
+pub async fn whole_run_finish_answers_what_the_budgets_were_charged(b: &dyn Backend) {
+    let s = whole_run_store(b, 10_000).await;
+    let w1 = Who::new("s1", "c1", "192.0.2.1/32");
+    let w2 = Who::new("s2", "c2", "192.0.2.2/32");
+    admit(&s, w1.run("r1")).await;
+    reserve(&s, micros_step("r1", "a", 20_000)).await;
+    resolve(&s, "a", units(18_000)).await;
+    let f = finish(&s, "r1").await.value;
+    assert_eq!(
+        (f.charged, f.budgets_charged),
+        (Micros(18_000), Micros(18_000))
+    );
+    admit(&s, w2.run("r2")).await;
+    reserve(&s, micros_step("r2", "b", 20_000)).await;
+    resolve(&s, "b", units(18_000)).await;
+    reserve(&s, micros_step("r2", "c", 10_000)).await;
+    b.advance(10_001);
+    let f = finish(&s, "r2").await.value;
+    assert_eq!(f.state, RunState::Expired);
+    // (the lease ended it first: the finish repeats how it ended, decision 0009)
+    assert_eq!(
+        (f.charged, f.budgets_charged, f.repeated),
+        (Micros(28_000), Micros(50_000), true)
+    );
+    resolve(&s, "c", units(40_000)).await;
+    let f = finish(&s, "r2").await.value;
+    assert_eq!(
+        (f.charged, f.budgets_charged, f.repeated),
+        (Micros(58_000), Micros(58_000), true)
+    );
+    let lines = check_ledger(&s, &w2.scopes()).await;
+    assert_eq!(ur(&lines, ScopeKind::Session), (58_000, 0));
 }

@@ -134,6 +134,17 @@ pub struct AdjustmentRecord {
     pub at: UnixMs,
     pub counters: Vec<CounterKey>,
     pub amount_micros: i64,
+    /// What each of `counters` moved by, in order (a credit stops at zero, a charge at
+    /// `MICROS_MAX`); empty: `amount_micros` each.
+    #[serde(default)]
+    pub applied: Vec<i64>,
+}
+
+impl AdjustmentRecord {
+    /// What counter `i` of `counters` moved by.
+    pub fn applied_to(&self, i: usize) -> i64 {
+        self.applied.get(i).copied().unwrap_or(self.amount_micros)
+    }
 }
 
 /// Refusals of one code by one scope kind in one minute.
@@ -166,11 +177,15 @@ pub enum HistoryEvent {
 }
 
 impl HistoryEvent {
-    /// The record's identity: a sink keeps one record per key.
+    /// The record's identity: a sink keeps one record per key. A reservation's and a run's
+    /// include their creation time and a reservation's its run: an id may be taken again once
+    /// the ledger purged the first one (a minute after its run ended).
     pub fn key(&self) -> String {
         match self {
-            HistoryEvent::Reservation(r) => format!("r:{}", r.id.0),
-            HistoryEvent::Run(r) => format!("u:{}", r.id.0),
+            HistoryEvent::Reservation(r) => {
+                format!("r:{}:{}:{}", r.created.0, r.run_id.0, r.id.0)
+            }
+            HistoryEvent::Run(r) => format!("u:{}:{}", r.created.0, r.id.0),
             HistoryEvent::Adjustment(a) => format!("a:{}", a.id),
             HistoryEvent::Refusals { at, .. } => format!(
                 "x:{}:{}:{}",

@@ -22,10 +22,11 @@ pub use ledger::{
     budget_message, Adjustment, Applied, Counter, CounterKey, Entity, Heartbeat, IdempotencyKey,
     IdempotencyRecord, IdempotentOutcome, Ledger, LedgerError, RateLeft, Record, RecordRef,
     Refusal, RefusalCode, Reservation, ReservationId, ReservationKind, ReservationState,
-    Resolution, Resolved, Run, RunAdmitted, RunEnded, RunId, RunRequest, RunState, SessionGrant,
-    Settlement, StepKind, StepRequest, StepReserved, Summary, UsageLine, ADJUSTMENT_KEY_TTL_MS,
-    COMPACT_EVERY_MS, CUTOFF_MESSAGE, EXPIRIES_PER_CALL_MAX, IDEMPOTENCY_RETENTION_MS,
-    ID_BYTES_MAX, IP_SCOPES_MAX, LEDGER_RECORDS_MAX, RECORD_RETENTION_MS, SWEEP_EXPIRIES_MAX,
+    Resolution, Resolved, Run, RunAdmitted, RunEnded, RunId, RunRequest, RunState, RunTally,
+    SessionGrant, Settlement, StepKind, StepRequest, StepReserved, Summary, UsageLine,
+    ADJUSTMENT_KEY_TTL_MS, COMPACT_EVERY_MS, CUTOFF_MESSAGE, EXPIRIES_PER_CALL_MAX,
+    HISTORY_OUTBOX_MAX, IDEMPOTENCY_RETENTION_MS, ID_BYTES_MAX, IP_SCOPES_MAX, LEDGER_RECORDS_MAX,
+    RECORD_RETENTION_MS, SWEEP_EXPIRIES_MAX,
 };
 pub use money::{parse_amount, AmountError, Micros, ModelPrice, TokenUsage, ToolPrice, MICROS_MAX};
 pub use rate::{Rate, RateError};

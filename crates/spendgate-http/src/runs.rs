@@ -172,6 +172,7 @@ pub async fn finish(
     let body = FinishAnswer {
         state: spendgate_wire::error::run_state_name(f.state),
         charged_micros: f.charged.0,
+        budgets_charged_micros: f.budgets_charged.0,
         steps: f.steps,
         repeated: f.repeated,
         ledger_seq: applied.seq,

@@ -1601,7 +1601,15 @@ function OPS.finish(now, swept, A)
     bump()
     state = 'finished'
   end
-  return ok(swept or not repeated, { state, run[R_CHARGED], run[R_NSTEPS], I01(repeated) })
+  -- What the budgets were charged: whole_run, the hold's charge once it settled; per_step,
+  -- the steps' sum (RunEnded::budgets_charged).
+  local budgets = run[R_CHARGED]
+  local hid = run_imm(run, true)[R_HOLD]
+  if hid ~= '' then
+    local h = res_get(hid)
+    if h and h[S_STATE] ~= 'held' then budgets = h[S_CHARGED] end
+  end
+  return ok(swept or not repeated, { state, run[R_CHARGED], run[R_NSTEPS], I01(repeated), budgets })
 end
 end
 

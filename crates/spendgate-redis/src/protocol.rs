@@ -648,11 +648,15 @@ fn resolved(f: &mut Fields<'_>) -> Result<Resolved, StoreError> {
 }
 
 fn run_ended(f: &mut Fields<'_>) -> Result<RunEnded, StoreError> {
+    let state = run_state(&f.s()?)?;
+    let charged = Micros(f.u()?);
     Ok(RunEnded {
-        state: run_state(&f.s()?)?,
-        charged: Micros(f.u()?),
+        state,
+        charged,
         steps: u32_of(f.u()?)?,
         repeated: f.b()?,
+        // What the budgets were charged: the whole-run hold's charge (ledger.lua's finish).
+        budgets_charged: Micros(f.u()?),
     })
 }
 

@@ -8,7 +8,9 @@
 
 use crate::StoreError;
 use async_trait::async_trait;
-use spendgate_core::history::{HistoryEvent, RefusalMinute, ReservationRecord, RunRecord};
+use spendgate_core::history::{
+    AdjustmentRecord, HistoryEvent, RefusalMinute, ReservationRecord, RunRecord,
+};
 use spendgate_core::{ReservationState, UnixMs};
 
 /// Records one page of a history read holds at most.
@@ -84,6 +86,48 @@ pub fn parse_cursor(c: &str) -> Option<(UnixMs, &str)> {
     Some((UnixMs(at.parse().ok()?), id))
 }
 
+/// One page of `items` (each with its time and id, in any order): those after the cursor
+/// `after`, in (time, id) order, at most `limit` (and [`HISTORY_PAGE_MAX`]). For backends that
+/// select in the process. A cursor that is not one [`cursor`] made is refused.
+pub fn page_of<T>(
+    mut items: Vec<(UnixMs, String, T)>,
+    after: Option<&str>,
+    limit: usize,
+) -> Result<Page<T>, StoreError> {
+    let after = match after {
+        None => None,
+        Some(c) => Some(
+            parse_cursor(c)
+                .map(|(t, id)| (t, id.to_owned()))
+                .ok_or_else(|| bad_cursor(c))?,
+        ),
+    };
+    let limit = limit.clamp(1, HISTORY_PAGE_MAX);
+    if let Some((t, id)) = &after {
+        items.retain(|(at, i, _)| (*at, i.as_str()) > (*t, id.as_str()));
+    }
+    items.sort_unstable_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+    let more = items.len() > limit;
+    items.truncate(limit);
+    let next = if more {
+        items.last().map(|(t, id, _)| cursor(*t, id))
+    } else {
+        None
+    };
+    Ok(Page {
+        items: items.into_iter().map(|(_, _, x)| x).collect(),
+        next,
+    })
+}
+
+/// The error of a cursor that no page made.
+pub fn bad_cursor(c: &str) -> StoreError {
+    StoreError::Ledger(
+        spendgate_core::LedgerError::Invalid(format!("not a history cursor: {c:?}")),
+        None,
+    )
+}
+
 /// Where the usage history is read from.
 #[async_trait]
 pub trait HistoryReader: Send + Sync + 'static {
@@ -110,6 +154,23 @@ pub trait HistoryReader: Send + Sync + 'static {
         since: UnixMs,
         until: UnixMs,
     ) -> Result<Vec<(RefusalMinute, u64)>, StoreError>;
+
+    /// Operator adjustments made in `[since, until)`, in time order, at most `limit`
+    /// (itself at most [`HISTORY_PAGE_MAX`]): with the reservation records, what every budget
+    /// counter's used spend is made of. A history that does not keep them says so (an error,
+    /// never an empty answer that would pass for "none").
+    async fn adjustments(
+        &self,
+        since: UnixMs,
+        until: UnixMs,
+        limit: usize,
+    ) -> Result<Vec<AdjustmentRecord>, StoreError> {
+        let _ = (since, until, limit);
+        Err(StoreError::Unavailable(format!(
+            "the {} history keeps no adjustments",
+            self.kind()
+        )))
+    }
 
     /// What keeps it ("sqlite", "postgres", "redis-stream", "memory").
     fn kind(&self) -> &'static str;

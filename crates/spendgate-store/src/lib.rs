@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 pub use clock::{Clock, ManualClock, SystemClock};
 pub use history::{HistoryFilter, HistoryReader, HistoryTap, Page, HISTORY_PAGE_MAX};
 pub use memory::MemoryStore;
+pub use memory::{MemoryHistory, MEMORY_HISTORY_MAX, MEMORY_REFUSAL_MINUTES_MAX};
 pub use sqlite::{DiskGate, SqliteOptions, SqliteStore, WRITE_FAULT_ONCE};
 pub use typed::Answers;
 

@@ -90,8 +90,16 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::oneshot;
 
+mod history;
 #[doc(hidden)]
 pub mod v5;
+
+pub use history::{
+    SqliteHistory, HISTORY_PRUNE_EVERY_MS, HISTORY_PRUNE_ROWS_MAX, HISTORY_RETENTION_DEFAULT,
+    HISTORY_ROWS_MAX_DEFAULT,
+};
+use spendgate_core::history::HistoryEvent;
+use v5::Old;
 
 /// Commands waiting for the applier at most; past it calls are refused ("store queue full").
 pub const QUEUE_MAX: usize = 4096;
@@ -102,11 +110,13 @@ pub const BATCH_MAX: usize = 512;
 pub const LOCK_WAIT_MS_DEFAULT: u64 = 250;
 /// The layout version kept in `PRAGMA user_version`: the table, the keys, and the postcard
 /// layout of [`Record`].
-pub const SCHEMA_VERSION: i64 = 6;
+pub const SCHEMA_VERSION: i64 = 7;
 /// A file of this version (no log table) is upgraded at open.
 const SCHEMA_VERSION_BEFORE_LOG: i64 = 4;
 /// The last version whose run records listed their steps (see [`v5`]).
 const SCHEMA_VERSION_OLD_RUNS: i64 = 5;
+/// The version before runs kept their tally and the file its history tables.
+const SCHEMA_VERSION_NO_HISTORY: i64 = 6;
 /// Log rows (group commits) a generation gathers at most before it is compacted.
 pub const GENERATION_ROWS_MAX: u64 = 1024;
 /// Distinct entities a generation gathers at most before it is compacted. It also bounds the
@@ -203,6 +213,13 @@ pub struct SqliteOptions {
     /// Whether closing the store compacts the whole log into `records`. Only tests turn it
     /// off, to leave a file as a crash would.
     pub compact_on_close: bool,
+    /// Whether the store keeps the usage history (in the same transactions as the ledger;
+    /// see `sqlite/history.rs`). On by default.
+    pub history: bool,
+    /// History rows older than this are deleted (by a bounded periodic prune).
+    pub history_retention: Duration,
+    /// Rows one history table keeps at most (the most recently inserted).
+    pub history_rows_max: u64,
 }
 
 impl SqliteOptions {
@@ -217,6 +234,9 @@ impl SqliteOptions {
             disk_gate: None,
             generation_rows_max: GENERATION_ROWS_MAX,
             compact_on_close: true,
+            history: true,
+            history_retention: HISTORY_RETENTION_DEFAULT,
+            history_rows_max: HISTORY_ROWS_MAX_DEFAULT,
         }
     }
 }
@@ -232,13 +252,39 @@ enum Msg {
     Ping(Answer<()>),
     /// Runs a closure over the ledger, between commands.
     Inspect(Inspector),
+    /// A history read, passed on to the disk thread in order with the writes.
+    Read(history::Read),
 }
+
+/// The applier's command queue (the history reader holds it weakly).
+struct Queue(SyncSender<Msg>);
+
+impl Queue {
+    fn send(&self, msg: Msg) -> Result<(), StoreError> {
+        self.0.try_send(msg).map_err(|e| match e {
+            TrySendError::Full(_) => StoreError::Unavailable("store queue full".into()),
+            TrySendError::Disconnected(_) => writer_gone(),
+        })
+    }
+}
+
+impl history::ReadQueue for Queue {
+    fn read(&self, f: history::Read) -> Result<(), StoreError> {
+        self.send(Msg::Read(f))
+    }
+}
+
+/// The tap told of every history event once its transaction is committed.
+type TapSlot = Arc<std::sync::RwLock<Option<Arc<dyn crate::HistoryTap>>>>;
 
 pub struct SqliteStore {
     path: PathBuf,
     /// `None` only while dropping.
-    queue: Option<SyncSender<Msg>>,
+    queue: Option<Arc<Queue>>,
     writer: Option<JoinHandle<()>>,
+    /// `None`: the store keeps no history.
+    history: Option<Arc<SqliteHistory>>,
+    tap: TapSlot,
 }
 
 impl SqliteStore {
@@ -253,8 +299,13 @@ impl SqliteStore {
         let rows_max = opts.generation_rows_max.max(1);
         let failed =
             |e: String| StoreError::Unavailable(format!("sqlite {}: {e}", opts.path.display()));
-        let (ledger, mut log) =
-            load_as(&conn, rows_max, version < SCHEMA_VERSION).map_err(failed)?;
+        let old = match version {
+            SCHEMA_VERSION_OLD_RUNS => Some(Old::V5),
+            SCHEMA_VERSION_NO_HISTORY => Some(Old::V6),
+            _ => None,
+        };
+        let (mut ledger, mut log) = load_as(&conn, rows_max, old).map_err(failed)?;
+        ledger.set_history(opts.history);
         if version < SCHEMA_VERSION {
             upgrade(&conn, &ledger).map_err(failed)?;
             // The file now holds the ledger in `records` and an empty log.
@@ -262,6 +313,7 @@ impl SqliteStore {
         }
         let health = Arc::new(Health::default());
         let written = Arc::new(AtomicU64::new(0));
+        let tap: TapSlot = Arc::default();
         let (disk_tx, disk_rx) = sync_channel(DISK_QUEUE_MAX);
         let disk = Disk {
             conn,
@@ -274,6 +326,8 @@ impl SqliteStore {
             synced: true,
             discarding: false,
             fatal: false,
+            history_rows_max: opts.history_rows_max,
+            tap: tap.clone(),
         };
         let disk_thread = std::thread::Builder::new()
             .name("spendgate-sqlite-io".into())
@@ -299,16 +353,30 @@ impl SqliteStore {
             overrun_job: 0,
             written,
             compact_on_close: opts.compact_on_close,
+            keeps_history: opts.history,
+            history_retention_ms: u64::try_from(opts.history_retention.as_millis())
+                .unwrap_or(u64::MAX),
+            pruned: None,
+            events: Vec::new(),
+            reads: Vec::new(),
         };
         // (if this fails, `writer` is dropped: its disk sender closes and the disk thread ends)
         let handle = std::thread::Builder::new()
             .name("spendgate-sqlite".into())
             .spawn(move || writer.run())
             .map_err(|e| StoreError::Unavailable(format!("cannot start sqlite writer: {e}")))?;
+        let queue = Arc::new(Queue(queue));
+        let history = opts.history.then(|| {
+            let weak: std::sync::Weak<dyn history::ReadQueue> =
+                Arc::downgrade(&(queue.clone() as Arc<dyn history::ReadQueue>));
+            Arc::new(SqliteHistory { queue: weak })
+        });
         Ok(SqliteStore {
             path: opts.path,
             queue: Some(queue),
             writer: Some(handle),
+            history,
+            tap,
         })
     }
 
@@ -330,11 +398,7 @@ impl SqliteStore {
     }
 
     fn enqueue(&self, msg: Msg) -> Result<(), StoreError> {
-        let queue = self.queue.as_ref().ok_or_else(writer_gone)?;
-        queue.try_send(msg).map_err(|e| match e {
-            TrySendError::Full(_) => StoreError::Unavailable("store queue full".into()),
-            TrySendError::Disconnected(_) => writer_gone(),
-        })
+        self.queue.as_ref().ok_or_else(writer_gone)?.send(msg)
     }
 }
 
@@ -391,6 +455,16 @@ impl Store for SqliteStore {
 
     fn kind(&self) -> &'static str {
         "sqlite"
+    }
+
+    fn history(&self) -> Option<Arc<dyn crate::HistoryReader>> {
+        self.history
+            .clone()
+            .map(|h| h as Arc<dyn crate::HistoryReader>)
+    }
+
+    fn tap_history(&self, tap: Arc<dyn crate::HistoryTap>) {
+        *self.tap.write().unwrap_or_else(|p| p.into_inner()) = Some(tap);
     }
 }
 
@@ -488,8 +562,11 @@ fn open_connection(opts: &SqliteOptions) -> Result<(Connection, i64), StoreError
             if objects > 0 {
                 return Err(not_ours(path));
             }
-            tx.execute_batch(&format!("{RECORDS_TABLE_SQL}{LOG_TABLE_SQL}"))
-                .map_err(err)?;
+            tx.execute_batch(&format!(
+                "{RECORDS_TABLE_SQL}{LOG_TABLE_SQL}{}",
+                history::HISTORY_TABLES_SQL
+            ))
+            .map_err(err)?;
             SCHEMA_VERSION
         }
         SCHEMA_VERSION_BEFORE_LOG => {
@@ -497,7 +574,7 @@ fn open_connection(opts: &SqliteOptions) -> Result<(Connection, i64), StoreError
             tx.execute(MOVE_RESERVATIONS_SQL, []).map_err(err)?;
             SCHEMA_VERSION_OLD_RUNS
         }
-        SCHEMA_VERSION_OLD_RUNS | SCHEMA_VERSION => found,
+        SCHEMA_VERSION_OLD_RUNS | SCHEMA_VERSION_NO_HISTORY | SCHEMA_VERSION => found,
         other => {
             return Err(StoreError::Unavailable(format!(
                 "sqlite {}: schema version {other} is not supported (this build reads \
@@ -514,7 +591,7 @@ fn open_connection(opts: &SqliteOptions) -> Result<(Connection, i64), StoreError
     Ok((conn, version))
 }
 
-/// Brings a version 5 file to [`SCHEMA_VERSION`]: every record of `ledger` (loaded from it
+/// Brings a version 5 or 6 file to [`SCHEMA_VERSION`] (with the history tables, empty): every record of `ledger` (loaded from it
 /// with the old layout) is written in the new one, the log emptied and the version set, in
 /// one fsynced transaction (a crash before its end leaves the version 5 file as it was).
 fn upgrade(conn: &Connection, ledger: &Ledger) -> Result<(), String> {
@@ -523,6 +600,7 @@ fn upgrade(conn: &Connection, ledger: &Ledger) -> Result<(), String> {
     let write = || -> Result<(), WriteError> {
         let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
         tx.execute_batch("DELETE FROM records; DELETE FROM log;")?;
+        tx.execute_batch(history::HISTORY_TABLES_SQL)?;
         write_encoded(&tx, &encoded)?;
         tx.pragma_update(None, "user_version", SCHEMA_VERSION)?;
         tx.commit()?;
@@ -719,11 +797,15 @@ fn each_row(
 /// tracking) and the log's state: everything the log holds is one closed generation, to be
 /// compacted by the next batches.
 fn load(conn: &Connection, rows_max: u64) -> Result<(Ledger, LogState), String> {
-    load_as(conn, rows_max, false)
+    load_as(conn, rows_max, None)
 }
 
-/// [`load`], reading the layout of versions 4 and 5 when `old_runs` (see [`v5`]).
-fn load_as(conn: &Connection, rows_max: u64, old_runs: bool) -> Result<(Ledger, LogState), String> {
+/// [`load`], reading the layout of an older version when `old` (see [`v5`]).
+fn load_as(
+    conn: &Connection,
+    rows_max: u64,
+    old: Option<Old>,
+) -> Result<(Ledger, LogState), String> {
     let mut records: HashMap<String, Record> = HashMap::new();
     let check = |key: &str, record: &Record| -> Result<(), String> {
         if table_key(&record.entity()) != key {
@@ -735,8 +817,8 @@ fn load_as(conn: &Connection, rows_max: u64, old_runs: bool) -> Result<(Ledger, 
         let key: String = row.get(0).map_err(|e| e.to_string())?;
         let value = row.get_ref(1).map_err(|e| e.to_string())?;
         let bytes = value.as_blob().map_err(|e| format!("record {key}: {e}"))?;
-        let (record, rest) = if old_runs {
-            v5::take_record(bytes)
+        let (record, rest) = if let Some(old) = old {
+            v5::take_record(bytes, old)
         } else {
             postcard::take_from_bytes(bytes)
         }
@@ -765,8 +847,8 @@ fn load_as(conn: &Connection, rows_max: u64, old_runs: bool) -> Result<(Ledger, 
             _ => return Err(format!("log row {seq}: no entries")),
         };
         for _ in 0..count {
-            let ((key, record), rest): ((String, Option<Record>), &[u8]) = if old_runs {
-                v5::take_entry(bytes)
+            let ((key, record), rest): ((String, Option<Record>), &[u8]) = if let Some(old) = old {
+                v5::take_entry(bytes, old)
             } else {
                 postcard::take_from_bytes(bytes)
             }
@@ -835,6 +917,15 @@ struct Writer {
     /// The number of the last job the disk thread wrote (a discarded one does not count).
     written: Arc<AtomicU64>,
     compact_on_close: bool,
+    /// Whether the ledger keeps a usage history (set again after every reload).
+    keeps_history: bool,
+    history_retention_ms: u64,
+    /// When the history was last pruned (of the store's clock).
+    pruned: Option<spendgate_core::UnixMs>,
+    /// History events of the batch under way (taken from the ledger after each command).
+    events: Vec<HistoryEvent>,
+    /// History reads taken in the batch under way (at most the batch's size).
+    reads: Vec<history::Read>,
 }
 
 /// A command applied in this batch whose answer waits for the write.
@@ -886,6 +977,10 @@ struct Job {
     answers: Waiting,
     /// This job's number (the applier's count of jobs made).
     number: u64,
+    /// The usage history its changes made, written in the same transaction.
+    history: Vec<HistoryEvent>,
+    /// History rows older than this are pruned in its transaction (bounded).
+    prune: Option<spendgate_core::UnixMs>,
 }
 
 impl Job {
@@ -895,7 +990,11 @@ impl Job {
     }
 
     fn writes(&self) -> bool {
-        self.row.is_some() || !self.records.is_empty() || self.trim.is_some()
+        self.row.is_some()
+            || !self.records.is_empty()
+            || self.trim.is_some()
+            || !self.history.is_empty()
+            || self.prune.is_some()
     }
 }
 
@@ -908,6 +1007,8 @@ enum DiskMsg {
     Reload(SyncSender<Reloaded>),
     /// A clean close: write every record and empty the log.
     Close(Encoded),
+    /// A history read, run on the connection between two transactions.
+    Read(history::Read),
 }
 
 /// What the disk thread tells the applier and `ready`.
@@ -1005,6 +1106,12 @@ impl Writer {
                     self.reload();
                 }
             }
+            // (a read the disk thread cannot take is dropped: its caller hears "closed")
+            for f in std::mem::take(&mut self.reads) {
+                if let Some(disk) = &self.disk {
+                    let _ = disk.send(DiskMsg::Read(f));
+                }
+            }
         }
         self.close();
     }
@@ -1066,6 +1173,12 @@ impl Writer {
                 });
                 false
             }
+            Msg::Read(f) => {
+                // Passed on after this batch's job, so that it sees every change answered
+                // before it (an answer that needs no fsync leaves before its job is written).
+                self.reads.push(f);
+                false
+            }
             Msg::Inspect(f) => {
                 if self.broken.is_none() {
                     // It only reads: a panic in it leaves the ledger whole.
@@ -1103,6 +1216,9 @@ impl Writer {
                         return true;
                     }
                 };
+                if self.keeps_history {
+                    self.events.extend(self.ledger.take_history());
+                }
                 let overrun = answer.as_ref().is_ok_and(Command::reply_needs_durability);
                 if overrun {
                     // (the number of the job this batch becomes)
@@ -1127,7 +1243,7 @@ impl Writer {
     fn job(&mut self, waiting: &mut Waiting) -> Result<Option<Job>, String> {
         let changes = self.ledger.take_dirty();
         if changes.is_empty() {
-            if waiting.is_empty() {
+            if waiting.is_empty() && self.events.is_empty() {
                 return Ok(None);
             }
             return Ok(Some(self.numbered(None, Vec::new(), None, waiting)));
@@ -1188,18 +1304,35 @@ impl Writer {
         waiting: &mut Waiting,
     ) -> Job {
         self.jobs_sent += 1;
+        let mut prune = None;
+        if self.keeps_history {
+            let now = self.clock.now();
+            if self
+                .pruned
+                .is_none_or(|p| now.0 >= p.0.saturating_add(HISTORY_PRUNE_EVERY_MS))
+            {
+                self.pruned = Some(now);
+                prune = Some(spendgate_core::UnixMs(
+                    now.0.saturating_sub(self.history_retention_ms),
+                ));
+            }
+        }
         Job {
             row,
             records,
             trim,
             answers: std::mem::take(waiting),
             number: self.jobs_sent,
+            history: std::mem::take(&mut self.events),
+            prune,
         }
     }
 
     /// Rebuilds the ledger from the file once the disk thread has finished (or discarded)
     /// every job sent before, dropping every change that is not on disk.
     fn reload(&mut self) {
+        // (what the batch under way made is dropped with its changes)
+        self.events.clear();
         let (tx, rx) = sync_channel(1);
         let reloaded = match &self.disk {
             Some(disk) if disk.send(DiskMsg::Reload(tx)).is_ok() => rx
@@ -1210,6 +1343,7 @@ impl Writer {
         match reloaded {
             Ok((ledger, log)) => {
                 self.ledger = ledger;
+                self.ledger.set_history(self.keeps_history);
                 self.log = log;
                 self.broken = None;
                 // Every job sent before was written or discarded; an overrun not written is
@@ -1291,6 +1425,9 @@ struct Disk {
     discarding: bool,
     /// See `Writer::fatal`: no reload either.
     fatal: bool,
+    /// `SqliteOptions::history_rows_max`.
+    history_rows_max: u64,
+    tap: TapSlot,
 }
 
 impl Disk {
@@ -1324,6 +1461,12 @@ impl Disk {
                     let _ = tx.send(self.reload());
                 }
                 DiskMsg::Close(records) => self.close(&records),
+                DiskMsg::Read(f) => {
+                    // It only reads: a panic in it leaves the connection whole.
+                    if catch_unwind(AssertUnwindSafe(|| f(&self.conn))).is_err() {
+                        tracing::error!("a sqlite history read panicked");
+                    }
+                }
             }
         }
     }
@@ -1368,7 +1511,7 @@ impl Disk {
             match self.injected() {
                 0 => self
                     .set_synchronous(durable)
-                    .and_then(|()| write_jobs(&self.conn, &jobs)),
+                    .and_then(|()| write_jobs(&self.conn, &jobs, self.history_rows_max)),
                 code => Err(WriteError::from(rusqlite::Error::SqliteFailure(
                     rusqlite::ffi::Error::new(code),
                     Some("injected write fault".into()),
@@ -1383,8 +1526,12 @@ impl Disk {
                 // (only a write advances it: after a failure the applier defers its answers
                 // until its reload, which forgets the overrun that failed)
                 self.written.fetch_max(last, Ordering::Release);
+                let tap = self.tap.read().unwrap_or_else(|p| p.into_inner()).clone();
                 for job in jobs {
                     job.answers.send();
+                    if let (Some(tap), false) = (&tap, job.history.is_empty()) {
+                        tap.seen(&job.history);
+                    }
                 }
             }
             Err(WriteError { message, fatal }) => {
@@ -1469,9 +1616,13 @@ impl From<rusqlite::Error> for WriteError {
 
 /// Writes the jobs' log rows, compaction parts and trims, in order, in one transaction
 /// (rolled back whole on any error).
-fn write_jobs(conn: &Connection, jobs: &[Job]) -> Result<(), WriteError> {
+fn write_jobs(conn: &Connection, jobs: &[Job], history_rows_max: u64) -> Result<(), WriteError> {
     let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
     for job in jobs {
+        history::write_events(&tx, &job.history)?;
+        if let Some(before) = job.prune {
+            history::prune(&tx, before, history_rows_max)?;
+        }
         if let Some((seq, changes)) = &job.row {
             tx.prepare_cached(LOG_SQL)?
                 .execute((seq, changes.as_slice()))?;
@@ -1668,29 +1819,37 @@ mod tests {
             let (back, rest): (Record, &[u8]) = postcard::take_from_bytes(&b).expect("decodes");
             assert!(rest.is_empty());
             assert_eq!(back, owned);
-            // Versions 4 and 5 (see `v5`): a run's record carried its steps; every other
-            // record, and a log entry of one, reads the same.
-            let old = match &owned {
-                Record::Run(run) => {
-                    assert_eq!(b.first(), Some(&v5::RUN_VARIANT), "Record::Run's index");
-                    let old =
-                        v5::encode_run(run, vec![ReservationId("step-1".into())]).expect("v5 run");
-                    assert_eq!(old, unhex(V5_RUN), "as version 5 wrote this run");
-                    old
-                }
-                _ => b.clone(),
-            };
-            let (back, rest) = v5::take_record(&old).expect("v5 decodes");
-            assert!(rest.is_empty());
-            assert_eq!(back, owned);
-            let mut entry = postcard::to_allocvec(&("key", true)).expect("entry head");
-            entry.extend(&old);
-            let ((key, back), rest) = v5::take_entry(&entry).expect("v5 entry decodes");
-            assert!(rest.is_empty());
-            assert_eq!((key.as_str(), back), ("key", Some(owned)));
+            // Versions 4 and 5 (see `v5`): a run's record carried its steps; version 6's had
+            // no tally. Every other record, and a log entry of one, reads the same; an old
+            // run reads with an empty tally.
+            let mut untallied = owned.clone();
+            if let Record::Run(run) = &mut untallied {
+                run.tally = spendgate_core::RunTally::default();
+            }
+            for layout in [v5::Old::V5, v5::Old::V6] {
+                let old = match (&owned, layout) {
+                    (Record::Run(run), v5::Old::V5) => {
+                        assert_eq!(b.first(), Some(&v5::RUN_VARIANT), "Record::Run's index");
+                        let old = v5::encode_run(run, vec![ReservationId("step-1".into())])
+                            .expect("v5 run");
+                        assert_eq!(old, unhex(V5_RUN), "as version 5 wrote this run");
+                        old
+                    }
+                    (Record::Run(run), v5::Old::V6) => v5::encode_run_v6(run).expect("v6 run"),
+                    _ => b.clone(),
+                };
+                let (back, rest) = v5::take_record(&old, layout).expect("old layout decodes");
+                assert!(rest.is_empty());
+                assert_eq!(back, untallied);
+                let mut entry = postcard::to_allocvec(&("key", true)).expect("entry head");
+                entry.extend(&old);
+                let ((key, back), rest) = v5::take_entry(&entry, layout).expect("entry decodes");
+                assert!(rest.is_empty());
+                assert_eq!((key.as_str(), back), ("key", Some(untallied.clone())));
+            }
         }
         let deleted = postcard::to_allocvec(&("key", Option::<Record>::None)).expect("entry");
-        let (entry, rest) = v5::take_entry(&deleted).expect("v5 deletion decodes");
+        let (entry, rest) = v5::take_entry(&deleted, v5::Old::V5).expect("v5 deletion decodes");
         assert!(rest.is_empty());
         assert_eq!(entry, ("key".to_string(), None));
         let names: std::collections::BTreeSet<&str> = dirty

@@ -24,7 +24,7 @@ impl Backend for MemoryBackend {
     async fn open(&self, policy: Policy, start: UnixMs) -> Arc<dyn Store> {
         let clock = ManualClock::new(start);
         *self.clock.lock().expect("clock lock") = Some(clock.clone());
-        Arc::new(MemoryStore::new(policy, Arc::new(clock)))
+        Arc::new(MemoryStore::with_history(policy, Arc::new(clock)))
     }
 
     fn advance(&self, ms: u64) {

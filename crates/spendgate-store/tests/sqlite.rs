@@ -149,6 +149,17 @@ async fn snapshot(store: &SqliteStore) -> Vec<(String, Record)> {
         .expect("inspect")
 }
 
+/// `snapshot`'s records as a file of version 6 or older holds them: its runs had no tally
+/// (they load with an empty one).
+fn untallied(mut v: Vec<(String, Record)>) -> Vec<(String, Record)> {
+    for (_, r) in &mut v {
+        if let Record::Run(run) = r {
+            run.tally = spendgate_core::RunTally::default();
+        }
+    }
+    v
+}
+
 async fn check_invariants(store: &SqliteStore) {
     store
         .inspect(|l| l.check_invariants())
@@ -508,8 +519,42 @@ fn write_as_version_5(path: &Path, log_one_run: bool) {
         }
     }
     assert!(runs >= 2 && logged, "runs with steps were rewritten");
-    c.execute_batch("PRAGMA user_version = 5;")
+    c.execute_batch(&format!("{DROP_HISTORY_SQL} PRAGMA user_version = 5;"))
         .expect("version 5");
+}
+
+/// Version 6 had no history tables.
+const DROP_HISTORY_SQL: &str = "DROP TABLE history_reservations; DROP TABLE history_runs;
+    DROP TABLE history_adjustments; DROP TABLE history_refusals;";
+
+/// Rewrites a cleanly closed file as version 6 wrote it: runs without their tally, no
+/// history tables.
+fn write_as_version_6(path: &Path) {
+    let c = rusqlite::Connection::open(path).expect("open");
+    assert_eq!(table_rows(path, "log"), 0, "closed cleanly");
+    let records: Vec<(String, Record)> = c
+        .prepare("SELECT key, value FROM records")
+        .expect("prepare")
+        .query_map([], |r| {
+            Ok((r.get::<_, String>(0)?, r.get::<_, Vec<u8>>(1)?))
+        })
+        .expect("query")
+        .map(|row| {
+            let (key, value) = row.expect("row");
+            (key, postcard::from_bytes(&value).expect("record"))
+        })
+        .collect();
+    let mut runs = 0;
+    for (key, record) in &records {
+        let Record::Run(run) = record else { continue };
+        let old = spendgate_store::sqlite::v5::encode_run_v6(run).expect("v6 run");
+        c.execute("UPDATE records SET value = ?1 WHERE key = ?2", (&old, key))
+            .expect("old run");
+        runs += 1;
+    }
+    assert!(runs >= 2, "runs were rewritten");
+    c.execute_batch(&format!("{DROP_HISTORY_SQL} PRAGMA user_version = 6;"))
+        .expect("version 6");
 }
 
 fn schema_version(path: &Path) -> i64 {
@@ -528,7 +573,7 @@ async fn a_file_whose_runs_list_their_steps_is_upgraded() {
     let clock = ManualClock::new(T0);
     let store = open(&path, Arc::new(clock.clone()));
     churn(&store, &clock, 0..6).await;
-    let served = snapshot(&store).await;
+    let served = untallied(snapshot(&store).await);
     drop(store);
     write_as_version_5(&path, true);
     assert_eq!(table_rows(&path, "log"), 1);
@@ -566,7 +611,7 @@ async fn a_file_without_the_log_is_upgraded() {
     let clock = ManualClock::new(T0);
     let store = open(&path, Arc::new(clock.clone()));
     churn(&store, &clock, 0..5).await;
-    let served = snapshot(&store).await;
+    let served = untallied(snapshot(&store).await);
     drop(store);
     {
         // Version 4's layout: no log, and each reservation under its run's prefix
@@ -1173,8 +1218,9 @@ async fn a_failed_write_is_rolled_back_and_refused() {
     let path = db_path(&dir);
     let clock = ManualClock::new(T0);
     let mut opts = SqliteOptions::new(&path);
-    // A cap the ledger soon outgrows: writes then fail as on a full disk.
-    opts.max_file_bytes = Some(32 * 1024);
+    // A cap the ledger soon outgrows: writes then fail as on a full disk. (The empty file
+    // takes about 40 KiB: its tables and indexes, the history's included.)
+    opts.max_file_bytes = Some(64 * 1024);
     let store = SqliteStore::open(opts, policy(), Arc::new(clock.clone())).expect("open");
     let s: &dyn Store = &store;
     let long = "x".repeat(100);
@@ -1877,4 +1923,122 @@ async fn answers_after_an_unwritten_overrun_wait_for_it() {
         (Some(ReservationState::Held), Some(RunState::Active))
     );
     check_invariants(&store).await;
+}
+
+/// Every reservation record the history holds, read page by page.
+async fn history_records(store: &SqliteStore) -> Vec<spendgate_core::history::ReservationRecord> {
+    let h = store.history().expect("sqlite keeps a history");
+    let all = spendgate_store::HistoryFilter::period(UnixMs(0), UnixMs(u64::MAX / 2));
+    let (mut out, mut after) = (Vec::new(), None::<String>);
+    loop {
+        let page = h
+            .reservations(&all, after.as_deref(), 4)
+            .await
+            .expect("page");
+        out.extend(page.items);
+        match page.next {
+            Some(n) => after = Some(n),
+            None => return out,
+        }
+    }
+}
+
+/// Counts what a tap is told.
+#[derive(Default)]
+struct Counted(Mutex<Vec<spendgate_core::history::HistoryEvent>>);
+
+impl spendgate_store::HistoryTap for Counted {
+    fn seen(&self, events: &[spendgate_core::history::HistoryEvent]) {
+        self.0.lock().expect("tap").extend_from_slice(events);
+    }
+}
+
+/// The history is written with the ledger: the tap hears each record once it is committed,
+/// a crash (no final compaction) and a reopen keep every record exactly once, and a file of
+/// version 6 (runs without their tally, no history tables) is upgraded and keeps a history
+/// from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_history_is_kept_with_the_ledger_across_reopen_and_upgrade() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let store = open(&path, Arc::new(clock.clone()));
+    let tap = Arc::new(Counted::default());
+    store.tap_history(tap.clone());
+    churn(&store, &clock, 0..6).await;
+    let records = history_records(&store).await;
+    // (each finished run settled its held tool step; each release and commit made one)
+    let settled = store
+        .inspect(|l| {
+            l.records()
+                .into_iter()
+                .filter(|r| {
+                    matches!(r, Record::Reservation(res)
+                        if res.state != ReservationState::Held)
+                })
+                .count()
+        })
+        .await
+        .expect("inspect");
+    assert_eq!(records.len(), settled, "{records:#?}");
+    let heard = tap.0.lock().expect("tap").len();
+    assert!(heard >= settled, "the tap heard {heard} events");
+    drop(store);
+    let opts = SqliteOptions {
+        compact_on_close: false,
+        ..SqliteOptions::new(&path)
+    };
+    let store = SqliteStore::open(opts, policy(), Arc::new(clock.clone())).expect("reopen");
+    assert_eq!(history_records(&store).await, records, "exactly once");
+    drop(store);
+    let store = open(&path, Arc::new(clock.clone()));
+    drop(store);
+    write_as_version_6(&path);
+    let store = open(&path, Arc::new(clock.clone()));
+    check_invariants(&store).await;
+    assert!(
+        history_records(&store).await.is_empty(),
+        "a new, empty history"
+    );
+    let s: &dyn Store = &store;
+    s.finish(RunId("run-4".into())).await.expect("finish");
+    let after = history_records(&store).await;
+    assert!(
+        after.iter().any(|r| r.run_id.0 == "run-4"),
+        "the upgraded file keeps a history: {after:#?}"
+    );
+    drop(store);
+    assert_eq!(schema_version(&path), SCHEMA_VERSION_NOW);
+}
+
+/// Retention: rows older than `history_retention` are pruned (bounded, at most once per
+/// `HISTORY_PRUNE_EVERY_MS` of the store's clock), and so are rows past `history_rows_max`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_history_is_pruned_by_age_and_size() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = db_path(&dir);
+    let clock = ManualClock::new(T0);
+    let opts = SqliteOptions {
+        history_retention: Duration::from_secs(3600),
+        history_rows_max: 5,
+        ..SqliteOptions::new(&path)
+    };
+    let store = SqliteStore::open(opts, policy(), Arc::new(clock.clone())).expect("open");
+    churn(&store, &clock, 0..6).await;
+    clock.advance_ms(spendgate_store::sqlite::HISTORY_PRUNE_EVERY_MS);
+    churn(&store, &clock, 6..7).await;
+    // (a prune goes with the first job made once its time came, which may be the last one of
+    // the load before: the next admission, which makes no record, prunes again)
+    clock.advance_ms(spendgate_store::sqlite::HISTORY_PRUNE_EVERY_MS);
+    admit(&store, "p1").await;
+    let kept = history_records(&store).await;
+    assert_eq!(kept.len(), 5, "size bound: {kept:#?}");
+    clock.advance_ms(3_600_000 + spendgate_store::sqlite::HISTORY_PRUNE_EVERY_MS);
+    churn(&store, &clock, 7..8).await;
+    let kept = history_records(&store).await;
+    assert!(
+        kept.iter()
+            .all(|r| r.resolved_at.0 + 3_600_000 >= clock.now().0),
+        "age bound: {kept:#?}"
+    );
 }

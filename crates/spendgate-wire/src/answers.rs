@@ -56,7 +56,12 @@ pub struct HeartbeatAnswer {
 pub struct FinishAnswer {
     /// `active`, `finished` or `expired`.
     pub state: &'static str,
+    /// The sum of the run's steps' charges. In `whole_run` mode the budgets may have been
+    /// charged more (an expired run is charged its whole hold): see `budgets_charged_micros`.
     pub charged_micros: u64,
+    /// What the run's budgets were charged: `charged_micros` in `per_step` mode, the run's
+    /// hold as committed or expired in `whole_run` mode.
+    pub budgets_charged_micros: u64,
     pub steps: u32,
     pub repeated: bool,
     pub ledger_seq: u64,

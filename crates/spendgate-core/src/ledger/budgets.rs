@@ -1,6 +1,7 @@
 //! Budget counters: which ones a request touches, whether an amount fits them, holding it
 //! and charging it.
 
+use super::messages::Settlement;
 use super::model::{
     stale_from, Counter, CounterKey, Reservation, ReservationId, ReservationState, RunId,
 };
@@ -119,12 +120,14 @@ impl Ledger {
     }
 
     /// Moves a reservation to a terminal state, charging `charged` to each of its counters.
+    /// `detail`: what a commit reported (for the run's tally and the history record).
     pub(super) fn settle(
         &mut self,
         id: &ReservationId,
         state: ReservationState,
         charged: Micros,
         now: UnixMs,
+        detail: Option<Settlement>,
     ) {
         let Some(res) = self.reservations.get_mut(id) else {
             return;
@@ -152,12 +155,20 @@ impl Ledger {
                 c.overrun = true;
             }
         }
+        self.tally_settled(id, detail);
+        self.record_reservation(id, detail);
     }
 
     /// A late overrun ([`Ledger::resolve`]): a terminal reservation's charge grows to
     /// `charged`, and its scopes' used spend by the difference (an overrun there when that
     /// takes it above the limit). Its state and resolution time stay.
-    pub(super) fn top_up(&mut self, id: &ReservationId, charged: Micros) {
+    /// `detail`: what the late commit reported (the history record is made again with it).
+    pub(super) fn top_up(
+        &mut self,
+        id: &ReservationId,
+        charged: Micros,
+        detail: Option<Settlement>,
+    ) {
         let Some(res) = self.reservations.get_mut(id) else {
             return;
         };
@@ -180,6 +191,7 @@ impl Ledger {
                 c.overrun = true;
             }
         }
+        self.record_reservation(id, detail);
     }
 
     /// `whole_run`: after a step's overrun, the run's hold follows what the run was charged
@@ -205,7 +217,7 @@ impl Ledger {
         };
         if let Some(charged) = settled {
             if run_used > charged {
-                self.top_up(&hold_id, run_used);
+                self.top_up(&hold_id, run_used, None);
             }
             return;
         }

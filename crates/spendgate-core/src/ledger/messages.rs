@@ -147,7 +147,11 @@ pub struct Adjustment {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RunEnded {
     pub state: RunState,
+    /// The sum of its steps' charges (what `per_step` charged its budgets).
     pub charged: Micros,
+    /// What its budgets were charged: `charged` (`per_step`), or its whole-run hold's charge
+    /// (`whole_run`: at least its steps' sum; the whole hold when the run expired).
+    pub budgets_charged: Micros,
     pub steps: u32,
     pub repeated: bool,
 }

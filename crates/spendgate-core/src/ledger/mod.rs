@@ -12,8 +12,8 @@
 //! - what it does: `runs` (admit, heartbeat, finish), `steps` (reserve a step), `resolve`
 //!   (commit, release, unknown), `budgets` (which counters, whether an amount fits, hold and
 //!   charge), `expire` (the clock, leases, purges, the sweep), `idempotency`, `sessions`,
-//!   `operator` (cutoff, adjustments), `presence` (replicas), `queries` (reads) and
-//!   `invariants`.
+//!   `operator` (cutoff, adjustments), `presence` (replicas), `queries` (reads),
+//!   `invariants` and `outbox` (the usage history each call makes, when asked).
 //!
 //! Imports go one way: the operations use the "holds" modules, never each other (they call
 //! each other's methods on `Ledger`); those use nothing above them. The ledger uses
@@ -27,6 +27,7 @@ mod invariants;
 mod messages;
 mod model;
 mod operator;
+mod outbox;
 mod presence;
 mod queries;
 mod records;
@@ -49,8 +50,9 @@ pub use messages::{
 };
 pub use model::{
     Counter, CounterKey, Reservation, ReservationId, ReservationKind, ReservationState, Run, RunId,
-    RunState,
+    RunState, RunTally,
 };
+pub use outbox::HISTORY_OUTBOX_MAX;
 pub use records::{Entity, Record, RecordRef};
 pub use refusal::{Refusal, RefusalCode};
 
@@ -130,6 +132,9 @@ pub struct Ledger {
     timers: BTreeSet<(UnixMs, Timer)>,
     track_changes: bool,
     dirty: HashSet<Entity>,
+    /// The usage history not yet taken by the store (`None`: the ledger keeps no history;
+    /// not persisted). See `outbox`.
+    history: Option<outbox::Outbox>,
     /// When idle rate state was last dropped (not persisted).
     compacted: Option<UnixMs>,
     /// Budget counters of calendar windows (global ones excepted) by the end of their window,

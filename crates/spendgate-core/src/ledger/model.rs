@@ -139,6 +139,27 @@ pub struct Run {
     pub hold: Option<ReservationId>,
     pub bounds: RunBounds,
     pub mode: ReservationMode,
+    /// What the usage history's run record tells of it (files of schema 6 and older load it
+    /// empty: postcard is positional, so the sqlite store reads their layout apart).
+    #[serde(default)]
+    pub tally: RunTally,
+}
+
+/// A run's figures for its history record ([`crate::history::RunRecord`]), kept as it goes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunTally {
+    /// The input size it was admitted with.
+    pub input_bytes: u64,
+    /// The largest prompt (tokens) one of its model steps reserved for.
+    pub context_tokens: u64,
+    /// Completion tokens of its committed model steps, plus the output bound of each model
+    /// step resolved `unknown` or `expired` (saturating).
+    pub output_tokens: u64,
+    /// The largest tool result (bytes) one of its steps committed.
+    pub tool_result_bytes: u64,
+    /// Distinct refusal codes its steps got, at most [`crate::history::RUN_REFUSALS_MAX`]
+    /// (kept only while the ledger keeps a history).
+    pub refused: Vec<super::RefusalCode>,
 }
 
 impl Run {

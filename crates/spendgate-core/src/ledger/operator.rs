@@ -78,6 +78,7 @@ impl Ledger {
             }
             self.mark_used(key, fingerprint, now.plus_ms(ADJUSTMENT_KEY_TTL_MS))?;
         }
+        let mut applied = Vec::with_capacity(counters.len());
         for (key, limit) in &counters {
             let c = self.counter_mut(key, *limit);
             let before = c.used;
@@ -90,16 +91,17 @@ impl Ledger {
             // What was applied (a credit stops at zero, a charge at MICROS_MAX), so that
             // used = charges + adjustments holds (I2).
             let delta = i128::from(c.used.0) - i128::from(before.0);
-            c.adjusted = c
-                .adjusted
-                .saturating_add(i64::try_from(delta).unwrap_or(i64::MAX));
+            let delta = i64::try_from(delta).unwrap_or(i64::MAX);
+            c.adjusted = c.adjusted.saturating_add(delta);
             // A charge on top of what is held may take the scope past its limit (I1's
             // exception, as an overrun): it is closed for the rest of its window.
             if c.used.add_capped(c.reserved) > c.limit {
                 c.overrun = true;
             }
+            applied.push((key.clone(), delta));
         }
         self.bump();
+        self.record_adjustment(amount, applied);
         let value = Adjustment {
             lines: self.usage(policy, now, &scopes),
             repeated: false,

@@ -52,7 +52,11 @@ impl Ledger {
                 .is_some_and(|r| b > r.bounds.max_tool_result_bytes),
             _ => false,
         };
-        self.settle(step_id, state, charged, now);
+        let detail = match how {
+            Resolution::Commit(s) => Some(s),
+            _ => None,
+        };
+        self.settle(step_id, state, charged, now, detail);
         if charged > amount {
             self.run_hold_follows(&run_id);
         }
@@ -96,7 +100,7 @@ impl Ledger {
             let late = charge_of(res, s).unwrap_or(Micros::ZERO);
             if late > res.charged {
                 let (state, amount, run_id) = (res.state, res.amount, res.run_id.clone());
-                self.top_up(step_id, late);
+                self.top_up(step_id, late, Some(s));
                 self.run_hold_follows(&run_id);
                 self.bump();
                 let value = Resolved {

@@ -7,7 +7,7 @@ use super::messages::{
 };
 use super::model::{
     run_scopes, CounterKey, Reservation, ReservationId, ReservationKind, ReservationState, Run,
-    RunId, RunState,
+    RunId, RunState, RunTally,
 };
 use super::records::Entity;
 use super::refusal::{Refusal, RefusalCode};
@@ -54,7 +54,10 @@ impl Ledger {
             return Err(LedgerError::Full(LEDGER_RECORDS_MAX));
         }
         let outcome = match self.decide_run(policy, now, req) {
-            Err(refusal) => Err(refusal),
+            Err(refusal) => {
+                self.record_refusal(now, &refusal, None);
+                Err(refusal)
+            }
             Ok(plan) => Ok(self.apply_run(policy, now, req, plan)),
         };
         let remembered = idem.map(|_| IdempotentOutcome::Run(outcome.clone()));
@@ -213,6 +216,10 @@ impl Ledger {
             hold: None,
             bounds,
             mode: policy.mode,
+            tally: RunTally {
+                input_bytes: req.input_bytes,
+                ..RunTally::default()
+            },
         };
         let mut reserved = Micros::ZERO;
         if policy.mode == ReservationMode::WholeRun {
@@ -296,7 +303,7 @@ impl Ledger {
                     .get(s)
                     .map(|r| r.amount)
                     .unwrap_or_default();
-                self.settle(s, step_end, amount, now);
+                self.settle(s, step_end, amount, now, None);
             }
         }
         if let Some(h) = &hold {
@@ -312,9 +319,15 @@ impl Ledger {
                 .unwrap_or_default();
             let run_used = run_used.unwrap_or_default();
             if end == RunState::Expired {
-                self.settle(h, ReservationState::Expired, amount.max(run_used), now);
+                self.settle(
+                    h,
+                    ReservationState::Expired,
+                    amount.max(run_used),
+                    now,
+                    None,
+                );
             } else {
-                self.settle(h, ReservationState::Committed, run_used, now);
+                self.settle(h, ReservationState::Committed, run_used, now, None);
             }
         }
         for s in &slots {
@@ -338,6 +351,7 @@ impl Ledger {
             run.ended_at = Some(now);
         }
         self.touch(Entity::Run(run_id.clone()));
+        self.record_run(run_id);
     }
 
     pub(super) fn purge_run(&mut self, run_id: &RunId) {
@@ -425,6 +439,7 @@ impl Ledger {
         let value = RunEnded {
             state: run.state,
             charged,
+            budgets_charged: self.budgets_charged(run),
             steps: self.steps_of(run_id).len() as u32,
             repeated,
         };

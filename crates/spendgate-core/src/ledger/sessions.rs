@@ -54,6 +54,10 @@ impl Ledger {
                         format!("session creation rate exceeded ({})", kind.name()),
                     )
                     .retry_after(wait.div_ceil(1_000_000));
+                    // (a dry check is not a refusal answered: it is not counted)
+                    if !dry {
+                        self.record_refusal(now, &r, None);
+                    }
                     if swept {
                         self.bump();
                     }

@@ -40,7 +40,10 @@ impl Ledger {
             return Err(LedgerError::Full(LEDGER_RECORDS_MAX));
         }
         let outcome = match self.decide_step(policy, now, run, req) {
-            Err(refusal) => Err(refusal),
+            Err(refusal) => {
+                self.record_refusal(now, &refusal, Some(&req.run_id));
+                Err(refusal)
+            }
             Ok(plan) => Ok(self.apply_step(policy, now, req, plan)),
         };
         let remembered = idem.map(|_| IdempotentOutcome::Step(outcome.clone()));
@@ -193,6 +196,9 @@ impl Ledger {
                 StepCounter::Model(true) => run.retries += 1,
                 StepCounter::Model(false) => run.rounds += 1,
                 StepCounter::Tool => run.tool_calls += 1,
+            }
+            if let StepKind::Model { prompt_tokens, .. } = &req.kind {
+                run.tally.context_tokens = run.tally.context_tokens.max(*prompt_tokens);
             }
             self.run_steps
                 .entry(req.run_id.clone())

@@ -25,16 +25,16 @@ pub enum Source {
     Admin { url: String, token: String },
 }
 
-/// The store's history, opened from the config: the sqlite file (read-only beside a running
-/// server); PostgreSQL where `[history] url` is set.
+/// The store's history, opened from the config: the sqlite file, read-only (a running server
+/// holds it exclusively: read that one through its admin API); PostgreSQL where `[history]
+/// url` is set.
 pub fn open_reader(cfg: &spendgate_config::Config) -> Result<Arc<dyn HistoryReader>, OpsError> {
     match cfg.store.kind {
-        spendgate_config::StoreKind::Sqlite => Err(OpsError::Usage(format!(
-            "TODO(history): reading the history of the sqlite file {} is not built yet \
-             (waits for the sqlite history reader); read it from the running gateway \
-             with --url and --admin-token",
-            cfg.store.path.display()
-        ))),
+        spendgate_config::StoreKind::Sqlite => {
+            spendgate_store::sqlite::SqliteFileHistory::open(&cfg.store.path)
+                .map(|h| Arc::new(h) as Arc<dyn HistoryReader>)
+                .map_err(|e| OpsError::Usage(e.to_string()))
+        }
         spendgate_config::StoreKind::Redis => Err(OpsError::Usage(
             "TODO(history): reading the history from PostgreSQL ([history] url) is not \
              built yet; read it from a running gateway with --url and --admin-token"

@@ -112,7 +112,7 @@ fn total(report: &Value) -> u64 {
 /// spend to the micro; `tune`'s snippet passes `check-config`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reports_answer_the_ledgers_totals_and_tune_suggests_a_valid_config() {
-    let server = Server::start(LOAD);
+    let mut server = Server::start(LOAD);
     scripted_load(&server).await;
     let used = server.global_usage().await["used_micros"]
         .as_u64()
@@ -139,7 +139,8 @@ async fn reports_answer_the_ledgers_totals_and_tune_suggests_a_valid_config() {
         args.extend_from_slice(extra);
         serde_json::from_str(&run_ok(&args)).expect("report --format json is JSON")
     };
-    for source in [&admin[..], &["--config", config.as_str()][..]] {
+    let file = ["--config", config.as_str()];
+    let check_reports = |source: &[&str]| {
         let by_model = report(source, "model", &[]);
         let by_tool = report(source, "tool", &[]);
         assert_eq!(
@@ -161,7 +162,8 @@ async fn reports_answer_the_ledgers_totals_and_tune_suggests_a_valid_config() {
         let by_day = report(source, "day", &[]);
         assert_eq!(total(&by_day), used, "{by_day}");
         assert_eq!(by_day["truncated"], false);
-    }
+    };
+    check_reports(&admin);
     // The admin API answers the same groups.
     let api = server
         .admin_get("/admin/v1/history?by=session&top=10&since=0")
@@ -223,12 +225,39 @@ async fn reports_answer_the_ledgers_totals_and_tune_suggests_a_valid_config() {
         "{csv}"
     );
 
-    check_tune(&server, &admin).await;
+    check_tune(&server, &admin);
+    // A running server holds its sqlite file: reading it says to use the admin API.
+    let held = std::process::Command::new(env!("CARGO_BIN_EXE_spendgate"))
+        .args([
+            "report",
+            "--since",
+            "yesterday",
+            "--by",
+            "model",
+            "--config",
+            &config,
+        ])
+        .env_remove("SPENDGATE_ADMIN_TOKEN")
+        .output()
+        .expect("run");
+    assert!(!held.status.success());
+    assert!(
+        String::from_utf8_lossy(&held.stderr).contains("--url"),
+        "{held:?}"
+    );
+    // Stopped, its file answers the same.
+    assert!(server.terminate().success());
+    check_reports(&file);
+    let from_file = run_ok(&["tune", "--since", "yesterday", "--config", &config]);
+    assert!(
+        from_file.starts_with(&format!("{} runs ended", runs_in_load())),
+        "{from_file}"
+    );
 }
 
 /// `tune --since yesterday` suggests a value for every `[run]` bound and every scope kind's
 /// rate and budget; its snippet, merged into the server's config, passes `check-config`.
-async fn check_tune(server: &Server, admin: &[&str]) {
+fn check_tune(server: &Server, admin: &[&str]) {
     let config = server.config_path().to_str().expect("utf-8 path");
     let mut args = vec!["tune", "--since", "yesterday", "--config", config];
     args.extend_from_slice(admin);
@@ -270,12 +299,6 @@ async fn check_tune(server: &Server, admin: &[&str]) {
     std::fs::write(&path, toml::to_string(&merged).expect("toml")).expect("write");
     let checked = run_ok(&["check-config", "--config", path.to_str().expect("utf-8")]);
     assert!(checked.contains("max_cost"), "{checked}");
-    // From the sqlite file the same runs are seen.
-    let from_file = run_ok(&["tune", "--since", "yesterday", "--config", config]);
-    assert!(
-        from_file.starts_with(&format!("{} runs ended", runs_in_load())),
-        "{from_file}"
-    );
 }
 
 fn runs_in_load() -> usize {

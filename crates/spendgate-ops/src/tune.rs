@@ -246,6 +246,20 @@ pub fn suggestions(t: &Tally, policy: Option<&Policy>) -> Vec<Suggestion> {
             r.max_cost.0,
         ]
     });
+    let defaults = {
+        let r = spendgate_core::RunBounds::default();
+        [
+            r.max_input_bytes,
+            r.max_context_tokens,
+            r.max_output_tokens,
+            r.max_tool_result_bytes,
+            u64::from(r.max_model_rounds),
+            u64::from(r.max_tool_calls),
+            u64::from(r.max_retries),
+            r.max_seconds,
+            r.max_cost.0,
+        ]
+    };
     let whats = [
         "input bytes per run",
         "largest prompt (tokens) per run",
@@ -273,7 +287,12 @@ pub fn suggestions(t: &Tally, policy: Option<&Policy>) -> Vec<Suggestion> {
             current.map(|c| c[i]),
             unit,
         );
-        s.suggested = s.suggested.max(1);
+        if s.max == 0 {
+            // None used it (no tool calls, no retries): the value in use stays, since 1 would
+            // refuse the first real one.
+            s.suggested = current.unwrap_or(defaults)[i];
+            s.refused_ppm = 0;
+        }
         out.push(s);
     }
     for kind in KINDS {
@@ -519,6 +538,8 @@ mod tests {
         assert_eq!(rounds.current, Some(8));
         assert_eq!(rounds.current_refused_ppm, Some(5_000));
         // Output tokens are per model call, from the reservations.
+        // Nobody retried: the value in use stays.
+        assert_eq!(get("run.max_retries").suggested, 2);
         let output = get("run.max_output_tokens");
         assert_eq!((output.max, output.samples), (239, 200));
         assert_eq!(get("run.max_seconds").p50, 3);

@@ -34,6 +34,7 @@ from selenium.webdriver.support.ui import Select, WebDriverWait
 BASE = os.environ["SPENDGATE_BASE"]
 ADMIN = os.environ["SPENDGATE_ADMIN"]
 MOCK = os.environ["SPENDGATE_MOCK"]
+ARTIFACTS = os.environ.get("SPENDGATE_ARTIFACTS", "")
 WAIT_S = 20
 
 passed = 0
@@ -43,6 +44,23 @@ def ok(name):
     global passed
     passed += 1
     print(f"ok: {name}", flush=True)
+
+
+def shot(name):
+    if ARTIFACTS:
+        os.makedirs(ARTIFACTS, exist_ok=True)
+        _DRIVER[0].save_screenshot(os.path.join(ARTIFACTS, name + ".png"))
+
+
+def alert_present(d):
+    try:
+        d.switch_to.alert
+        return True
+    except Exception:
+        return False
+
+
+_DRIVER = [None]
 
 
 def mock_requests():
@@ -90,6 +108,7 @@ def chat(d, text, kind, count):
 
 def main():
     d = browser()
+    _DRIVER[0] = d
     try:
         d.get(BASE + "/demo/")
         WebDriverWait(d, WAIT_S).until(
@@ -137,10 +156,33 @@ def main():
         assert collapse == "collapse" and not refused, (collapse, refused)
         ok("the dashboard's script and style run under its Content-Security-Policy")
 
+        WebDriverWait(d, WAIT_S).until(
+            lambda d: d.find_elements(By.CSS_SELECTOR, "#spend svg path.series"))
+        assert d.find_elements(By.CSS_SELECTOR, "#spend svg line.limit"), "no limit line"
+        tops = d.find_elements(By.CSS_SELECTOR, "#tops table")
+        assert len(tops) == 4 and all(t.find_elements(By.CSS_SELECTOR, "td") for t in tops), \
+            d.find_element(By.ID, "tops").text
+        forecast = d.find_element(By.ID, "forecast").text
+        shot("dashboard-today")
+        ok(f"the dashboard draws the spend chart with its limit line, and the top spenders "
+           f"(forecast: {forecast or 'none yet'})")
+
+        loaded = d.find_element(By.ID, "status").text
+        time.sleep(0.01)
+        Select(d.find_element(By.ID, "period")).select_by_value("1")
+        WebDriverWait(d, WAIT_S).until(
+            lambda d: d.find_element(By.ID, "status").text != loaded
+            and d.find_elements(By.CSS_SELECTOR, "#spend svg path.series"))
+        shot("dashboard-last-hour")
+        ok("a period is picked and the charts follow")
+
         d.find_element(By.ID, "reason").send_keys("page test")
         d.find_element(By.ID, "engage").click()
+        WebDriverWait(d, WAIT_S).until(lambda d: alert_present(d))
+        d.switch_to.alert.accept()
         WebDriverWait(d, WAIT_S).until(
             lambda d: "ENGAGED: page test" in d.find_element(By.ID, "summary").text)
+        shot("dashboard-cutoff")
         ok("the dashboard engages the cutoff")
 
         d.get(BASE + "/demo/")

@@ -30,6 +30,7 @@ pub mod body;
 pub mod capacity;
 pub mod challenge;
 pub mod client;
+pub mod drain;
 pub mod error;
 pub mod health;
 pub mod history;
@@ -53,8 +54,8 @@ pub mod usage;
 
 pub use spendgate_config as config;
 
+pub use drain::{spawn_history, HistorySetup, HistoryTasks};
 pub use error::ServerError;
-pub use history::{spawn_history, HistorySetup, HistoryTasks};
 pub use router::{router, API_REQUEST_TIMEOUT};
 pub use serve::{serve, SWEEP_EVERY};
 pub use state::{build_state, AppState, Shared, Upstream};

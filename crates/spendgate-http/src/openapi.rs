@@ -5,7 +5,7 @@
 //! It covers the decision, admin and operations API of this crate; the proxy's routes
 //! (`/v1/chat/completions`) take OpenAI's own shapes and are documented by OpenAI.
 
-use crate::{admin, health, runs, sessions, steps, usage};
+use crate::{admin, health, history, runs, sessions, steps, usage};
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use spendgate_wire::answers::{ErrorBody, ErrorDetail};
@@ -35,6 +35,7 @@ use utoipa::{Modify, OpenApi};
         admin::summary,
         admin::scopes,
         admin::reservations,
+        history::history,
         admin::cutoff,
         admin::adjust,
         health::healthz,

@@ -146,6 +146,7 @@ pub fn router(state: Shared, extra: Router<Shared>) -> Router {
         .route("/admin/v1/summary", get(admin::summary))
         .route("/admin/v1/scopes", get(admin::scopes))
         .route("/admin/v1/reservations", get(admin::reservations))
+        .route("/admin/v1/history", get(crate::history::history))
         .route(
             "/admin/v1/cutoff",
             put(admin::cutoff).route_layer(with_body()),

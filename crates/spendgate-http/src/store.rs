@@ -18,7 +18,7 @@ pub struct OpenedStore {
     pub store: Arc<dyn Store>,
     pub witness: Option<spendgate_redis::Witness>,
     /// A Redis store's history, for [`crate::spawn_history`] once the replica runs.
-    pub history: Option<crate::history::HistorySetup>,
+    pub history: Option<crate::drain::HistorySetup>,
 }
 
 /// [`open_store`], keeping the Redis store's witness.
@@ -40,7 +40,7 @@ pub async fn open_store_with_witness(config: &Config) -> Result<OpenedStore, Ser
         StoreKind::Redis => {
             let (store, pg) = open_redis(config, policy).await?;
             let witness = store.witness();
-            history = Some(crate::history::HistorySetup {
+            history = Some(crate::drain::HistorySetup {
                 redis: store.clone(),
                 pg,
             });
@@ -106,6 +106,6 @@ async fn open_redis(
     // `rediss://` urls: TLS with the system's roots (or `SSL_CERT_FILE`), through rustls.
     install_crypto();
     let mut store = spendgate_redis::RedisStore::open(redis_options(config), policy).await?;
-    let pg = crate::history::HistorySetup::configure(&mut store, config)?;
+    let pg = crate::drain::HistorySetup::configure(&mut store, config)?;
     Ok((Arc::new(store), pg))
 }

@@ -240,6 +240,27 @@ async fn a_bad_query_value_is_400_in_the_error_shape() {
         ("/admin/v1/reservations?limit=many", ADMIN, "limit"),
         ("/admin/v1/scopes?top=-1", ADMIN, "top"),
         ("/v1/usage?session=x&bogus=1", SERVICE, "bogus"),
+        ("/admin/v1/history?since=soon", ADMIN, "since"),
+        ("/admin/v1/history?until=2026-02-30", ADMIN, "until"),
+        (
+            "/admin/v1/history?since=2026-12-03&until=2026-12-02",
+            ADMIN,
+            "since",
+        ),
+        ("/admin/v1/history?by=planet", ADMIN, "by"),
+        ("/admin/v1/history?kind=everything", ADMIN, "kind"),
+        ("/admin/v1/history?kind=runs&by=model", ADMIN, "by"),
+        (
+            "/admin/v1/history?kind=refusals&by=model",
+            ADMIN,
+            "refusals",
+        ),
+        ("/admin/v1/history?state=gone", ADMIN, "state"),
+        ("/admin/v1/history?limit=0", ADMIN, "limit"),
+        ("/admin/v1/history?limit=10001", ADMIN, "limit"),
+        ("/admin/v1/history?cursor=nope", ADMIN, "cursor"),
+        ("/admin/v1/history?top=-1", ADMIN, "top"),
+        ("/admin/v1/history?bogus=1", ADMIN, "bogus"),
     ] {
         let req = request("GET", path)
             .header(header::AUTHORIZATION, format!("Bearer {token}"))
@@ -250,6 +271,20 @@ async fn a_bad_query_value_is_400_in_the_error_shape() {
         assert_error(&v, ErrorCode::InvalidRequest);
         let message = v["error"]["message"].as_str().unwrap_or_default();
         assert!(message.contains(names), "{path}: {message}");
+    }
+}
+
+/// The usage history is the admin's: no token, no answer.
+#[tokio::test]
+async fn the_history_needs_the_admin_token() {
+    for token in [None, Some(SERVICE)] {
+        let mut req = request("GET", "/admin/v1/history?by=model");
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        let (status, v, _) = send(req.body(Body::empty()).expect("request")).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{v}");
+        assert_error(&v, ErrorCode::Unauthorized);
     }
 }
 

@@ -5,7 +5,9 @@
 
 #![warn(clippy::too_many_lines)]
 
+pub mod history;
 pub mod store;
+pub mod tune;
 
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -81,7 +83,7 @@ pub async fn admin_get(
 
 /// `spendgate report`: spend by scope and window, from a running gateway's admin API.
 /// An HTTP client for the admin API (TLS from the process's installed crypto provider).
-fn client() -> Result<reqwest::Client, OpsError> {
+pub(crate) fn client() -> Result<reqwest::Client, OpsError> {
     reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(30))
         .build()

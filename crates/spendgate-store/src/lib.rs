@@ -5,6 +5,7 @@
 
 pub mod clock;
 pub mod history;
+pub mod history_read;
 pub mod memory;
 pub mod sqlite;
 mod typed;

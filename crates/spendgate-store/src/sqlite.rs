@@ -100,8 +100,8 @@ mod history;
 pub mod v5;
 
 pub use history::{
-    SqliteHistory, HISTORY_PRUNE_EVERY_MS, HISTORY_PRUNE_ROWS_MAX, HISTORY_RETENTION_DEFAULT,
-    HISTORY_ROWS_MAX_DEFAULT,
+    SqliteFileHistory, SqliteHistory, HISTORY_PRUNE_EVERY_MS, HISTORY_PRUNE_ROWS_MAX,
+    HISTORY_RETENTION_DEFAULT, HISTORY_ROWS_MAX_DEFAULT,
 };
 use spendgate_core::history::HistoryEvent;
 use v5::Old;

@@ -323,3 +323,116 @@ pub struct ReplicaRow {
     /// When it last published (RFC 3339); absent while it has not.
     pub seen: Option<String>,
 }
+
+/// One group of `GET /admin/v1/history?by=…` (and of `spendgate report --format json`).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HistoryGroupRow {
+    /// The grouping key: an RFC 3339 period start, a scope kind, a model, a session...
+    pub key: String,
+    pub reservations: u64,
+    pub reserved_micros: u64,
+    pub charged_micros: u64,
+    pub overruns: u64,
+    /// Reservations that ended `unknown` or `expired` (charged in full).
+    pub unknown_or_expired: u64,
+}
+
+/// One reservation's terminal record.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HistoryReservationRow {
+    pub id: String,
+    pub run_id: String,
+    pub session: String,
+    pub conversation: String,
+    /// The client's address prefix.
+    pub address: String,
+    /// `model`, `tool` or `run_hold`.
+    pub class: &'static str,
+    /// The model or tool; empty for a run hold.
+    pub name: String,
+    pub retry: bool,
+    pub prompt_tokens: Option<u64>,
+    pub completion_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    pub units: Option<u64>,
+    pub result_bytes: Option<u64>,
+    pub reserved_micros: u64,
+    pub charged_micros: u64,
+    pub state: &'static str,
+    /// Unix milliseconds.
+    pub created_ms: u64,
+    /// Unix milliseconds.
+    pub resolved_at_ms: u64,
+    pub overrun: bool,
+    pub result_too_large: bool,
+    /// Every budget counter the charge went to (`scope@window`).
+    pub counters: Vec<String>,
+}
+
+/// One run's summary, written when it ended.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HistoryRunRow {
+    pub id: String,
+    pub session: String,
+    pub conversation: String,
+    pub address: String,
+    /// Unix milliseconds.
+    pub created_ms: u64,
+    /// Unix milliseconds.
+    pub ended_at_ms: u64,
+    /// `finished` or `expired`.
+    pub ended: &'static str,
+    pub input_bytes: u64,
+    pub context_tokens: u64,
+    pub output_tokens: u64,
+    pub tool_result_bytes: u64,
+    pub rounds: u32,
+    pub tool_calls: u32,
+    pub retries: u32,
+    pub duration_ms: u64,
+    pub cost_micros: u64,
+    /// Refusal codes its steps got.
+    pub refused: Vec<&'static str>,
+}
+
+/// Refusals of one code by one scope kind in one period.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct HistoryRefusalRow {
+    /// The period's start, RFC 3339 (a minute, or the hour or day of `by`).
+    pub at: String,
+    pub code: &'static str,
+    /// The refusing scope kind, when one refused.
+    pub scope: Option<&'static str>,
+    pub count: u64,
+}
+
+/// `GET /admin/v1/history`: a period of the usage history, grouped (`rows`) or as records
+/// (`reservations`, `runs` or `refusals`, by `kind`), paginated by `next_cursor`.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AdminHistoryAnswer {
+    /// `reservations`, `runs` or `refusals`.
+    pub kind: &'static str,
+    /// RFC 3339, inclusive.
+    pub since: String,
+    /// RFC 3339, exclusive.
+    pub until: String,
+    /// The grouping, when grouped.
+    pub by: Option<&'static str>,
+    /// What keeps the history (`sqlite`, `postgres`, `redis-stream`, `memory`).
+    pub source: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rows: Option<Vec<HistoryGroupRow>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reservations: Option<Vec<HistoryReservationRow>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub runs: Option<Vec<HistoryRunRow>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refusals: Option<Vec<HistoryRefusalRow>>,
+    /// The cursor of the next page of records; absent on the last page (and when grouped).
+    pub next_cursor: Option<String>,
+    /// Records read to answer.
+    pub scanned: u64,
+    /// A grouped answer stopped at its bound on records read (or on groups): its figures
+    /// are a lower bound; ask for a shorter period.
+    pub truncated: bool,
+}

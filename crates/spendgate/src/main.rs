@@ -8,6 +8,7 @@
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use spendgate_config::{self as config, Config};
+use spendgate_ops::history::GroupBy;
 use std::path::PathBuf;
 
 #[cfg(feature = "demo")]
@@ -73,34 +74,75 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         tokens_per_second: u64,
     },
-    /// Spend by scope and window, read from a running gateway's admin API.
-    Report {
-        #[arg(long, default_value = "http://127.0.0.1:8080")]
-        url: String,
-        #[arg(long, env = "SPENDGATE_ADMIN_TOKEN", hide_env_values = true)]
-        admin_token: String,
-        /// Scope kind: global, ip, session, conversation, run.
-        #[arg(long)]
-        kind: Option<String>,
-        #[arg(long, default_value_t = 50)]
-        top: usize,
-    },
-    /// Percentiles of observed usage per run and suggested bounds, from a running gateway.
-    Tune {
-        #[arg(long, default_value = "http://127.0.0.1:8080")]
-        url: String,
-        #[arg(long, env = "SPENDGATE_ADMIN_TOKEN", hide_env_values = true)]
-        admin_token: String,
-        /// Sample for this long (polling every 20 s; the gateway keeps an ended run's
-        /// reservations for a minute), at most a day; 0: one look.
-        #[arg(long, default_value_t = 0)]
-        watch_seconds: u64,
-    },
+    /// Where the money went. With `--since`, `--until`, `--by` or `--format`: the usage
+    /// history of a period, grouped, read from the store's history (`--config`) or a running
+    /// gateway's admin API (`--url`). Without them: the current windows' counters, by scope,
+    /// from the admin API.
+    Report(ReportArgs),
+    /// Percentiles of every run bound and of each scope's daily spend and rate, with
+    /// suggested values and the share of runs (or scopes) each would have refused. With
+    /// `--since`/`--until`: over the usage history (`--config` or `--url`); without: sampled
+    /// live from a running gateway's recent reservations.
+    Tune(TuneArgs),
     /// Store maintenance.
     Store {
         #[command(subcommand)]
         action: StoreCmd,
     },
+}
+
+#[derive(clap::Args)]
+struct ReportArgs {
+    /// A running gateway (default http://127.0.0.1:8080 when no `--config` is given).
+    #[arg(long)]
+    url: Option<String>,
+    #[arg(long, env = "SPENDGATE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// Read the history from this config's store (the sqlite file; PostgreSQL).
+    #[arg(long, short, env = "SPENDGATE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Start of the period: yesterday, today, 7d, 12h, 30m, 2026-12-03, RFC 3339, unix ms
+    /// (default: 24h).
+    #[arg(long)]
+    since: Option<String>,
+    /// End of the period, excluded (default: now).
+    #[arg(long)]
+    until: Option<String>,
+    /// day, hour, minute, scope-kind, model, tool, session, address, conversation, state
+    /// (default: day).
+    #[arg(long)]
+    by: Option<String>,
+    /// table, csv or json (default: table).
+    #[arg(long)]
+    format: Option<String>,
+    /// The current counters' scope kind: global, ip, session, conversation, run.
+    #[arg(long)]
+    kind: Option<String>,
+    /// Rows kept (ranked groups; the current counters default to 50).
+    #[arg(long)]
+    top: Option<usize>,
+}
+
+#[derive(clap::Args)]
+struct TuneArgs {
+    #[arg(long)]
+    url: Option<String>,
+    #[arg(long, env = "SPENDGATE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// The config in use (its values are shown beside the suggestions), and where the
+    /// history is read from when no `--url` is given.
+    #[arg(long, short, env = "SPENDGATE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Start of the period (as `report --since`; default: 7d when `--until` is given).
+    #[arg(long)]
+    since: Option<String>,
+    /// End of the period, excluded (default: now).
+    #[arg(long)]
+    until: Option<String>,
+    /// Sample live for this long (polling every 20 s; the gateway keeps an ended run's
+    /// reservations for a minute), at most a day; 0: one look.
+    #[arg(long, default_value_t = 0)]
+    watch_seconds: u64,
 }
 
 #[derive(Subcommand)]
@@ -193,29 +235,8 @@ async fn main() -> anyhow::Result<()> {
             latency_ms,
             tokens_per_second,
         } => demo::mock_upstream(&listen, latency_ms, tokens_per_second).await?,
-        Cmd::Report {
-            url,
-            admin_token,
-            kind,
-            top,
-        } => {
-            spendgate_http::install_crypto();
-            print!(
-                "{}",
-                spendgate_ops::report(&url, &admin_token, kind, top).await?
-            );
-        }
-        Cmd::Tune {
-            url,
-            admin_token,
-            watch_seconds,
-        } => {
-            spendgate_http::install_crypto();
-            print!(
-                "{}",
-                spendgate_ops::tune(&url, &admin_token, watch_seconds).await?
-            );
-        }
+        Cmd::Report(args) => print!("{}", report(args).await?),
+        Cmd::Tune(args) => print!("{}", tune(args).await?),
         Cmd::Store {
             action: StoreCmd::Init { config, new_ledger },
         } => store_init(config.as_ref(), new_ledger).await?,
@@ -228,6 +249,122 @@ async fn main() -> anyhow::Result<()> {
         } => store_accept_reset(config.as_ref(), accept_rollback).await?,
     }
     Ok(())
+}
+
+/// `spendgate report`: the history of a period, or the current counters.
+async fn report(args: ReportArgs) -> anyhow::Result<String> {
+    let ReportArgs {
+        url,
+        admin_token,
+        config,
+        since,
+        until,
+        by,
+        format,
+        kind,
+        top,
+    } = args;
+    spendgate_http::install_crypto();
+    let history = since.is_some() || until.is_some() || by.is_some() || format.is_some();
+    let out = if history {
+        let src = history_source(url, admin_token, config.as_ref())?.0;
+        let now = spendgate_ops::history::now();
+        let ask = spendgate_ops::history::ReportAsk {
+                since: when(since.as_deref(), "24h", now)?,
+                until: until_of(until.as_deref(), now)?,
+                by: match by.as_deref() {
+                    None => GroupBy::Day,
+                    Some(b) => GroupBy::parse(b).with_context(|| {
+                        format!("--by {b:?}: day, hour, minute, scope-kind, model, tool, session, address, conversation or state")
+                    })?,
+                },
+                top,
+                format: match format.as_deref() {
+                    None => spendgate_ops::history::Format::Table,
+                    Some(f) => spendgate_ops::history::Format::parse(f)
+                        .with_context(|| format!("--format {f:?}: table, csv or json"))?,
+                },
+            };
+        spendgate_ops::history::report(&src, &ask).await?
+    } else {
+        let url = url.unwrap_or_else(|| DEFAULT_URL.into());
+        let token = admin_token.context(TOKEN_NEEDED)?;
+        spendgate_ops::report(&url, &token, kind, top.unwrap_or(50)).await?
+    };
+    Ok(out)
+}
+
+/// `spendgate tune`: over the history of a period, or sampled live.
+async fn tune(args: TuneArgs) -> anyhow::Result<String> {
+    let TuneArgs {
+        url,
+        admin_token,
+        config,
+        since,
+        until,
+        watch_seconds,
+    } = args;
+    spendgate_http::install_crypto();
+    let out = if since.is_some() || until.is_some() {
+        let (src, cfg) = history_source(url, admin_token, config.as_ref())?;
+        let now = spendgate_ops::history::now();
+        let since = when(since.as_deref(), "7d", now)?;
+        let until = until_of(until.as_deref(), now)?;
+        let policy = cfg.as_ref().map(|c| &c.policy);
+        spendgate_ops::history::tune(&src, since, until, policy).await?
+    } else {
+        let url = url.unwrap_or_else(|| DEFAULT_URL.into());
+        let token = admin_token.context(TOKEN_NEEDED)?;
+        spendgate_ops::tune(&url, &token, watch_seconds).await?
+    };
+    Ok(out)
+}
+
+const DEFAULT_URL: &str = "http://127.0.0.1:8080";
+const TOKEN_NEEDED: &str =
+    "the admin API needs the admin token: --admin-token or SPENDGATE_ADMIN_TOKEN";
+
+fn when(
+    given: Option<&str>,
+    default: &str,
+    now: spendgate_ops::history::UnixMs,
+) -> anyhow::Result<spendgate_ops::history::UnixMs> {
+    Ok(spendgate_ops::history::parse_when(
+        given.unwrap_or(default),
+        now,
+    )?)
+}
+
+/// `--until`, excluded: by default just after now, so the records of this millisecond count.
+fn until_of(
+    given: Option<&str>,
+    now: spendgate_ops::history::UnixMs,
+) -> anyhow::Result<spendgate_ops::history::UnixMs> {
+    match given {
+        Some(g) => Ok(spendgate_ops::history::parse_when(g, now)?),
+        None => Ok(now.plus_ms(1)),
+    }
+}
+
+/// Where `report` and `tune` read the history: a running gateway's admin API when `--url`
+/// is given (or no config is), else the config's store. The config, when one is given, comes
+/// second (`tune` shows its values).
+fn history_source(
+    url: Option<String>,
+    token: Option<String>,
+    config: Option<&PathBuf>,
+) -> anyhow::Result<(spendgate_ops::history::Source, Option<Config>)> {
+    let cfg = config.map(|c| load_config(Some(c))).transpose()?;
+    let src = match (&url, &cfg) {
+        (None, Some(cfg)) => {
+            spendgate_ops::history::Source::Reader(spendgate_ops::history::open_reader(cfg)?)
+        }
+        _ => spendgate_ops::history::Source::Admin {
+            url: url.unwrap_or_else(|| DEFAULT_URL.into()),
+            token: token.context(TOKEN_NEEDED)?,
+        },
+    };
+    Ok((src, cfg))
 }
 
 /// `spendgate serve`: the gateway, until SIGINT or SIGTERM.

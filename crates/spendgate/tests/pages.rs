@@ -70,6 +70,10 @@ fn demo_page_and_dashboard_work_in_a_browser() {
         .env("SPENDGATE_BASE", format!("http://127.0.0.1:{port}"))
         .env("SPENDGATE_ADMIN", &admin)
         .env("SPENDGATE_MOCK", &mock)
+        .env(
+            "SPENDGATE_ARTIFACTS",
+            workspace_root().join("target/test-artifacts"),
+        )
         .env("SPENDGATE_CHROMIUM", &chromium)
         .env("SPENDGATE_CHROMEDRIVER", &driver)
         .env("PYTHONDONTWRITEBYTECODE", "1")
@@ -82,7 +86,7 @@ fn demo_page_and_dashboard_work_in_a_browser() {
         "the page test failed (or ran past 180 s):\n{output}\n--- spendgate demo:\n{}",
         demo.output()
     );
-    assert!(output.contains("9 passed, 0 failed"), "{output}");
+    assert!(output.contains("11 passed, 0 failed"), "{output}");
 }
 
 #[test]

@@ -413,3 +413,124 @@ impl HistoryReader for SqliteHistory {
         "sqlite"
     }
 }
+
+/// The history of a sqlite file that no process holds, read-only: `spendgate report
+/// --config` and `tune --config` once the server has stopped, or over a copy of the file (a
+/// running server holds its file exclusively; read it through its admin API then).
+pub struct SqliteFileHistory {
+    /// The connection the reads run on (the reader holds it only weakly).
+    _queue: std::sync::Arc<dyn ReadQueue>,
+    reader: SqliteHistory,
+}
+
+/// Runs each read on a blocking thread, on the file's one read-only connection.
+struct FileQueue(std::sync::Arc<std::sync::Mutex<Connection>>);
+
+impl ReadQueue for FileQueue {
+    fn read(&self, f: Read) -> Result<(), StoreError> {
+        let conn = self.0.clone();
+        let handle = tokio::runtime::Handle::try_current()
+            .map_err(|_| StoreError::Unavailable("no runtime to read the sqlite file on".into()))?;
+        handle.spawn_blocking(move || {
+            let c = conn.lock().unwrap_or_else(|p| p.into_inner());
+            f(&c);
+        });
+        Ok(())
+    }
+}
+
+impl SqliteFileHistory {
+    /// Opens `path` read-only and checks that it holds a usage history.
+    pub fn open(path: &std::path::Path) -> Result<SqliteFileHistory, StoreError> {
+        let shown = path.display();
+        if !path.exists() {
+            return Err(StoreError::Unavailable(format!(
+                "sqlite {shown}: no such file"
+            )));
+        }
+        let conn = Connection::open_with_flags(path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .map_err(|e| StoreError::Unavailable(format!("sqlite {shown}: {e}")))?;
+        let version = conn
+            .pragma_query_value(None, "user_version", |r| r.get::<_, i64>(0))
+            .and_then(|v| {
+                conn.query_row("SELECT count(*) FROM history_runs WHERE 0", [], |_| Ok(()))
+                    .map(|()| v)
+            });
+        match version {
+            Ok(v) if v >= super::SCHEMA_VERSION => {}
+            Ok(v) => {
+                return Err(StoreError::Unavailable(format!(
+                    "sqlite {shown}: a version {v} file keeps no usage history (version {} \
+                     does: serve it once with this spendgate)",
+                    super::SCHEMA_VERSION
+                )))
+            }
+            Err(e)
+                if matches!(
+                    e.sqlite_error_code(),
+                    Some(rusqlite::ErrorCode::DatabaseBusy | rusqlite::ErrorCode::DatabaseLocked)
+                ) =>
+            {
+                return Err(StoreError::Unavailable(format!(
+                    "sqlite {shown} is held by a running spendgate: read its history through \
+                     its admin API (--url and --admin-token)"
+                )))
+            }
+            Err(e) => {
+                return Err(StoreError::Unavailable(format!(
+                    "sqlite {shown}: not a spendgate file with a usage history ({e})"
+                )))
+            }
+        }
+        let queue: std::sync::Arc<dyn ReadQueue> =
+            std::sync::Arc::new(FileQueue(std::sync::Arc::new(std::sync::Mutex::new(conn))));
+        Ok(SqliteFileHistory {
+            reader: SqliteHistory {
+                queue: std::sync::Arc::downgrade(&queue),
+            },
+            _queue: queue,
+        })
+    }
+}
+
+#[async_trait]
+impl HistoryReader for SqliteFileHistory {
+    async fn reservations(
+        &self,
+        filter: &HistoryFilter,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Page<ReservationRecord>, StoreError> {
+        self.reader.reservations(filter, after, limit).await
+    }
+
+    async fn runs(
+        &self,
+        filter: &HistoryFilter,
+        after: Option<&str>,
+        limit: usize,
+    ) -> Result<Page<RunRecord>, StoreError> {
+        self.reader.runs(filter, after, limit).await
+    }
+
+    async fn refusals(
+        &self,
+        since: UnixMs,
+        until: UnixMs,
+    ) -> Result<Vec<(RefusalMinute, u64)>, StoreError> {
+        self.reader.refusals(since, until).await
+    }
+
+    async fn adjustments(
+        &self,
+        since: UnixMs,
+        until: UnixMs,
+        limit: usize,
+    ) -> Result<Vec<AdjustmentRecord>, StoreError> {
+        self.reader.adjustments(since, until, limit).await
+    }
+
+    fn kind(&self) -> &'static str {
+        "sqlite"
+    }
+}

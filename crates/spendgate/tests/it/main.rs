@@ -12,6 +12,7 @@ mod cli;
 mod decision_api;
 mod drift;
 mod history;
+mod history_pg;
 mod holds;
 mod metrics;
 mod proxy;

@@ -20,7 +20,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
+#: The repository (for docs/openapi.json and the build): ``$SPENDGATE_REPO`` when the suite
+#: runs from a copy, else the checkout this file is in.
+REPO = Path(os.environ.get("SPENDGATE_REPO") or Path(__file__).resolve().parents[3])
 SERVICE = "py-client-service-token-0123456789"
 ADMIN = "py-client-admin-token-0123456789"
 #: The lease of every test server: a killed agent's step expires this long after its last call.

@@ -27,8 +27,8 @@ SERVICE = "py-client-service-token-0123456789"
 ADMIN = "py-client-admin-token-0123456789"
 #: The lease of every test server: a killed agent's step expires this long after its last call.
 LEASE_TTL_S = 2
-#: How long a server may take to listen.
-START_WAIT_S = 20.0
+#: How long a server may take to listen (seconds on a busy machine: a debug build, loaded cores).
+START_WAIT_S = 60.0
 
 #: Prices: gpt-4o-mini at 0.15 / 0.075 (cached) / 0.60 per million tokens; web_search at 0.01
 #: a call; fetch at 0.001 a unit.

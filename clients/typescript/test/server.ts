@@ -14,7 +14,7 @@ export const ADMIN = "ts-client-admin-token-0123456789";
 /** The lease of every test server: a killed agent's step expires this long after its last call. */
 export const LEASE_TTL_S = 2;
 /** How long a server may take to answer `/readyz`. */
-const START_WAIT_MS = 30_000;
+const START_WAIT_MS = 60_000;
 
 // build/test/server.js -> the repository's root
 const here = dirname(fileURLToPath(import.meta.url));

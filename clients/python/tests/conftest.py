@@ -92,17 +92,15 @@ def free_port() -> int:
         return port
 
 
-class Server:
-    """One `spendgate serve` process."""
+#: The `[store]` keys of a test server besides the lease: a memory store.
+MEMORY = 'kind = "memory"'
 
-    def __init__(self, binary: Path, limits: Dict[str, str], run: str, extra: str) -> None:
-        self.dir = tempfile.TemporaryDirectory(prefix="spendgate-py-")
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        sections = "".join(f"\n[limits.{k}]\n{v}" for k, v in {**DEFAULT_LIMITS, **limits}.items())
-        config = f"""
+
+def render_config(port: int, limits: Dict[str, str], run: str, extra: str, store: str) -> str:
+    sections = "".join(f"\n[limits.{k}]\n{v}" for k, v in {**DEFAULT_LIMITS, **limits}.items())
+    return f"""
 [server]
-listen = "127.0.0.1:{self.port}"
+listen = "127.0.0.1:{port}"
 service_tokens = ["env:SPENDGATE_SERVICE_TOKEN"]
 admin_tokens = ["env:SPENDGATE_ADMIN_TOKEN"]
 
@@ -113,7 +111,7 @@ create_rate_per_ip = "100000/second"
 create_rate_global = "100000/second"
 
 [store]
-kind = "memory"
+{store}
 lease_ttl_s = {LEASE_TTL_S}
 {sections}
 [run]
@@ -121,15 +119,36 @@ lease_ttl_s = {LEASE_TTL_S}
 {PRICES}
 {extra}
 """
+
+
+class Server:
+    """One `spendgate serve` process (on a Redis store: after `spendgate store init`)."""
+
+    def __init__(
+        self, binary: Path, limits: Dict[str, str], run: str, extra: str, store: str = MEMORY
+    ) -> None:
+        self.dir = tempfile.TemporaryDirectory(prefix="spendgate-py-")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         path = Path(self.dir.name) / "spendgate.toml"
-        path.write_text(config)
-        self.log = open(Path(self.dir.name) / "log", "w+b")
         env = {
             **os.environ,
             "SPENDGATE_SERVICE_TOKEN": SERVICE,
             "SPENDGATE_ADMIN_TOKEN": ADMIN,
             "RUST_LOG": "warn",
         }
+        if 'kind = "redis"' in store:
+            # as an operator does once for a new Redis deployment: the ledger id to pin
+            path.write_text(render_config(self.port, limits, run, extra, store))
+            init = subprocess.run(
+                [str(binary), "store", "init", "--config", str(path)],
+                env=env, capture_output=True, text=True, timeout=120,
+            )
+            ids = [ln for ln in init.stdout.splitlines() if ln.startswith("ledger_id = ")]
+            assert init.returncode == 0 and ids, f"store init: {init.stdout}{init.stderr}"
+            store += "\n" + ids[-1]
+        path.write_text(render_config(self.port, limits, run, extra, store))
+        self.log = open(Path(self.dir.name) / "log", "w+b")
         self.proc = subprocess.Popen(
             [str(binary), "serve", "--config", str(path)],
             env=env, stdout=self.log, stderr=subprocess.STDOUT,
@@ -197,9 +216,12 @@ def _starter(spendgate_bin: Path) -> Iterator[StartServer]:
     started: List[Server] = []
 
     def start(
-        limits: Optional[Dict[str, str]] = None, run: str = DEFAULT_RUN, extra: str = ""
+        limits: Optional[Dict[str, str]] = None,
+        run: str = DEFAULT_RUN,
+        extra: str = "",
+        store: str = MEMORY,
     ) -> Server:
-        s = Server(spendgate_bin, limits or {}, run, extra)
+        s = Server(spendgate_bin, limits or {}, run, extra, store)
         started.append(s)
         return s
 
@@ -225,3 +247,49 @@ def server(spendgate_bin: Path) -> Iterator[Server]:
 @pytest.fixture
 def python() -> str:
     return sys.executable
+
+
+#: Where the store-failure test finds a Redis server (scripts/test.sh installs it).
+REDIS_SERVER = os.environ.get("SPENDGATE_REDIS_SERVER", "redis-server")
+
+
+class Redis:
+    """A private `redis-server` on a free loopback port, without persistence."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.TemporaryDirectory(prefix="spendgate-py-redis-")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        try:
+            self.proc = subprocess.Popen(
+                [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no", "--dir", self.dir.name],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"no {REDIS_SERVER} (the store-failure test needs one): apt-get install "
+                "redis-server, or set SPENDGATE_REDIS_SERVER"
+            ) from None
+        deadline = time.monotonic() + START_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("redis-server did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.dir.cleanup()
+
+
+@pytest.fixture
+def redis() -> Iterator[Redis]:
+    r = Redis()
+    yield r
+    r.stop()

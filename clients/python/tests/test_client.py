@@ -28,10 +28,11 @@ from spendgate import (
     ReservationClosed,
     RunBoundExceeded,
     SpendgateRefusal,
+    StoreUnavailable,
     UnresolvedStepWarning,
 )
 
-from conftest import LEASE_TTL_S, SERVICE, Server, StartServer
+from conftest import LEASE_TTL_S, SERVICE, Redis, Server, StartServer
 
 IP = "203.0.113.7"
 MODEL = "gpt-4o-mini"
@@ -351,3 +352,27 @@ def test_a_killed_agent_s_held_step_expires_and_is_charged_in_full(
 def _paths() -> List[str]:
     src = str(Path(spendgate.__file__).resolve().parents[1])
     return [src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def test_a_store_that_cannot_answer_raises_store_unavailable(
+    start_server: StartServer, redis: Redis
+) -> None:
+    store = f'kind = "redis"\nurl = "{redis.url}"\nprefix = "pyclient"\nwitness_path = "off"'
+    server = start_server(store=store)
+    with client(server, max_retries=0) as sg:
+        guest = sg.session(client_ip=IP).session
+        run = sg.run(guest, IP, "c1", "hi")
+        run.open()
+        with run.tool_step("web_search") as step:
+            step.commit_units(1)
+        redis.stop()  # the store is gone
+        with pytest.raises(StoreUnavailable) as e:
+            run.tool_step("web_search").open()
+        assert not isinstance(e.value, SpendgateRefusal)
+        assert (e.value.status, e.value.code) == (503, "store_unavailable")
+        assert e.value.retry_after_s == 1
+        with pytest.raises(StoreUnavailable):
+            sg.run(guest, IP, "c2", "hi").open()
+        # leaving a run block cannot finish it either: the error says so
+        with pytest.raises(StoreUnavailable):
+            run.__exit__(None, None, None)

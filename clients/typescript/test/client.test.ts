@@ -20,11 +20,12 @@ import {
   ReservationClosed,
   RunBoundExceeded,
   SpendgateRefusal,
+  StoreUnavailable,
   type Run,
   type UsageAnswer,
   type UsageScope,
 } from "../src/index.js";
-import { LEASE_TTL_S, SERVICE, Server } from "./server.js";
+import { LEASE_TTL_S, Redis, SERVICE, Server } from "./server.js";
 
 const IP = "203.0.113.7";
 const MODEL = "gpt-4o-mini";
@@ -321,5 +322,33 @@ describe("rate, concurrency, run bound and cutoff refusals", () => {
       assert.ok(e instanceof CutoffEngaged && e.retryAfterS === 60);
       return isRefusal(503, "cutoff_engaged", "global")(e);
     });
+  });
+});
+
+describe("a store that cannot answer", () => {
+  let redis: Redis;
+  let server: Server;
+  before(async () => {
+    redis = await Redis.start();
+    server = await Server.start({ store: `kind = "redis"\nurl = "${redis.url}"\nprefix = "tsclient"\nwitness_path = "off"` });
+  });
+  after(async () => {
+    await server?.stop();
+    await redis?.stop();
+  });
+
+  it("throws StoreUnavailable, which is not a refusal", async () => {
+    const sg = new Client({ baseUrl: server.url, serviceToken: SERVICE, maxRetries: 0 });
+    const session = await guest(sg);
+    const run = await sg.run({ session, clientIp: IP, conversation: "s", inputText: "hi" });
+    await run.withToolStep({ tool: "web_search" }, (s) => s.commitUnits(1));
+    await redis.stop(); // the store is gone
+    await assert.rejects(run.toolStep({ tool: "web_search" }), (e) => {
+      assert.ok(e instanceof StoreUnavailable && !(e instanceof SpendgateRefusal));
+      assert.deepEqual([e.status, e.code, e.retryAfterS], [503, "store_unavailable", 1]);
+      return true;
+    });
+    await assert.rejects(sg.run({ session, clientIp: IP, conversation: "s2", inputText: "hi" }), StoreUnavailable);
+    await assert.rejects(run.finish(), StoreUnavailable);
   });
 });

@@ -4,7 +4,7 @@
 
 import { execFileSync, spawn, type ChildProcess } from "node:child_process";
 import { mkdtempSync, rmSync, writeFileSync, existsSync } from "node:fs";
-import { createServer } from "node:net";
+import { connect, createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -80,6 +80,9 @@ function freePort(): Promise<number> {
 export interface ServerOptions {
   limits?: Record<string, string>;
   run?: string;
+  /** `[store]` keys besides the lease (default: a memory store); a Redis store is initialised
+   * first with `spendgate store init`, as an operator does, and pinned to its ledger id. */
+  store?: string;
 }
 
 export class Server {
@@ -97,7 +100,10 @@ export class Server {
     const sections = Object.entries(limits)
       .map(([k, v]) => `\n[limits.${k}]\n${v}`)
       .join("");
-    const config = `
+    const env = { ...process.env, SPENDGATE_SERVICE_TOKEN: SERVICE, SPENDGATE_ADMIN_TOKEN: ADMIN, RUST_LOG: "warn" };
+    const path = join(dir, "spendgate.toml");
+    let store = opts.store ?? 'kind = "memory"';
+    const render = () => `
 [server]
 listen = "127.0.0.1:${port}"
 service_tokens = ["env:SPENDGATE_SERVICE_TOKEN"]
@@ -110,17 +116,23 @@ create_rate_per_ip = "100000/second"
 create_rate_global = "100000/second"
 
 [store]
-kind = "memory"
+${store}
 lease_ttl_s = ${LEASE_TTL_S}
 ${sections}
 [run]
 ${opts.run ?? DEFAULT_RUN}
 ${PRICES}
 `;
-    const path = join(dir, "spendgate.toml");
-    writeFileSync(path, config);
+    if (store.includes('kind = "redis"')) {
+      writeFileSync(path, render());
+      const out = execFileSync(spendgateBinary(), ["store", "init", "--config", path], { env, encoding: "utf8" });
+      const id = out.split("\n").filter((l) => l.startsWith("ledger_id = ")).pop();
+      if (!id) throw new Error(`store init printed no ledger id: ${out}`);
+      store += `\n${id}`;
+    }
+    writeFileSync(path, render());
     const proc = spawn(spendgateBinary(), ["serve", "--config", path], {
-      env: { ...process.env, SPENDGATE_SERVICE_TOKEN: SERVICE, SPENDGATE_ADMIN_TOKEN: ADMIN, RUST_LOG: "warn" },
+      env,
       stdio: ["ignore", "pipe", "pipe"],
     });
     let out = "";
@@ -185,5 +197,54 @@ ${PRICES}
       await new Promise((r) => setTimeout(r, 100));
     }
     throw new Error(`step ${stepId} not ${state} after ${limitMs} ms: ${JSON.stringify(row)}`);
+  }
+}
+
+/** A private `redis-server` on a free loopback port, without persistence
+ * (`$SPENDGATE_REDIS_SERVER`, else `redis-server` on PATH; scripts/test.sh installs it). */
+export class Redis {
+  private constructor(
+    readonly url: string,
+    private readonly proc: ChildProcess,
+    private readonly dir: string,
+  ) {}
+
+  static async start(): Promise<Redis> {
+    const port = await freePort();
+    const dir = mkdtempSync(join(tmpdir(), "spendgate-ts-redis-"));
+    const bin = process.env.SPENDGATE_REDIS_SERVER || "redis-server";
+    const proc = spawn(bin, ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", dir], {
+      stdio: "ignore",
+    });
+    const failed = new Promise<Error>((ok) =>
+      proc.once("error", () =>
+        ok(new Error(`no ${bin} (the store-failure test needs one): apt-get install redis-server, or set SPENDGATE_REDIS_SERVER`)),
+      ),
+    );
+    const r = new Redis(`redis://127.0.0.1:${port}/0`, proc, dir);
+    const deadline = Date.now() + START_WAIT_MS;
+    while (Date.now() < deadline) {
+      const up = await Promise.race([
+        failed,
+        new Promise<boolean>((ok) => {
+          const c = connect(port, "127.0.0.1", () => (c.end(), ok(true)));
+          c.once("error", () => ok(false));
+        }),
+      ]);
+      if (up instanceof Error) throw up;
+      if (up) return r;
+      await new Promise((res) => setTimeout(res, 50));
+    }
+    await r.stop();
+    throw new Error("redis-server did not start");
+  }
+
+  async stop(): Promise<void> {
+    if (this.proc.exitCode === null && this.proc.signalCode === null) {
+      const exited = new Promise((r) => this.proc.once("exit", r));
+      this.proc.kill("SIGKILL");
+      await exited;
+    }
+    rmSync(this.dir, { recursive: true, force: true });
   }
 }

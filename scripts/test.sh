@@ -42,9 +42,10 @@ fi
 "$VENV/bin/python" -c 'import schemathesis' 2>/dev/null \
   || "$VENV/bin/pip" install -q 'schemathesis==4.32.5'
 # The Python client's tests (clients/python, run by crates/spendgate/tests/it/clients.rs):
-# httpx and pytest, and setuptools to pip-install the client from the repository.
-"$VENV/bin/python" -c 'import httpx, pytest, setuptools' 2>/dev/null \
-  || "$VENV/bin/pip" install -q 'httpx>=0.24,<1' 'pytest>=7' 'setuptools>=61'
+# httpx and pytest, and setuptools and wheel to pip-install the client from the repository
+# without fetching a build backend.
+"$VENV/bin/python" -c 'import httpx, pytest, setuptools, wheel' 2>/dev/null \
+  || "$VENV/bin/pip" install -q 'httpx>=0.24,<1' 'pytest>=7' 'setuptools>=61' wheel
 export SPENDGATE_TEST_PYTHON="$PWD/$VENV/bin/python"
 
 # The TypeScript client's tests (clients/typescript): Node 20 or later with npm, and its dev

@@ -2,7 +2,7 @@
 //! build of the binary: each starts its servers from `SPENDGATE_BIN`, including the killed
 //! agent whose held step expires and is charged in full.
 //!
-//! What they need (httpx, pytest and setuptools in `SPENDGATE_TEST_PYTHON`; Node 20 with
+//! What they need (httpx, pytest, setuptools and wheel in `SPENDGATE_TEST_PYTHON`; Node 20 with
 //! `npm ci` done in clients/typescript) is installed by scripts/test.sh. A missing one fails
 //! with the command that installs it; nothing is skipped.
 
@@ -106,10 +106,10 @@ fn install_python_client(python: &Path, into: &Path) -> PathBuf {
 fn python_client_suite_passes_against_the_binary() {
     let python = test_python();
     assert!(
-        python_has(&python, "httpx, pytest, setuptools"),
-        "{} lacks httpx, pytest or setuptools (the Python client's tests need them): \
+        python_has(&python, "httpx, pytest, setuptools, wheel"),
+        "{} lacks httpx, pytest, setuptools or wheel (the Python client's tests need them): \
          scripts/test.sh installs them, or run: {} -m pip install 'httpx>=0.24,<1' 'pytest>=7' \
-         'setuptools>=61'",
+         'setuptools>=61' wheel",
         python.display(),
         python.display()
     );

@@ -9,7 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, List
+from typing import Any, Dict, List, Optional
 
 import httpx
 import pytest
@@ -291,7 +291,7 @@ def test_a_lost_answer_is_retried_with_the_same_idempotency_key(server: Server) 
                 g = sg.usage(session=guest).find("session")
                 assert g is not None and g.reserved_micros == 210, "held once, not twice"
                 step.commit(prompt_tokens=1000, completion_tokens=50)
-        keys = {}
+        keys: Dict[str, List[Optional[str]]] = {}
         for r in transport.seen:
             if r.url.path == "/v1/runs" or r.url.path.endswith("/steps"):
                 keys.setdefault(r.url.path, []).append(r.headers.get("idempotency-key"))
@@ -302,7 +302,9 @@ def test_a_lost_answer_is_retried_with_the_same_idempotency_key(server: Server) 
         assert g is not None and (g.used_micros, g.reserved_micros) == (180, 0)
 
 
-def wait_for_state(server: Server, step_id: str, state: str, limit_s: float = 15.0) -> dict:
+def wait_for_state(
+    server: Server, step_id: str, state: str, limit_s: float = 15.0
+) -> Dict[str, Any]:
     deadline = time.monotonic() + limit_s
     row = None
     while time.monotonic() < deadline:

@@ -105,6 +105,7 @@ class AsyncClient:
         attempt = 0
         while True:
             err: Optional[SpendgateError]
+            last: SpendgateError
             try:
                 r = await self._http.request(
                     method, self._base + path, json=body, headers=headers, params=params

@@ -88,7 +88,7 @@ def should_retry(policy: str, err: Optional[SpendgateError]) -> bool:
 
 
 def retry_wait(attempt: int, err: Optional[SpendgateError]) -> float:
-    wait = RETRY_BACKOFF_S * (2**attempt)
+    wait: float = RETRY_BACKOFF_S * (2.0**attempt)
     if err is not None and err.retry_after_s is not None:
         wait = max(wait, float(err.retry_after_s))
     return min(wait, RETRY_WAIT_MAX_S)

@@ -112,6 +112,7 @@ class Client:
         attempt = 0
         while True:
             err: Optional[SpendgateError]
+            last: SpendgateError
             try:
                 r = self._http.request(
                     method, self._base + path, json=body, headers=headers, params=params

@@ -3,7 +3,8 @@
 # (redis-server for the tests that start their own Redis, and a Valkey server; PostgreSQL's
 # server binaries for the history's tests; Chromium and its driver for the
 # page test; a Python virtualenv with the official `openai` package for the proxy's
-# real-client tests and `selenium` for the page test), then checks formatting and lints and
+# real-client tests and `selenium` for the page test; httpx and pytest for the Python client,
+# Node and npm for the TypeScript client), then checks formatting and lints and
 # runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -44,7 +45,20 @@ fi
 # and checks change between releases).
 "$VENV/bin/python" -c 'import schemathesis' 2>/dev/null \
   || "$VENV/bin/pip" install -q 'schemathesis==4.32.5'
+# The Python client's tests (clients/python, run by crates/spendgate/tests/it/clients.rs):
+# httpx and pytest, and setuptools and wheel to pip-install the client from the repository
+# without fetching a build backend.
+"$VENV/bin/python" -c 'import httpx, pytest, setuptools, wheel' 2>/dev/null \
+  || "$VENV/bin/pip" install -q 'httpx>=0.24,<1' 'pytest>=7' 'setuptools>=61' wheel
 export SPENDGATE_TEST_PYTHON="$PWD/$VENV/bin/python"
+
+# The TypeScript client's tests (clients/typescript): Node 20 or later with npm, and its dev
+# dependencies from package-lock.json (again only when the lock file changed).
+command -v npm >/dev/null 2>&1 || apt_install nodejs npm
+if ! cmp -s clients/typescript/package-lock.json clients/typescript/node_modules/.spendgate-lock; then
+  (cd clients/typescript && npm ci --no-audit --no-fund --silent \
+    && cp package-lock.json node_modules/.spendgate-lock)
+fi
 
 rustup component list --installed 2>/dev/null | grep -q rustfmt || rustup component add rustfmt clippy || true
 

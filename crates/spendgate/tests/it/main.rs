@@ -9,6 +9,7 @@ mod harness;
 mod alerts;
 mod capacity;
 mod cli;
+mod clients;
 mod decision_api;
 mod drift;
 mod history;

@@ -36,6 +36,7 @@ pub mod bounds;
 pub mod caller;
 pub mod chat;
 pub mod guard;
+pub mod messages;
 pub mod prompt;
 pub mod sse;
 pub mod upstream;
@@ -59,15 +60,20 @@ pub use spendgate_http::state::UPSTREAM_IDLE_CONNECTIONS_MAX;
 pub use sse::{CUT_DRAIN_BYTES_MAX, CUT_DRAIN_MAX};
 
 /// The proxy's routes, to merge with [`spendgate_http::router`]'s (the layers there apply):
-/// `POST /v1/chat/completions`, JSON only, with its own body bound.
+/// `POST /v1/chat/completions` and `POST /v1/messages` (its errors in Anthropic's shape:
+/// [`messages::anthropic_errors`]), JSON only, with their own body bound.
 pub fn routes() -> Router<Shared> {
+    let json = || axum::middleware::from_fn_with_state(JsonRule::Always, require_json);
     Router::new()
         .route(
             "/v1/chat/completions",
-            post(chat_completions).route_layer(axum::middleware::from_fn_with_state(
-                JsonRule::Always,
-                require_json,
-            )),
+            post(chat_completions).route_layer(json()),
+        )
+        .route(
+            "/v1/messages",
+            post(messages::messages)
+                .route_layer(json())
+                .route_layer(axum::middleware::from_fn(messages::anthropic_errors)),
         )
         .layer(DefaultBodyLimit::max(PROXY_BODY_BYTES_MAX))
 }

@@ -7,7 +7,7 @@ use crate::raw::{
 };
 use crate::text::amount_text;
 use crate::types::{
-    AlertsConfig, ModelConfig, OutputBoundField, Secret, Tokenizer, UpstreamConfig,
+    AlertsConfig, ModelConfig, OutputBoundField, Secret, Tokenizer, UpstreamApi, UpstreamConfig,
 };
 use crate::{MOCK_UPSTREAM, TABLE_LEN_MAX, THRESHOLD_PERMILLE_MAX};
 use spendgate_core::{
@@ -172,6 +172,12 @@ impl Validator<'_, '_> {
                 },
             };
             let timeout_s = self.int(&p.key("timeout_s"), u.timeout_s)?;
+            let api = self.one_of(
+                &p.key("api"),
+                &u.api,
+                &[UpstreamApi::OpenAi, UpstreamApi::Anthropic],
+                UpstreamApi::name,
+            )?;
             out.insert(
                 name.clone(),
                 UpstreamConfig {
@@ -179,6 +185,7 @@ impl Validator<'_, '_> {
                     api_key,
                     timeout: Duration::from_secs(timeout_s),
                     release_on_error: u.release_on_error,
+                    api,
                 },
             );
         }
@@ -244,6 +251,21 @@ impl Validator<'_, '_> {
                     ),
                 ));
             }
+            let cache_write = match &m.cache_write_per_million {
+                Some(a) => self.amount(&p.key("cache_write_per_million"), a)?,
+                None => Micros(input.0.saturating_mul(2)),
+            };
+            if cache_write < input {
+                return Err(self.err(
+                    &p.key("cache_write_per_million"),
+                    format!(
+                        "{} is less than input_per_million ({}): a prompt token written \
+                         to the cache is charged at least as an input token",
+                        amount_text(cache_write),
+                        amount_text(input)
+                    ),
+                ));
+            }
             let tokenizer = self.one_of(
                 &p.key("tokenizer"),
                 &m.tokenizer,
@@ -278,6 +300,7 @@ impl Validator<'_, '_> {
                     tokenizer,
                     upstream_model: m.upstream_model.clone(),
                     output_bound_field,
+                    cache_write_per_million: cache_write,
                 },
             );
         }

@@ -646,3 +646,215 @@ pub(crate) fn upstream_headers(
         .unwrap_or(ANTHROPIC_VERSION);
     builder.header("anthropic-version", version)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::answer::{read_answer_in, Dialect};
+    use crate::sse::SseTap;
+    use spendgate_tokens::Tokenizer;
+
+    fn price(input: u64, cached: u64, output: u64) -> ModelPrice {
+        ModelPrice {
+            input_per_million: Micros(input),
+            cached_input_per_million: Micros(cached),
+            output_per_million: Micros(output),
+        }
+    }
+
+    fn pricing(caching: bool) -> Pricing {
+        let model = price(10_000_000, 1_000_000, 30_000_000);
+        Pricing {
+            step: step_price(model, Micros(25_000_000), caching),
+            input: model.input_per_million,
+            cache_write: Micros(25_000_000),
+        }
+    }
+
+    fn usage(input: u64, write: u64, read: u64, output: u64) -> Usage {
+        Usage {
+            input: Some(input),
+            cache_write: Some(write),
+            cache_read: Some(read),
+            output: Some(output),
+        }
+    }
+
+    /// Exact without caching; with it, never below the exact cost and at most one token at
+    /// the cache write price above it.
+    #[test]
+    fn every_class_is_priced_never_below_its_cost() {
+        let exact = |u: Usage| {
+            let n = u.input.unwrap_or(0) * 10_000_000
+                + u.cache_write.unwrap_or(0) * 25_000_000
+                + u.cache_read.unwrap_or(0) * 1_000_000
+                + u.output.unwrap_or(0) * 30_000_000;
+            n.div_ceil(1_000_000)
+        };
+        for caching in [false, true] {
+            let p = pricing(caching);
+            for u in [
+                usage(7, 0, 0, 3),
+                usage(33, 20, 7, 10),
+                usage(1, 1, 1, 1),
+                usage(0, 0, 0, 0),
+            ] {
+                let charged = p.step.charge(&p.tokens(u).expect("usable")).0;
+                assert!(charged >= exact(u), "{u:?} {caching}");
+                assert!(charged <= exact(u) + 25, "{u:?} {caching}");
+                if !caching && u.cache_write == Some(0) {
+                    assert_eq!(charged, exact(u), "{u:?}");
+                }
+            }
+        }
+        assert_eq!(pricing(false).tokens(Usage::default()), None);
+        let no_input = Usage {
+            input: None,
+            ..usage(0, 0, 0, 5)
+        };
+        assert_eq!(pricing(false).tokens(no_input), None, "input unknown");
+    }
+
+    #[test]
+    fn the_prompt_is_counted_and_unpriced_inputs_are_refused() {
+        let body = json!({"model": "m", "max_tokens": 5, "system": "be brief",
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"},
+                {"type": "tool_result", "tool_use_id": "t1", "content": "result!"}]}]});
+        let (p, cache) = prompt_texts(&body).expect("counted");
+        assert!(!cache);
+        assert!(p.texts.iter().any(|t| t.contains("be brief")));
+        assert_eq!(p.largest_tool_result, "result!\nt1".len() as u64 + 1);
+        for bad in [
+            json!({"type": "image", "source": {"type": "url", "url": "https://x/a.png"}}),
+            json!({"type": "document", "source": {}}),
+            json!({"type": "tool_result", "content": [{"type": "image", "source": {}}]}),
+        ] {
+            let body = json!({"model": "m", "max_tokens": 5,
+                "messages": [{"role": "user", "content": [bad]}]});
+            assert!(prompt_texts(&body).is_err(), "{body}");
+        }
+        let server_tool = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user",
+            "content": "hi"}], "tools": [{"type": "web_search_20250305", "name": "web_search"}]});
+        assert!(prompt_texts(&server_tool).is_err());
+        let cached = json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user",
+            "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]}]});
+        assert!(
+            prompt_texts(&cached).expect("counted").1,
+            "asks for caching"
+        );
+    }
+
+    #[test]
+    fn max_tokens_is_required_and_thinking_kept_under_it() {
+        let base = json!({"model": "m", "messages": []});
+        assert!(output_options(&base).is_err());
+        let mut body = json!({"model": "m", "max_tokens": 4000, "stream": true,
+            "thinking": {"type": "enabled", "budget_tokens": 3000}});
+        assert_eq!(output_options(&body).expect("ok"), (Some(4000), true));
+        let o = body.as_object_mut().expect("object");
+        clamp_thinking(o, 100);
+        assert_eq!(o["thinking"]["budget_tokens"], 99);
+        let bad = json!({"model": "m", "max_tokens": 10, "thinking": {"type": "enabled"}});
+        assert!(output_options(&bad).is_err());
+    }
+
+    fn feed(tap: &mut SseTap, events: &[Value]) {
+        for e in events {
+            let kind = e["type"].as_str().unwrap_or("");
+            let _ = tap.feed(Bytes::from(format!("event: {kind}\ndata: {e}\n\n")));
+        }
+    }
+
+    /// A stream's usage: `message_start`'s raised by `message_delta`'s, trusted after
+    /// `message_stop`; not after content that follows it, nor after an error event.
+    #[test]
+    fn a_streams_usage_is_trusted_at_its_end_only() {
+        let p = pricing(false);
+        let tap = || SseTap::new(false, Tokenizer::Bytes, 1000).in_dialect(Dialect::Messages(p));
+        let start = json!({"type": "message_start", "message": {"type": "message",
+            "usage": {"input_tokens": 9, "output_tokens": 1}}});
+        let delta = json!({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": "tok0 tok1"}});
+        let end = json!({"type": "message_delta", "delta": {"stop_reason": "end_turn"},
+            "usage": {"output_tokens": 2}});
+        let stop = json!({"type": "message_stop"});
+        let mut t = tap();
+        feed(
+            &mut t,
+            &[start.clone(), delta.clone(), end.clone(), stop.clone()],
+        );
+        let want = TokenUsage {
+            prompt_tokens: 9,
+            completion_tokens: 2,
+            cached_tokens: 0,
+        };
+        assert_eq!(t.end_usage(), Some(want));
+        assert_eq!(t.final_usage(), Some(want), "settled by message_delta");
+        let mut t = tap();
+        feed(&mut t, &[start.clone(), delta.clone()]);
+        assert_eq!(t.end_usage(), None, "content after message_start's usage");
+        let mut t = tap();
+        feed(
+            &mut t,
+            &[
+                start.clone(),
+                delta.clone(),
+                end.clone(),
+                delta.clone(),
+                stop.clone(),
+            ],
+        );
+        assert_eq!(t.end_usage(), None, "content after the final usage");
+        let mut t = tap();
+        let error = json!({"type": "error", "error": {"type": "overloaded_error"}});
+        feed(&mut t, &[start, delta, error, end, stop]);
+        assert_eq!(t.end_usage(), None, "an error event");
+        assert!(t
+            .error_event(ErrorCode::UpstreamError, "x")
+            .starts_with(b"event: error\n"));
+    }
+
+    /// A whole answer past its bound is cut to it: its text shortened, a tool use whose
+    /// input was cut removed, `stop_reason: "max_tokens"`.
+    #[test]
+    fn a_whole_answer_past_its_bound_is_cut() {
+        let words: String = (0..300).map(|i| format!("tok{i} ")).collect();
+        let answer = json!({"type": "message", "content": [{"type": "text", "text": words},
+            {"type": "tool_use", "id": "t", "name": "f", "input": {"q": words}}],
+            "stop_reason": "end_turn", "usage": {"input_tokens": 3, "output_tokens": 600}});
+        let a = read_answer_in(
+            Dialect::Messages(pricing(false)),
+            Tokenizer::Bytes,
+            20,
+            Bytes::from(answer.to_string()),
+        );
+        assert!(a.cut);
+        assert_eq!(a.usage.map(|u| u.completion_tokens), Some(600));
+        let v: Value = serde_json::from_slice(&a.body).expect("json");
+        assert_eq!(v["stop_reason"], "max_tokens");
+        let content = v["content"].as_array().expect("content");
+        assert_eq!(content.len(), 1, "the cut tool use is removed: {v}");
+        assert!(content[0]["text"].as_str().expect("text").len() < 200);
+    }
+
+    #[test]
+    fn errors_take_anthropics_types() {
+        assert_eq!(
+            error_type(StatusCode::TOO_MANY_REQUESTS),
+            "rate_limit_error"
+        );
+        assert_eq!(
+            error_type(StatusCode::UNSUPPORTED_MEDIA_TYPE),
+            "invalid_request_error"
+        );
+        assert_eq!(error_type(StatusCode::SERVICE_UNAVAILABLE), "api_error");
+        let b = error_body(
+            StatusCode::BAD_REQUEST,
+            "context_too_large",
+            "m",
+            &Value::Null,
+        );
+        assert_eq!(b["type"], "error");
+        assert_eq!(b["error"]["code"], "context_too_large");
+    }
+}

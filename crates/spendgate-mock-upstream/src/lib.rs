@@ -145,6 +145,14 @@
 //! and stamps are for chat completions only. The stats count the same way (`by_shape` counts
 //! requests per shape), and each tagged record names its `shape`.
 //!
+//! # Embeddings
+//! `POST /v1/embeddings` answers `{"object": "list", "data": [one embedding of 8 numbers per
+//! input], "model", "usage": {"prompt_tokens", "total_tokens"}}`: the prompt is each input
+//! string's `ceil(bytes / 4)` and each token array's length. Its faults: the error statuses,
+//! `hang`, `drop_mid_stream` (the connection aborted), `no_usage`, and `usage_over` (10
+//! prompt tokens more, reported and counted); the others behave. Its requests count under
+//! `by_shape["embeddings"]`, its prompt tokens as the others'.
+//!
 //! # Per-request ground truth
 //! A request with the header `x-mock-tag: T` (1 to 128 bytes of ASCII) has what was served
 //! for it recorded under `T` ([`Served`]): the prompt, cached and completion tokens counted as
@@ -156,6 +164,7 @@
 
 #![forbid(unsafe_code)]
 
+mod embeddings;
 mod messages;
 mod served;
 mod stream;
@@ -332,6 +341,7 @@ impl MockUpstream {
         Router::new()
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/messages", post(messages))
+            .route("/v1/embeddings", post(embeddings_handler))
             .route("/v1/models", get(models))
             .route("/mock/stats", get(stats_handler))
             .route("/mock/reset", post(reset_handler))
@@ -481,6 +491,8 @@ pub(crate) enum Shape {
     Chat,
     /// `POST /v1/messages`
     Messages,
+    /// `POST /v1/embeddings`
+    Embeddings,
 }
 
 impl Shape {
@@ -493,6 +505,7 @@ impl Shape {
                 Err("max_tokens: Field required".to_owned())
             }
             Shape::Messages => Ok(messages::prompt_tokens(body)),
+            Shape::Embeddings => embeddings::prompt_tokens(body),
         }
     }
 
@@ -500,6 +513,7 @@ impl Shape {
         match self {
             Shape::Chat => "chat",
             Shape::Messages => "messages",
+            Shape::Embeddings => "embeddings",
         }
     }
 }
@@ -586,6 +600,8 @@ pub(crate) struct Plan {
     pub(crate) cached_tokens: u64,
     /// Prompt tokens written to the cache (Messages), within `prompt_tokens`.
     pub(crate) cache_write_tokens: u64,
+    /// The inputs of an embeddings request (one embedding each).
+    pub(crate) inputs: usize,
     /// Tokens generated and reported.
     pub(crate) completion_tokens: u64,
     pub(crate) finish_reason: &'static str,
@@ -711,7 +727,7 @@ fn plan_shaped(
     if !body.is_object() {
         return Err("the request body must be a JSON object".to_owned());
     }
-    if !body.get("messages").is_some_and(Value::is_array) {
+    if shape != Shape::Embeddings && !body.get("messages").is_some_and(Value::is_array) {
         return Err("messages must be an array".to_owned());
     }
     let model = match body.get("model") {
@@ -782,6 +798,7 @@ fn plan_shaped(
         id: match shape {
             Shape::Chat => format!("chatcmpl-mock-{seq}"),
             Shape::Messages => format!("msg_mock_{seq}"),
+            Shape::Embeddings => format!("emb-mock-{seq}"),
         },
         call_id: format!("call_mock_{seq}"),
         created,
@@ -793,6 +810,7 @@ fn plan_shaped(
         prompt_tokens,
         cached_tokens,
         cache_write_tokens,
+        inputs: embeddings::count(body),
         completion_tokens,
         finish_reason,
         chunk_tokens: config.chunk_tokens.max(1),
@@ -856,10 +874,18 @@ async fn messages(
     handle(mock, Shape::Messages, headers, body).await
 }
 
+async fn embeddings_handler(
+    State(mock): State<MockUpstream>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(mock, Shape::Embeddings, headers, body).await
+}
+
 /// A request refused before any fault mode applied, in its shape's error shape.
 fn refused(shape: Shape, status: StatusCode, message: &str) -> Response {
     match shape {
-        Shape::Chat => invalid_request(status, message),
+        Shape::Chat | Shape::Embeddings => invalid_request(status, message),
         Shape::Messages => messages::error_response(status, "invalid_request_error", message),
     }
 }
@@ -931,8 +957,10 @@ async fn handle(
 
 /// The answer to a planned request, after its latency.
 async fn answer(mock: MockUpstream, plan: Plan) -> Response {
-    if plan.shape == Shape::Messages {
-        return messages::answer(mock, plan).await;
+    match plan.shape {
+        Shape::Messages => return messages::answer(mock, plan).await,
+        Shape::Embeddings => return embeddings::answer(mock, plan).await,
+        Shape::Chat => {}
     }
     match plan.fault {
         Fault::Http429 => {

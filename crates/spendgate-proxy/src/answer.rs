@@ -14,6 +14,8 @@ use spendgate_tokens::{OutputCounter, OutputTally, Tokenizer};
 pub(crate) enum Dialect {
     Chat,
     Messages(messages::Pricing),
+    /// `/v1/embeddings`: no output, a usage of prompt tokens.
+    Embeddings,
 }
 
 impl Dialect {
@@ -22,6 +24,7 @@ impl Dialect {
         match self {
             Dialect::Chat => each_output_text(v, f),
             Dialect::Messages(_) => messages::each_output_text(v, f),
+            Dialect::Embeddings => {}
         }
     }
 
@@ -30,6 +33,7 @@ impl Dialect {
         match self {
             Dialect::Chat => usage_of(v),
             Dialect::Messages(p) => messages::usage_in(v).and_then(|u| p.tokens(u)),
+            Dialect::Embeddings => crate::embeddings::usage_of(v),
         }
     }
 
@@ -41,6 +45,7 @@ impl Dialect {
                 v.get("type").and_then(Value::as_str) == Some("message")
                     && v.get("content").is_some_and(Value::is_array)
             }
+            Dialect::Embeddings => crate::embeddings::is_answer(v),
         }
     }
 }

@@ -13,13 +13,13 @@ use crate::answer::{read_answer_in, Dialect, WholeAnswer};
 use crate::bounds::NO_WORK_STATUSES;
 use crate::caller::{caller, Caller};
 use crate::guard::{Hold, StepGuard};
-use crate::messages;
 use crate::prompt::prompt_texts;
 use crate::sse::{relay as relay_sse, SseTap};
 use crate::upstream::{
     abandon, extra_only, fail, note_resolution, pass_headers, read_capped, redact,
     FORWARDED_HEADERS,
 };
+use crate::{embeddings, messages};
 use axum::body::Body as AxumBody;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -51,6 +51,15 @@ pub async fn chat_completions(
     proxy(state, peer, request, Shape::Chat).await
 }
 
+/// `POST /v1/embeddings`.
+pub async fn embeddings(
+    State(state): State<Shared>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    request: axum::extract::Request,
+) -> ApiResult<Response> {
+    proxy(state, peer, request, Shape::Embeddings).await
+}
+
 /// The API shape a call came in (its route).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Shape {
@@ -58,6 +67,8 @@ pub(crate) enum Shape {
     Chat,
     /// `POST /v1/messages`
     Messages,
+    /// `POST /v1/embeddings`
+    Embeddings,
 }
 
 impl Shape {
@@ -66,6 +77,7 @@ impl Shape {
         match self {
             Shape::Chat => "/chat/completions",
             Shape::Messages => "/messages",
+            Shape::Embeddings => "/embeddings",
         }
     }
 
@@ -75,7 +87,7 @@ impl Shape {
         matches!(
             (self, api),
             (_, None)
-                | (Shape::Chat, Some(UpstreamApi::OpenAi))
+                | (Shape::Chat | Shape::Embeddings, Some(UpstreamApi::OpenAi))
                 | (Shape::Messages, Some(UpstreamApi::Anthropic))
         )
     }
@@ -205,6 +217,11 @@ async fn plan(state: &AppState, call: &Call) -> ApiResult<Plan> {
             };
             (texts, price, Dialect::Messages(pricing))
         }
+        Shape::Embeddings => (
+            embeddings::prompt_texts(&call.body)?,
+            call.model.price,
+            Dialect::Embeddings,
+        ),
     };
     let largest_tool_result = texts.largest_tool_result;
     // The operator's backend composes the history; a guest (browser-direct) writes all of it,
@@ -254,6 +271,7 @@ async fn plan(state: &AppState, call: &Call) -> ApiResult<Plan> {
     let (requested, stream) = match call.shape {
         Shape::Chat => output_options(&call.body)?,
         Shape::Messages => messages::output_options(&call.body)?,
+        Shape::Embeddings => embeddings::output_options(&call.body)?,
     };
     Ok(Plan {
         prompt,
@@ -477,6 +495,10 @@ fn prepare(state: &Shared, mut call: Call, plan: &Plan, admitted: Admitted) -> P
             messages::upstream_body(o, &call.model, plant::forwarded_bound(out, plan.requested));
             false
         }
+        (Some(o), Shape::Embeddings) => {
+            embeddings::upstream_body(o, call.model.upstream_model.as_ref());
+            false
+        }
         (None, _) => false,
     };
     let extra = step_headers(state, &admitted, out);
@@ -583,8 +605,10 @@ async fn forward(state: &AppState, p: Prepared, entered: Instant) -> Result<Sent
     call.body = Value::Null;
     let upstream = &call.upstream;
     builder = match call.shape {
-        Shape::Chat if !upstream.api_key.is_empty() => builder.bearer_auth(&upstream.api_key),
-        Shape::Chat => builder,
+        Shape::Chat | Shape::Embeddings if !upstream.api_key.is_empty() => {
+            builder.bearer_auth(&upstream.api_key)
+        }
+        Shape::Chat | Shape::Embeddings => builder,
         Shape::Messages => messages::upstream_headers(builder, &upstream.api_key, &call.headers),
     };
     // The mock's controls: from the operator's backend, or to the built-in mock (the demo);

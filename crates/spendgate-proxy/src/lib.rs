@@ -35,6 +35,7 @@ pub mod answer;
 pub mod bounds;
 pub mod caller;
 pub mod chat;
+pub mod embeddings;
 pub mod guard;
 pub mod messages;
 pub mod prompt;
@@ -60,7 +61,8 @@ pub use spendgate_http::state::UPSTREAM_IDLE_CONNECTIONS_MAX;
 pub use sse::{CUT_DRAIN_BYTES_MAX, CUT_DRAIN_MAX};
 
 /// The proxy's routes, to merge with [`spendgate_http::router`]'s (the layers there apply):
-/// `POST /v1/chat/completions` and `POST /v1/messages` (its errors in Anthropic's shape:
+/// `POST /v1/chat/completions`, `POST /v1/embeddings` and `POST /v1/messages` (its errors in
+/// Anthropic's shape:
 /// [`messages::anthropic_errors`]), JSON only, with their own body bound.
 pub fn routes() -> Router<Shared> {
     let json = || axum::middleware::from_fn_with_state(JsonRule::Always, require_json);
@@ -69,6 +71,7 @@ pub fn routes() -> Router<Shared> {
             "/v1/chat/completions",
             post(chat_completions).route_layer(json()),
         )
+        .route("/v1/embeddings", post(chat::embeddings).route_layer(json()))
         .route(
             "/v1/messages",
             post(messages::messages)

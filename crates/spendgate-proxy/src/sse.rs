@@ -97,7 +97,7 @@ impl SseTap {
     /// The event that ends a client's stream with an error, in the stream's shape.
     pub(crate) fn error_event(&self, code: ErrorCode, message: &str) -> Bytes {
         match self.dialect {
-            Dialect::Chat => sse_error(code, message, self.mid_line()),
+            Dialect::Chat | Dialect::Embeddings => sse_error(code, message, self.mid_line()),
             Dialect::Messages(_) => messages::sse_error(code, message, self.mid_line()),
         }
     }

@@ -33,14 +33,14 @@ command -v python3 >/dev/null 2>&1 || apt_install python3 python3-venv
 # A real browser for the test of the demo page and the dashboard.
 { command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || apt_install chromium chromium-driver
 
-# The official OpenAI Python client, for tests that drive the proxy with it; Selenium, for the
-# page test (given the browser and driver paths, it downloads nothing).
+# The official OpenAI and Anthropic Python clients, for tests that drive the proxy with them;
+# Selenium, for the page test (given the browser and driver paths, it downloads nothing).
 VENV=.venv
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV" 2>/dev/null || { apt_install python3-venv; python3 -m venv "$VENV"; }
 fi
-"$VENV/bin/python" -c 'import openai, selenium' 2>/dev/null \
-  || "$VENV/bin/pip" install -q 'openai>=1.40,<3' 'selenium>=4.20,<5'
+"$VENV/bin/python" -c 'import openai, selenium, anthropic' 2>/dev/null \
+  || "$VENV/bin/pip" install -q 'openai>=1.40,<3' 'selenium>=4.20,<5' 'anthropic>=0.40,<1'
 # schemathesis, which the API document's test runs against a live server (pinned: its CLI
 # and checks change between releases).
 "$VENV/bin/python" -c 'import schemathesis' 2>/dev/null \

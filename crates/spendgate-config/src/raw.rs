@@ -425,6 +425,11 @@ table! {
         /// price every prompt token at the input price). Absent: `input_per_million`.
         #[key(Ty::Amount)]
         cached_input_per_million: Option<RawAmount> = None,
+        /// Price of a million prompt tokens written to a prompt cache (Anthropic's
+        /// `cache_creation_input_tokens`), at least `input_per_million`. Absent: twice
+        /// `input_per_million` (the most Anthropic charges for a cache write).
+        #[key(Ty::Amount)]
+        cache_write_per_million: Option<RawAmount> = None,
         /// How prompts and relayed output are counted. `bytes`: one token per byte, a hard
         /// upper bound for any byte-level tokenizer; `o200k_base` and `cl100k_base`: OpenAI's,
         /// exact for the models that use them.
@@ -463,6 +468,11 @@ table! {
         /// Sent as `Authorization: Bearer`. Absent, or its variable unset: no header.
         #[key(Ty::Secret("an API key"), example: Some("\"env:OPENAI_API_KEY\""))]
         api_key: Option<String> = None,
+        /// The API the upstream speaks: `openai` (OpenAI-compatible: `/chat/completions`, key
+        /// as `Authorization: Bearer`) or `anthropic` (Anthropic's Messages API:
+        /// `/messages`, key as `x-api-key`). Its models are served on that API's route only.
+        #[key(Ty::Choice(&["openai", "anthropic"]))]
+        api: String = "openai".to_string(),
         /// How long one upstream call may take, in seconds.
         #[key(Ty::Int { min: 1, max: UPSTREAM_TIMEOUT_S_MAX })]
         timeout_s: u64 = 60,

@@ -333,6 +333,7 @@ impl Config {
                     tokenizer: m.tokenizer.name().to_string(),
                     upstream_model: m.upstream_model.clone(),
                     output_bound_field: m.output_bound_field.name().to_string(),
+                    cache_write_per_million: amount(m.cache_write_per_million),
                 };
                 (name.clone(), model)
             })
@@ -354,6 +355,7 @@ impl Config {
                 api_key: Some(key),
                 timeout_s: secs(u.timeout),
                 release_on_error: u.release_on_error,
+                api: u.api.name().to_string(),
             };
             out.insert(name.clone(), upstream);
         }

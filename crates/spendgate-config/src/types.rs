@@ -215,6 +215,9 @@ pub struct ModelConfig {
     /// the field this model's upstream honours (an upstream that ignores the other one would
     /// generate past the bound that was reserved).
     pub output_bound_field: OutputBoundField,
+    /// Price of a million prompt tokens written to a prompt cache (Anthropic's cache
+    /// creation), at least the input price.
+    pub cache_write_per_million: spendgate_core::Micros,
 }
 
 /// `models.NAME.output_bound_field`.
@@ -235,6 +238,24 @@ impl OutputBoundField {
     }
 }
 
+/// `upstreams.NAME.api`: the API an upstream speaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UpstreamApi {
+    /// OpenAI-compatible (`/chat/completions`, `Authorization: Bearer`).
+    OpenAi,
+    /// Anthropic's Messages API (`/messages`, `x-api-key`).
+    Anthropic,
+}
+
+impl UpstreamApi {
+    pub fn name(self) -> &'static str {
+        match self {
+            UpstreamApi::OpenAi => "openai",
+            UpstreamApi::Anthropic => "anthropic",
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UpstreamConfig {
     /// Without a trailing `/`, e.g. `https://api.openai.com/v1`.
@@ -244,6 +265,7 @@ pub struct UpstreamConfig {
     pub timeout: Duration,
     /// An upstream error response that shows no work was done releases the reservation.
     pub release_on_error: bool,
+    pub api: UpstreamApi,
 }
 
 /// `[history]`.

@@ -13,12 +13,19 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// The class of a request, from its path and whether it carries a valid token: two digests
-/// per configured token at most, no body read, no store call.
+/// per configured token at most, no body read, no store call. On `/v1/messages` the service
+/// token may come as `x-api-key`, as Anthropic's clients send their key.
 pub fn classify(state: &AppState, path: &str, headers: &axum::http::HeaderMap) -> Class {
     if matches!(path, "/healthz" | "/readyz" | "/metrics" | "/openapi.json") {
         return Class::Health;
     }
-    let Some(token) = crate::auth::bearer(headers) else {
+    let api_key = || {
+        (path == "/v1/messages")
+            .then(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
+            .flatten()
+            .map(str::trim)
+    };
+    let Some(token) = crate::auth::bearer(headers).or_else(api_key) else {
         return Class::Public;
     };
     if path.starts_with("/admin/") {

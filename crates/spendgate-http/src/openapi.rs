@@ -3,7 +3,8 @@
 //! `docs/openapi.json` (a test holds them equal; `SPENDGATE_BLESS=1` rewrites the file).
 //!
 //! It covers the decision, admin and operations API of this crate; the proxy's routes
-//! (`/v1/chat/completions`) take OpenAI's own shapes and are documented by OpenAI.
+//! (`/v1/chat/completions`, `/v1/embeddings`, `/v1/messages`) take OpenAI's and Anthropic's
+//! own shapes and are documented by them.
 
 use crate::{admin, health, history, runs, sessions, steps, usage};
 use axum::http::header;

@@ -8,6 +8,8 @@
 //! # Routes
 //! - `POST /v1/chat/completions`: OpenAI Chat Completions; streams Server-Sent Events when the
 //!   body has `"stream": true`, answers one JSON object otherwise.
+//! - `POST /v1/messages`: Anthropic's Messages, with the same rules, fault modes and ground
+//!   truth in Anthropic's shapes (see [Messages](#messages)).
 //! - `GET /v1/models`: the model list (`mock-model`).
 //! - `GET /mock/stats`: the [`MockStats`] counters as JSON.
 //! - `POST /mock/reset`: zero the counters.
@@ -124,6 +126,33 @@
 //!   `max_completion_tokens` it carried, or 0 when it carried neither; the last 1024 values.
 //! - `last_request`: the last request body that parsed as JSON.
 //!
+//! # Messages
+//! `POST /v1/messages` answers as Anthropic does: `max_tokens` is required (a 400 without
+//! it), the prompt is [`prompt_tokens_of`] the body plus its `system` text as one more
+//! message, and the usage is `{input_tokens, cache_creation_input_tokens,
+//! cache_read_input_tokens, output_tokens}`: the cache reads are the header
+//! `x-mock-cached-tokens: N` (capped at the prompt), the cache writes the header
+//! `x-mock-cache-write-tokens: N` (capped at what is left), `input_tokens` the rest. A stream
+//! sends `message_start` (the usage with `output_tokens: 1`), `content_block_start`, `ping`,
+//! one `content_block_delta` per chunk (`text_delta`, or `input_json_delta` of a `tool_use`
+//! block with `tool_call`), `content_block_stop`, `message_delta` (the stop reason and
+//! `usage.output_tokens`), `message_stop`, each as `event: TYPE` and `data: {...}`. Errors
+//! are `{"type": "error", "error": {"type", "message"}}`. The fault modes behave as for chat
+//! completions, in these events: `no_usage` leaves `usage` out of every event and answer;
+//! `content_after_usage` sends one more `content_block_delta` after `message_delta`;
+//! `error_event` sends an `error` event in place of `message_delta`; `clean_cut` and
+//! `drop_mid_stream` end after 2 deltas; `no_done` leaves out `message_stop`; running usage
+//! and stamps are for chat completions only. The stats count the same way (`by_shape` counts
+//! requests per shape), and each tagged record names its `shape`.
+//!
+//! # Embeddings
+//! `POST /v1/embeddings` answers `{"object": "list", "data": [one embedding of 8 numbers per
+//! input], "model", "usage": {"prompt_tokens", "total_tokens"}}`: the prompt is each input
+//! string's `ceil(bytes / 4)` and each token array's length. Its faults: the error statuses,
+//! `hang`, `drop_mid_stream` (the connection aborted), `no_usage`, and `usage_over` (10
+//! prompt tokens more, reported and counted); the others behave. Its requests count under
+//! `by_shape["embeddings"]`, its prompt tokens as the others'.
+//!
 //! # Per-request ground truth
 //! A request with the header `x-mock-tag: T` (1 to 128 bytes of ASCII) has what was served
 //! for it recorded under `T` ([`Served`]): the prompt, cached and completion tokens counted as
@@ -135,6 +164,8 @@
 
 #![forbid(unsafe_code)]
 
+mod embeddings;
+mod messages;
 mod served;
 mod stream;
 mod tokens;
@@ -188,6 +219,8 @@ pub const FAULT_HEADER: &str = "x-mock-fault";
 pub const COMPLETION_TOKENS_HEADER: &str = "x-mock-completion-tokens";
 /// Header setting the reported cached prompt tokens.
 pub const CACHED_TOKENS_HEADER: &str = "x-mock-cached-tokens";
+/// Header setting the prompt tokens a Messages answer reports written to the cache.
+pub const CACHE_WRITE_TOKENS_HEADER: &str = "x-mock-cache-write-tokens";
 /// Header adding completion tokens beyond the output bound (generated and reported).
 pub const EXTRA_COMPLETION_TOKENS_HEADER: &str = "x-mock-extra-completion-tokens";
 /// Header capping the completion tokens every usage reports (what is sent is not capped).
@@ -249,6 +282,9 @@ pub struct MockStats {
     pub cached_tokens: u64,
     /// Requests by fault mode (`"none"` for normal, `"invalid_request"` for refused).
     pub by_fault: BTreeMap<String, u64>,
+    /// Requests by API shape (`"chat"`, `"messages"`), refused ones included.
+    #[serde(default)]
+    pub by_shape: BTreeMap<String, u64>,
     /// The last 1024 `max_tokens` values requests carried (0 when absent).
     pub max_tokens_seen: Vec<u64>,
     /// The last request body received that parsed as JSON.
@@ -276,6 +312,7 @@ struct Counters {
     completion_tokens: u64,
     cached_tokens: u64,
     by_fault: BTreeMap<String, u64>,
+    by_shape: BTreeMap<String, u64>,
     max_tokens_seen: VecDeque<u64>,
     last_request: Option<Value>,
     served: served::ServedLog,
@@ -303,6 +340,8 @@ impl MockUpstream {
     pub fn router(&self) -> Router {
         Router::new()
             .route("/v1/chat/completions", post(chat_completions))
+            .route("/v1/messages", post(messages))
+            .route("/v1/embeddings", post(embeddings_handler))
             .route("/v1/models", get(models))
             .route("/mock/stats", get(stats_handler))
             .route("/mock/reset", post(reset_handler))
@@ -321,6 +360,7 @@ impl MockUpstream {
             completion_tokens: c.completion_tokens,
             cached_tokens: c.cached_tokens,
             by_fault: c.by_fault.clone(),
+            by_shape: c.by_shape.clone(),
             max_tokens_seen: c.max_tokens_seen.iter().copied().collect(),
             last_request: c.last_request.clone(),
         }
@@ -360,9 +400,11 @@ impl MockUpstream {
         self.inner.seq.fetch_add(1, Ordering::Relaxed)
     }
 
-    fn count_request(&self) {
+    fn count_request(&self, shape: Shape) {
         let mut c = self.counters();
         c.requests = c.requests.saturating_add(1);
+        let n = c.by_shape.entry(shape.name().to_owned()).or_insert(0);
+        *n = n.saturating_add(1);
     }
 
     fn count_fault(&self, name: &str) {
@@ -390,9 +432,11 @@ impl MockUpstream {
         c.prompt_tokens = c.prompt_tokens.saturating_add(prompt_tokens);
         c.cached_tokens = c.cached_tokens.saturating_add(cached_tokens);
         if let Some(tag) = &plan.tag {
+            let writes = plan.cache_write_tokens;
             c.served.update(tag, |s| {
                 s.prompt_tokens = s.prompt_tokens.saturating_add(prompt_tokens);
                 s.cached_tokens = s.cached_tokens.saturating_add(cached_tokens);
+                s.cache_write_tokens = s.cache_write_tokens.saturating_add(writes);
             });
         }
     }
@@ -421,8 +465,12 @@ impl MockUpstream {
     fn open_tag(&self, plan: &Plan) {
         if let Some(tag) = &plan.tag {
             let mut c = self.counters();
-            c.served
-                .open(tag, plan.fault.name(), plan.stream, plan.max_tokens);
+            c.served.open(
+                tag,
+                (plan.fault.name(), plan.shape.name()),
+                plan.stream,
+                plan.max_tokens,
+            );
         }
     }
 
@@ -432,6 +480,40 @@ impl MockUpstream {
             self.counters()
                 .served
                 .update(tag, |s| s.status = Some(status));
+        }
+    }
+}
+
+/// The API shape of a request (its route).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Shape {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/messages`
+    Messages,
+    /// `POST /v1/embeddings`
+    Embeddings,
+}
+
+impl Shape {
+    /// The prompt tokens of a request of this shape (a Messages request without
+    /// `max_tokens` is refused, as Anthropic refuses it).
+    fn prompt_tokens(self, body: &Value) -> Result<u64, String> {
+        match self {
+            Shape::Chat => Ok(prompt_tokens_of(body)),
+            Shape::Messages if body_u64(body, "max_tokens")?.is_none() => {
+                Err("max_tokens: Field required".to_owned())
+            }
+            Shape::Messages => Ok(messages::prompt_tokens(body)),
+            Shape::Embeddings => embeddings::prompt_tokens(body),
+        }
+    }
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Shape::Chat => "chat",
+            Shape::Messages => "messages",
+            Shape::Embeddings => "embeddings",
         }
     }
 }
@@ -505,6 +587,7 @@ const INVALID_REQUEST: &str = "invalid_request";
 /// Everything decided about one request before answering it.
 #[derive(Clone, Debug)]
 pub(crate) struct Plan {
+    pub(crate) shape: Shape,
     pub(crate) id: String,
     pub(crate) call_id: String,
     pub(crate) created: u64,
@@ -515,6 +598,10 @@ pub(crate) struct Plan {
     pub(crate) max_tokens: Option<u64>,
     pub(crate) prompt_tokens: u64,
     pub(crate) cached_tokens: u64,
+    /// Prompt tokens written to the cache (Messages), within `prompt_tokens`.
+    pub(crate) cache_write_tokens: u64,
+    /// The inputs of an embeddings request (one embedding each).
+    pub(crate) inputs: usize,
     /// Tokens generated and reported.
     pub(crate) completion_tokens: u64,
     pub(crate) finish_reason: &'static str,
@@ -620,7 +707,18 @@ fn body_bool(body: &Value, field: &str) -> Result<bool, String> {
     }
 }
 
+#[cfg(test)]
 fn plan_request(
+    config: &MockConfig,
+    seq: u64,
+    headers: &HeaderMap,
+    body: &Value,
+) -> Result<Plan, String> {
+    plan_shaped(Shape::Chat, config, seq, headers, body)
+}
+
+fn plan_shaped(
+    shape: Shape,
     config: &MockConfig,
     seq: u64,
     headers: &HeaderMap,
@@ -629,7 +727,7 @@ fn plan_request(
     if !body.is_object() {
         return Err("the request body must be a JSON object".to_owned());
     }
-    if !body.get("messages").is_some_and(Value::is_array) {
+    if shape != Shape::Embeddings && !body.get("messages").is_some_and(Value::is_array) {
         return Err("messages must be an array".to_owned());
     }
     let model = match body.get("model") {
@@ -677,7 +775,10 @@ fn plan_request(
     let reported_cap = header_u64(headers, REPORTED_COMPLETION_TOKENS_HEADER)?.unwrap_or(u64::MAX);
     let tag = served::tag_of(headers)?;
 
-    let prompt_tokens = prompt_tokens_of(body);
+    let prompt_tokens = shape.prompt_tokens(body)?;
+    let cache_write_tokens = header_u64(headers, CACHE_WRITE_TOKENS_HEADER)?
+        .unwrap_or(0)
+        .min(prompt_tokens.saturating_sub(cached.min(prompt_tokens)));
     let clamped = max_tokens.map_or(length, |m| length.min(m));
     let (completion_tokens, finish_reason) = match fault {
         Fault::UsageOver => (max_tokens.unwrap_or(length).saturating_add(10), "length"),
@@ -693,7 +794,12 @@ fn plan_request(
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     Ok(Plan {
-        id: format!("chatcmpl-mock-{seq}"),
+        shape,
+        id: match shape {
+            Shape::Chat => format!("chatcmpl-mock-{seq}"),
+            Shape::Messages => format!("msg_mock_{seq}"),
+            Shape::Embeddings => format!("emb-mock-{seq}"),
+        },
         call_id: format!("call_mock_{seq}"),
         created,
         model,
@@ -703,6 +809,8 @@ fn plan_request(
         max_tokens,
         prompt_tokens,
         cached_tokens,
+        cache_write_tokens,
+        inputs: embeddings::count(body),
         completion_tokens,
         finish_reason,
         chunk_tokens: config.chunk_tokens.max(1),
@@ -755,31 +863,65 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    mock.count_request();
+    handle(mock, Shape::Chat, headers, body).await
+}
+
+async fn messages(
+    State(mock): State<MockUpstream>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(mock, Shape::Messages, headers, body).await
+}
+
+async fn embeddings_handler(
+    State(mock): State<MockUpstream>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(mock, Shape::Embeddings, headers, body).await
+}
+
+/// A request refused before any fault mode applied, in its shape's error shape.
+fn refused(shape: Shape, status: StatusCode, message: &str) -> Response {
+    match shape {
+        Shape::Chat | Shape::Embeddings => invalid_request(status, message),
+        Shape::Messages => messages::error_response(status, "invalid_request_error", message),
+    }
+}
+
+async fn handle(
+    mock: MockUpstream,
+    shape: Shape,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    mock.count_request(shape);
     let seq = mock.next_seq();
     let raw = match body {
         Ok(raw) => raw,
         Err(rejection) => {
             mock.count_fault(INVALID_REQUEST);
-            return invalid_request(rejection.status(), &rejection.body_text());
+            return refused(shape, rejection.status(), &rejection.body_text());
         }
     };
     let body: Value = match serde_json::from_slice(&raw) {
         Ok(v) => v,
         Err(e) => {
             mock.count_fault(INVALID_REQUEST);
-            return invalid_request(
+            return refused(
+                shape,
                 StatusCode::BAD_REQUEST,
                 &format!("the request body is not valid JSON: {e}"),
             );
         }
     };
     mock.record_body(&body);
-    let plan = match plan_request(mock.config(), seq, &headers, &body) {
+    let plan = match plan_shaped(shape, mock.config(), seq, &headers, &body) {
         Ok(plan) => plan,
         Err(message) => {
             mock.count_fault(INVALID_REQUEST);
-            return invalid_request(StatusCode::BAD_REQUEST, &message);
+            return refused(shape, StatusCode::BAD_REQUEST, &message);
         }
     };
     drop(body);
@@ -792,7 +934,8 @@ async fn chat_completions(
         stream = plan.stream,
         prompt_tokens = plan.prompt_tokens,
         completion_tokens = plan.completion_tokens,
-        "mock chat completion"
+        shape = plan.shape.name(),
+        "mock answer"
     );
 
     if !plan.latency.is_zero() {
@@ -814,6 +957,11 @@ async fn chat_completions(
 
 /// The answer to a planned request, after its latency.
 async fn answer(mock: MockUpstream, plan: Plan) -> Response {
+    match plan.shape {
+        Shape::Messages => return messages::answer(mock, plan).await,
+        Shape::Embeddings => return embeddings::answer(mock, plan).await,
+        Shape::Chat => {}
+    }
     match plan.fault {
         Fault::Http429 => {
             let mut response = error_response(

@@ -37,6 +37,14 @@ pub struct Served {
     /// The fault mode of the (last) request.
     pub fault: String,
     pub stream: bool,
+    /// The API shape of the (last) request: `"chat"` (`/v1/chat/completions`) or
+    /// `"messages"` (`/v1/messages`).
+    #[serde(default)]
+    pub shape: String,
+    /// Prompt tokens written to the cache (Messages' `cache_creation_input_tokens`), within
+    /// `prompt_tokens`.
+    #[serde(default)]
+    pub cache_write_tokens: u64,
 }
 
 /// `GET /mock/served`: every tag remembered, oldest first, and how many were dropped.
@@ -56,7 +64,13 @@ pub(crate) struct ServedLog {
 
 impl ServedLog {
     /// A request with `tag` arrived (planned): counted, and its record created or updated.
-    pub(crate) fn open(&mut self, tag: &Arc<str>, fault: &str, stream: bool, max: Option<u64>) {
+    pub(crate) fn open(
+        &mut self,
+        tag: &Arc<str>,
+        (fault, shape): (&str, &str),
+        stream: bool,
+        max: Option<u64>,
+    ) {
         if !self.by_tag.contains_key(tag) {
             if self.order.len() >= SERVED_TAGS_MAX {
                 if let Some(old) = self.order.pop_front() {
@@ -76,6 +90,7 @@ impl ServedLog {
         if let Some(s) = self.by_tag.get_mut(tag) {
             s.requests = s.requests.saturating_add(1);
             s.fault = fault.to_owned();
+            s.shape = shape.to_owned();
             s.stream = stream;
             s.max_tokens = max;
         }
@@ -127,7 +142,7 @@ mod tests {
         let mut log = ServedLog::default();
         for i in 0..SERVED_TAGS_MAX + 3 {
             let t: Arc<str> = Arc::from(format!("t{i}"));
-            log.open(&t, "none", false, Some(5));
+            log.open(&t, ("none", "chat"), false, Some(5));
         }
         log.update("t2", |s| s.completion_tokens = 9);
         log.update("t3", |s| s.completion_tokens = 9);
@@ -143,8 +158,8 @@ mod tests {
     fn a_tag_used_twice_is_one_record_of_two_requests() {
         let mut log = ServedLog::default();
         let t: Arc<str> = Arc::from("a");
-        log.open(&t, "none", false, None);
-        log.open(&t, "http_500", true, Some(3));
+        log.open(&t, ("none", "chat"), false, None);
+        log.open(&t, ("http_500", "chat"), true, Some(3));
         let snap = log.snapshot();
         assert_eq!(snap.served.len(), 1);
         assert_eq!(

@@ -2,10 +2,53 @@
 //! output bound when it went past it.
 
 use crate::guard::usage_of;
+use crate::messages;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use spendgate_core::TokenUsage;
 use spendgate_tokens::{OutputCounter, OutputTally, Tokenizer};
+
+/// The API shape an answer is read in: OpenAI's chat completions, or Anthropic's Messages
+/// (whose usage is priced per class: [`messages::Pricing`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Dialect {
+    Chat,
+    Messages(messages::Pricing),
+    /// `/v1/embeddings`: no output, a usage of prompt tokens.
+    Embeddings,
+}
+
+impl Dialect {
+    /// Every generated text of an answer or an event, as the shape has them.
+    pub(crate) fn each_output_text(self, v: &mut Value, f: &mut dyn FnMut(FieldKey, &mut String)) {
+        match self {
+            Dialect::Chat => each_output_text(v, f),
+            Dialect::Messages(_) => messages::each_output_text(v, f),
+            Dialect::Embeddings => {}
+        }
+    }
+
+    /// The usage an answer (or an event) reports, in the ledger's classes.
+    pub(crate) fn usage(self, v: &Value) -> Option<TokenUsage> {
+        match self {
+            Dialect::Chat => usage_of(v),
+            Dialect::Messages(p) => messages::usage_in(v).and_then(|u| p.tokens(u)),
+            Dialect::Embeddings => crate::embeddings::usage_of(v),
+        }
+    }
+
+    /// Whether `v` is a whole answer of this shape.
+    fn is_answer(self, v: &Value) -> bool {
+        match self {
+            Dialect::Chat => v.get("choices").is_some_and(Value::is_array),
+            Dialect::Messages(_) => {
+                v.get("type").and_then(Value::as_str) == Some("message")
+                    && v.get("content").is_some_and(Value::is_array)
+            }
+            Dialect::Embeddings => crate::embeddings::is_answer(v),
+        }
+    }
+}
 
 /// Which text of an answer a piece of output belongs to: the choice's index, the field (see
 /// [`each_output_text`]) and the tool call's index. A stream's pieces of one field are
@@ -105,7 +148,7 @@ pub(crate) struct WholeAnswer {
     pub(crate) usage: Option<TokenUsage>,
     /// Its output, counted whole (before any cut).
     pub(crate) output: OutputTally,
-    /// The answer's texts were cut to the output bound ([`clip_answer`]).
+    /// The answer's texts were cut to the output bound ([`clip_answer_in`]).
     pub(crate) cut: bool,
     /// The answer is not a JSON object with `choices`, and its bytes are over the output
     /// bound: it cannot be cut, and is not passed on.
@@ -114,12 +157,23 @@ pub(crate) struct WholeAnswer {
 
 /// Reads a whole answer: its usage, its output counted ([`each_output_text`], each text a
 /// field of its own; an answer that is not a JSON object with `choices` counts a token a
-/// byte), and, when the output is over `bound`, its texts cut to the bound ([`clip_answer`]).
+/// byte), and, when the output is over `bound`, its texts cut to the bound ([`clip_answer_in`]).
+#[cfg(test)]
 pub(crate) fn read_answer(tokenizer: Tokenizer, bound: u64, bytes: Bytes) -> WholeAnswer {
+    read_answer_in(Dialect::Chat, tokenizer, bound, bytes)
+}
+
+/// [`read_answer`] in the shape `dialect`.
+pub(crate) fn read_answer_in(
+    dialect: Dialect,
+    tokenizer: Tokenizer,
+    bound: u64,
+    bytes: Bytes,
+) -> WholeAnswer {
     let mut counter = OutputCounter::new(tokenizer);
     let answer = serde_json::from_slice::<Value>(&bytes)
         .ok()
-        .filter(|v| v.get("choices").is_some_and(Value::is_array));
+        .filter(|v| dialect.is_answer(v));
     let Some(mut v) = answer else {
         counter.push_unread(bytes.len() as u64);
         let over = counter.over(bound);
@@ -131,13 +185,13 @@ pub(crate) fn read_answer(tokenizer: Tokenizer, bound: u64, bytes: Bytes) -> Who
             unreadable: over,
         };
     };
-    let usage = usage_of(&v);
-    each_output_text(&mut v, &mut |_, text| {
+    let usage = dialect.usage(&v);
+    dialect.each_output_text(&mut v, &mut |_, text| {
         counter.push(text);
         counter.end_field();
     });
     let output = counter.tally();
-    let cut = output.floor > bound && clip_answer(&mut v, tokenizer, bound);
+    let cut = output.floor > bound && clip_answer_in(dialect, &mut v, tokenizer, bound);
     let body = if cut {
         serde_json::to_vec(&v).map_or(bytes, Bytes::from)
     } else {
@@ -157,10 +211,15 @@ pub(crate) fn read_answer(tokenizer: Tokenizer, bound: u64, bytes: Bytes) -> Who
 /// ([`OutputCounter::fit`]), a tool call left without a name is removed, and every choice
 /// ends as if the upstream had stopped at its bound (`finish_reason: "length"`), as one that
 /// honours it would. Whether anything was cut.
-pub(crate) fn clip_answer(v: &mut Value, tokenizer: Tokenizer, bound: u64) -> bool {
+pub(crate) fn clip_answer_in(
+    dialect: Dialect,
+    v: &mut Value,
+    tokenizer: Tokenizer,
+    bound: u64,
+) -> bool {
     let mut counter = OutputCounter::new(tokenizer);
     let mut cut = false;
-    each_output_text(v, &mut |_, text| {
+    dialect.each_output_text(v, &mut |_, text| {
         let n = counter.fit(text, bound);
         if n < text.len() {
             text.truncate(n);
@@ -172,6 +231,10 @@ pub(crate) fn clip_answer(v: &mut Value, tokenizer: Tokenizer, bound: u64) -> bo
     debug_assert!(!counter.over(bound));
     if !cut {
         return false;
+    }
+    if let Dialect::Messages(_) = dialect {
+        messages::finish_clip(v);
+        return true;
     }
     let choices = v.get_mut("choices").and_then(Value::as_array_mut);
     for choice in choices.into_iter().flatten() {

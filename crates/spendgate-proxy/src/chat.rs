@@ -1,4 +1,6 @@
-//! `POST /v1/chat/completions` (SPEC §6): the OpenAI Chat Completions shape.
+//! `POST /v1/chat/completions` (SPEC §6): the OpenAI Chat Completions shape, and the flow
+//! every shape goes through ([`proxy`]; Anthropic's Messages brings its pieces from
+//! [`crate::messages`]).
 //!
 //! A call goes [`parse`] → [`plan`] → [`admit`] → [`forward`] → [`relay`] → [`settle`]: who
 //! calls and what it asks for; what it may cost (the prompt counted, the output bound); the
@@ -7,7 +9,7 @@
 //! resolved from what was observed. A stream is settled at its end by its relay
 //! ([`crate::sse`]), or by its guard if the client goes away.
 
-use crate::answer::{read_answer, WholeAnswer};
+use crate::answer::{read_answer_in, Dialect, WholeAnswer};
 use crate::bounds::NO_WORK_STATUSES;
 use crate::caller::{caller, Caller};
 use crate::guard::{Hold, StepGuard};
@@ -17,15 +19,16 @@ use crate::upstream::{
     abandon, extra_only, fail, note_resolution, pass_headers, read_capped, redact,
     FORWARDED_HEADERS,
 };
+use crate::{embeddings, messages};
 use axum::body::Body as AxumBody;
 use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use serde_json::{json, Map, Value};
-use spendgate_config::{ModelConfig, MOCK_UPSTREAM};
+use spendgate_config::{ModelConfig, UpstreamApi, MOCK_UPSTREAM};
 use spendgate_core::{
-    Applied, Command, RateLeft, Refusal, RefusalCode, Reply, ReservationId, Resolution,
+    Applied, Command, ModelPrice, RateLeft, Refusal, RefusalCode, Reply, ReservationId, Resolution,
     RunAdmitted, RunId, RunRequest, ScopeKind, StepKind, StepRequest, StepReserved,
 };
 use spendgate_http::body::Body;
@@ -45,8 +48,60 @@ pub async fn chat_completions(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     request: axum::extract::Request,
 ) -> ApiResult<Response> {
+    proxy(state, peer, request, Shape::Chat).await
+}
+
+/// `POST /v1/embeddings`.
+pub async fn embeddings(
+    State(state): State<Shared>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    request: axum::extract::Request,
+) -> ApiResult<Response> {
+    proxy(state, peer, request, Shape::Embeddings).await
+}
+
+/// The API shape a call came in (its route).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Shape {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/messages`
+    Messages,
+    /// `POST /v1/embeddings`
+    Embeddings,
+}
+
+impl Shape {
+    /// The upstream's path, after its base URL.
+    fn path(self) -> &'static str {
+        match self {
+            Shape::Chat => "/chat/completions",
+            Shape::Messages => "/messages",
+            Shape::Embeddings => "/embeddings",
+        }
+    }
+
+    /// Whether an upstream of API `api` (`None`: the built-in mock, which speaks both) serves
+    /// this shape.
+    fn served_by(self, api: Option<UpstreamApi>) -> bool {
+        matches!(
+            (self, api),
+            (_, None)
+                | (Shape::Chat | Shape::Embeddings, Some(UpstreamApi::OpenAi))
+                | (Shape::Messages, Some(UpstreamApi::Anthropic))
+        )
+    }
+}
+
+/// One call of any shape: parse, plan, admit, forward, relay (and settle).
+pub(crate) async fn proxy(
+    state: Shared,
+    peer: SocketAddr,
+    request: axum::extract::Request,
+    shape: Shape,
+) -> ApiResult<Response> {
     let entered = Instant::now();
-    let call = parse(&state, peer, request).await?;
+    let call = parse(&state, peer, request, shape).await?;
     let plan = plan(&state, &call).await?;
     let admitted = admit(&state, &call, &plan).await?;
     let prepared = prepare(&state, call, &plan, admitted);
@@ -59,6 +114,7 @@ pub async fn chat_completions(
 
 /// A parsed call: who calls, its body, and the model and upstream it goes to.
 struct Call {
+    shape: Shape,
     who: Caller,
     headers: HeaderMap,
     body: Value,
@@ -73,9 +129,13 @@ async fn parse(
     state: &Shared,
     peer: SocketAddr,
     request: axum::extract::Request,
+    shape: Shape,
 ) -> ApiResult<Call> {
     let (mut parts, body) = request.into_parts();
-    let headers = std::mem::take(&mut parts.headers);
+    let mut headers = std::mem::take(&mut parts.headers);
+    if shape == Shape::Messages {
+        messages::check_headers(&mut headers)?;
+    }
     let who = caller(state, peer, &headers)?;
     let request = axum::extract::Request::from_parts(parts, body);
     let body =
@@ -104,7 +164,18 @@ async fn parse(
             ApiError::model_not_allowed(format!("model {model_name:?} has no reachable upstream"))
         })?
         .clone();
+    let api = state.config.upstreams.get(&model.upstream).map(|u| u.api);
+    if !shape.served_by(api) {
+        let route = match api {
+            Some(UpstreamApi::Anthropic) => "/v1/messages",
+            _ => "/v1/chat/completions",
+        };
+        return Err(ApiError::model_not_allowed(format!(
+            "model {model_name:?} is served on {route}, not on this route"
+        )));
+    }
     Ok(Call {
+        shape,
         who,
         headers,
         body,
@@ -123,13 +194,35 @@ struct Plan {
     /// The smallest output bound the request carries, if any.
     requested: Option<u64>,
     stream: bool,
+    /// The price the step is reserved and settled at.
+    price: ModelPrice,
+    /// How the answer is read.
+    dialect: Dialect,
 }
 
 /// The prompt checked against the run bounds and counted (refused before any store call when
 /// it is over them), then the output options.
 async fn plan(state: &AppState, call: &Call) -> ApiResult<Plan> {
     let bounds = state.config.policy.run;
-    let texts = prompt_texts(&call.body)?;
+    let (texts, price, dialect) = match call.shape {
+        Shape::Chat => (prompt_texts(&call.body)?, call.model.price, Dialect::Chat),
+        Shape::Messages => {
+            let (texts, caching) = messages::prompt_texts(&call.body)?;
+            let m = &call.model;
+            let price = messages::step_price(m.price, m.cache_write_per_million, caching);
+            let pricing = messages::Pricing {
+                step: price,
+                input: m.price.input_per_million,
+                cache_write: m.cache_write_per_million,
+            };
+            (texts, price, Dialect::Messages(pricing))
+        }
+        Shape::Embeddings => (
+            embeddings::prompt_texts(&call.body)?,
+            call.model.price,
+            Dialect::Embeddings,
+        ),
+    };
     let largest_tool_result = texts.largest_tool_result;
     // The operator's backend composes the history; a guest (browser-direct) writes all of it,
     // every field the upstream bills as prompt (tools, response_format, unknown fields).
@@ -175,12 +268,18 @@ async fn plan(state: &AppState, call: &Call) -> ApiResult<Plan> {
     if prompt > bounds.max_context_tokens {
         return Err(context_too_large(format!("prompt of {prompt} tokens")));
     }
-    let (requested, stream) = output_options(&call.body)?;
+    let (requested, stream) = match call.shape {
+        Shape::Chat => output_options(&call.body)?,
+        Shape::Messages => messages::output_options(&call.body)?,
+        Shape::Embeddings => embeddings::output_options(&call.body)?,
+    };
     Ok(Plan {
         prompt,
         input_bytes,
         requested,
         stream,
+        price,
+        dialect,
     })
 }
 
@@ -244,7 +343,7 @@ async fn admit(state: &AppState, call: &Call, plan: &Plan) -> ApiResult<Admitted
         step_id: step_id.clone(),
         kind: StepKind::Model {
             model: call.model_name.clone(),
-            price: call.model.price,
+            price: plan.price,
             prompt_tokens: plan.prompt,
             max_output_tokens: plan.requested,
             retry: call.who.retry,
@@ -367,6 +466,7 @@ struct Prepared {
     client_wants_usage: bool,
     /// `spendgate-*` headers of the step, the rate limit and the dry run.
     extra: HeaderMap,
+    dialect: Dialect,
 }
 
 /// The step's guard, the forwarded body (exactly one output bound, usage asked for in
@@ -380,7 +480,7 @@ fn prepare(state: &Shared, mut call: Call, plan: &Plan, admitted: Admitted) -> P
         state.clone(),
         Hold {
             step: admitted.step_id.clone(),
-            price: call.model.price,
+            price: plan.price,
             reserved: admitted.reserved.reserved,
             prompt_bound: plan.prompt,
             bound: out,
@@ -389,9 +489,17 @@ fn prepare(state: &Shared, mut call: Call, plan: &Plan, admitted: Admitted) -> P
         admitted.own_run,
         admitted.run.as_ref().map(|a| a.deadline),
     );
-    let client_wants_usage = match call.body.as_object_mut() {
-        Some(o) => upstream_body(o, &call.model, out, plan),
-        None => false,
+    let client_wants_usage = match (call.body.as_object_mut(), call.shape) {
+        (Some(o), Shape::Chat) => upstream_body(o, &call.model, out, plan),
+        (Some(o), Shape::Messages) => {
+            messages::upstream_body(o, &call.model, plant::forwarded_bound(out, plan.requested));
+            false
+        }
+        (Some(o), Shape::Embeddings) => {
+            embeddings::upstream_body(o, call.model.upstream_model.as_ref());
+            false
+        }
+        (None, _) => false,
     };
     let extra = step_headers(state, &admitted, out);
     Prepared {
@@ -402,6 +510,7 @@ fn prepare(state: &Shared, mut call: Call, plan: &Plan, admitted: Admitted) -> P
         stream: plan.stream,
         client_wants_usage,
         extra,
+        dialect: plan.dialect,
     }
 }
 
@@ -471,6 +580,7 @@ struct Sent {
     stream: bool,
     client_wants_usage: bool,
     extra: HeaderMap,
+    dialect: Dialect,
     /// When the call was forwarded; the time spent before it.
     started: Instant,
     before_forwarding: Duration,
@@ -486,16 +596,21 @@ struct Sent {
 async fn forward(state: &AppState, p: Prepared, entered: Instant) -> Result<Sent, Response> {
     let (mut call, guard, extra) = (p.call, p.guard, p.extra);
     let url = format!(
-        "{}/chat/completions",
-        call.upstream.base_url.trim_end_matches('/')
+        "{}{}",
+        call.upstream.base_url.trim_end_matches('/'),
+        call.shape.path()
     );
     let mut builder = state.http.post(&url).json(&call.body);
     // (serialized: not held while the answer is relayed)
     call.body = Value::Null;
     let upstream = &call.upstream;
-    if !upstream.api_key.is_empty() {
-        builder = builder.bearer_auth(&upstream.api_key);
-    }
+    builder = match call.shape {
+        Shape::Chat | Shape::Embeddings if !upstream.api_key.is_empty() => {
+            builder.bearer_auth(&upstream.api_key)
+        }
+        Shape::Chat | Shape::Embeddings => builder,
+        Shape::Messages => messages::upstream_headers(builder, &upstream.api_key, &call.headers),
+    };
     // The mock's controls: from the operator's backend, or to the built-in mock (the demo);
     // a guest does not choose how an upstream behaves (a hang, a slow pace, cached tokens).
     if !call.who.guest || call.model.upstream == MOCK_UPSTREAM {
@@ -549,6 +664,7 @@ async fn forward(state: &AppState, p: Prepared, entered: Instant) -> Result<Sent
         stream: p.stream,
         client_wants_usage: p.client_wants_usage,
         extra,
+        dialect: p.dialect,
         started,
         before_forwarding: started.duration_since(entered),
         deadline,
@@ -612,7 +728,8 @@ async fn relay(state: &AppState, mut sent: Sent) -> Response {
             !sent.client_wants_usage,
             sent.call.model.tokenizer,
             sent.out,
-        ),
+        )
+        .in_dialect(sent.dialect),
         sent.started,
     );
     let mut r = Response::new(AxumBody::from_stream(body_stream));
@@ -691,7 +808,7 @@ async fn relay_whole(
     state
         .metrics
         .upstream_call(upstream_done.duration_since(sent.started));
-    let answer = read_whole(call.model.tokenizer, sent.out, bytes).await;
+    let answer = read_whole(sent.dialect, call.model.tokenizer, sent.out, bytes).await;
     if answer.usage.is_none() {
         tracing::warn!(%upstream, "upstream answer without usage; charging the step in full (or for the output counted, when more)");
     }
@@ -723,9 +840,14 @@ async fn relay_whole(
 /// A whole answer read and counted on the blocking pool when it is large
 /// ([`tokens::counting`]); a count that could not run reads as an answer that could not be
 /// read (a token a byte).
-async fn read_whole(tokenizer: tokens::Tokenizer, out: u64, bytes: Bytes) -> WholeAnswer {
+async fn read_whole(
+    dialect: Dialect,
+    tokenizer: tokens::Tokenizer,
+    out: u64,
+    bytes: Bytes,
+) -> WholeAnswer {
     let len = bytes.len();
-    tokens::counting(len, move || read_answer(tokenizer, out, bytes))
+    tokens::counting(len, move || read_answer_in(dialect, tokenizer, out, bytes))
         .await
         .unwrap_or(WholeAnswer {
             body: Bytes::new(),

@@ -1,6 +1,7 @@
-//! OpenAI-compatible proxy (`POST /v1/chat/completions`, SPEC §6): bounds the prompt, clamps
-//! the output, reserves, forwards (streams pass through as they arrive), and reconciles from
-//! the upstream's `usage`. Whatever cannot be known is charged in full.
+//! The proxy (SPEC §6): `POST /v1/chat/completions` and `POST /v1/embeddings` (OpenAI's shapes)
+//! and `POST /v1/messages` (Anthropic's, [`messages`]; its errors in Anthropic's shape): bounds
+//! the prompt, clamps the output, reserves, forwards (streams pass through as they arrive), and
+//! reconciles from the upstream's `usage`. Whatever cannot be known is charged in full.
 //!
 //! It counts the output it relays ([`OutputCounter`], with the model's tokenizer) and
 //! enforces the bound it forwarded: a stream past it is cut there (nothing more is relayed,
@@ -22,7 +23,7 @@
 //!   usage chunk, with no content and no error event after it; a usage read but not trusted,
 //!   or the output counted past the bound, that costs more than the reservation is committed
 //!
-//! The flow of one call is [`chat::chat_completions`]: parse, plan, admit, forward, relay,
+//! The flow of one call, of any shape, is [`chat::proxy`]: parse, plan, admit, forward, relay,
 //! settle, each its own function; the pieces it is made of are [`caller`] (who calls),
 //! [`prompt`] (what the prompt costs), [`guard`] (the step's hold until it is settled),
 //! [`upstream`] (forwarding and error answers), [`answer`] (a whole answer, counted and cut)
@@ -35,7 +36,9 @@ pub mod answer;
 pub mod bounds;
 pub mod caller;
 pub mod chat;
+pub mod embeddings;
 pub mod guard;
+pub mod messages;
 pub mod prompt;
 pub mod sse;
 pub mod upstream;
@@ -59,15 +62,22 @@ pub use spendgate_http::state::UPSTREAM_IDLE_CONNECTIONS_MAX;
 pub use sse::{CUT_DRAIN_BYTES_MAX, CUT_DRAIN_MAX};
 
 /// The proxy's routes, to merge with [`spendgate_http::router`]'s (the layers there apply):
-/// `POST /v1/chat/completions`, JSON only, with its own body bound.
+/// `POST /v1/chat/completions`, `POST /v1/embeddings` and `POST /v1/messages` (its errors in
+/// Anthropic's shape:
+/// [`messages::anthropic_errors`]), JSON only, with their own body bound.
 pub fn routes() -> Router<Shared> {
+    let json = || axum::middleware::from_fn_with_state(JsonRule::Always, require_json);
     Router::new()
         .route(
             "/v1/chat/completions",
-            post(chat_completions).route_layer(axum::middleware::from_fn_with_state(
-                JsonRule::Always,
-                require_json,
-            )),
+            post(chat_completions).route_layer(json()),
+        )
+        .route("/v1/embeddings", post(chat::embeddings).route_layer(json()))
+        .route(
+            "/v1/messages",
+            post(messages::messages)
+                .route_layer(json())
+                .route_layer(axum::middleware::from_fn(messages::anthropic_errors)),
         )
         .layer(DefaultBodyLimit::max(PROXY_BODY_BYTES_MAX))
 }

@@ -1,9 +1,10 @@
 //! A streamed answer: relayed as it arrives, its usage read, its output counted, cut at the
 //! output bound, and settled at its end.
 
-use crate::answer::{each_output_text, FieldKey};
+use crate::answer::{Dialect, FieldKey};
 use crate::bounds::SSE_LINE_BYTES_MAX;
 use crate::guard::{usage_of, StepGuard};
+use crate::messages;
 use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -45,6 +46,11 @@ pub(crate) struct SseTap {
     pub(crate) field: Option<FieldKey>,
     /// The output went over `bound`: nothing more is forwarded.
     pub(crate) over: bool,
+    /// The API shape of the stream's events.
+    pub(crate) dialect: Dialect,
+    /// A Messages stream's usage so far, each class apart (`message_start`'s, raised by
+    /// `message_delta`'s).
+    pub(crate) classes: messages::Usage,
 }
 
 /// Whether a stream's event reports an error: an `error` object (OpenAI's and OpenRouter's
@@ -74,6 +80,25 @@ impl SseTap {
             bound,
             field: None,
             over: false,
+            dialect: Dialect::Chat,
+            classes: messages::Usage::default(),
+        }
+    }
+
+    /// The same tap for a stream of another shape (a Messages stream keeps its usage).
+    pub(crate) fn in_dialect(mut self, dialect: Dialect) -> SseTap {
+        if let Dialect::Messages(_) = dialect {
+            self.strip_usage = false;
+        }
+        self.dialect = dialect;
+        self
+    }
+
+    /// The event that ends a client's stream with an error, in the stream's shape.
+    pub(crate) fn error_event(&self, code: ErrorCode, message: &str) -> Bytes {
+        match self.dialect {
+            Dialect::Chat | Dialect::Embeddings => sse_error(code, message, self.mid_line()),
+            Dialect::Messages(_) => messages::sse_error(code, message, self.mid_line()),
         }
     }
 
@@ -110,7 +135,7 @@ impl SseTap {
             return keep(self.over);
         };
         let data = data.trim_ascii();
-        if data == b"[DONE]" {
+        if data == b"[DONE]" && matches!(self.dialect, Dialect::Chat) {
             self.done = true;
             return keep(self.over);
         }
@@ -142,13 +167,14 @@ impl SseTap {
         };
         // The count before this event, kept only when the event may take it over the bound.
         let mut bytes = 0u64;
-        each_output_text(v, &mut |_, text| {
+        let dialect = self.dialect;
+        dialect.each_output_text(v, &mut |_, text| {
             bytes = bytes.saturating_add(text.len() as u64)
         });
         let before =
             (!self.over && self.output.most_after(bytes) > self.bound).then(|| self.output.clone());
         let (output, field) = (&mut self.output, &mut self.field);
-        each_output_text(v, &mut |key, text| {
+        dialect.each_output_text(v, &mut |key, text| {
             if *field != Some(key) {
                 output.end_field();
                 *field = Some(key);
@@ -158,7 +184,7 @@ impl SseTap {
         self.check_bound();
         let mut fitted = before.filter(|_| self.over)?;
         let (bound, mut kept) = (self.bound, false);
-        each_output_text(v, &mut |_, text| {
+        dialect.each_output_text(v, &mut |_, text| {
             let n = fitted.fit(text, bound);
             text.truncate(n);
             kept |= n > 0;
@@ -187,6 +213,10 @@ impl SseTap {
             self.saw_content();
             return true;
         };
+        if let Dialect::Messages(pricing) = self.dialect {
+            self.read_messages(v, pricing);
+            return true;
+        }
         let Some(u) = usage_of(v) else {
             if is_error_event(v) {
                 self.failed = true;
@@ -213,6 +243,32 @@ impl SseTap {
         self.settled = no_choices && !error;
         // An error event always reaches the client, usage or not.
         error || !(self.strip_usage && no_choices)
+    }
+
+    /// Reads a Messages stream's event: its usage (`message_start`'s, then `message_delta`'s,
+    /// which settles the stream: only `message_stop` follows it), its end (`message_stop`,
+    /// the `[DONE]` of this shape), an `error` event, or content. Nothing is dropped.
+    fn read_messages(&mut self, v: &Value, pricing: messages::Pricing) {
+        let kind = v.get("type").and_then(Value::as_str);
+        if messages::is_error_event(v) {
+            self.failed = true;
+            self.saw_content();
+            return;
+        }
+        if kind == Some("message_stop") {
+            self.done = true;
+            return;
+        }
+        if let Some(u) = messages::usage_in(v) {
+            self.classes = self.classes.merge(u);
+            self.usage = pricing.tokens(self.classes);
+            self.content_after_usage = false;
+            self.settled = kind == Some("message_delta");
+            return;
+        }
+        if messages::is_content_event(v) {
+            self.saw_content();
+        }
     }
 
     /// What to forward of `chunk` now.
@@ -582,10 +638,9 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
         guard.state.metrics.upstream_call(self.started.elapsed());
         let _ = guard.resolve(how).await;
         self.upstream = None;
-        sse_error(
+        self.tap.error_event(
             ErrorCode::RunDeadlineExceeded,
             "the run's deadline passed; the stream was cut (charged in full unless its usage had arrived)",
-            self.tap.mid_line(),
         )
     }
 
@@ -607,10 +662,9 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
         guard.state.metrics.upstream_call(self.started.elapsed());
         let how = guard.settlement(trusted, self.tap.usage, self.tap.output.tally());
         let _ = guard.resolve(how).await;
-        sse_error(
+        self.tap.error_event(
             ErrorCode::RunClosed,
             "the run ended while its call was streaming; the stream was cut (charged in full unless its usage had arrived)",
-            self.tap.mid_line(),
         )
     }
 
@@ -632,7 +686,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
         );
         let _ = guard.resolve(how).await;
         self.upstream = None;
-        sse_error(ErrorCode::UpstreamError, message, self.tap.mid_line())
+        self.tap.error_event(ErrorCode::UpstreamError, message)
     }
 }
 
@@ -666,12 +720,11 @@ where
     guard.state.metrics.upstream_call(started.elapsed());
     let how = guard.settlement(trusted, tap.usage, output);
     let _ = guard.resolve(how).await;
-    sse_error(
+    tap.error_event(
         ErrorCode::UpstreamError,
         &format!(
             "the upstream sent more output than the {} tokens it was given; the stream was cut at that bound, and the call charged for all the upstream sent",
             tap.bound
         ),
-        tap.mid_line(),
     )
 }

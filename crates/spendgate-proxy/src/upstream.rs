@@ -78,6 +78,7 @@ pub(crate) const FORWARDED_HEADERS: &[&str] = &[
     "x-mock-latency-ms",
     "x-mock-linger-ms",
     "x-mock-cached-tokens",
+    "x-mock-cache-write-tokens",
     "x-mock-running-usage",
     "x-mock-running-cached-tokens",
     "x-mock-tokens-per-second",

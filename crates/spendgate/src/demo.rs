@@ -110,6 +110,7 @@ pub async fn run(
     let text = demo_config(&listen, &db_text, &admin, &service, &random_hex(32));
     let cfg = config::load(&text, &|_| None).map_err(|e| anyhow::anyhow!("demo config: {e}"))?;
     let models: Vec<String> = cfg.models.keys().cloned().collect();
+    let served = models.join(", ");
 
     spendgate_tokens::warm_up();
     let store = spendgate_http::open_store(&cfg).await?;
@@ -148,6 +149,7 @@ pub async fn run(
     println!("spendgate demo: open http://{addr}/demo/");
     println!("  operator dashboard: http://{addr}/admin/  (admin token: {admin})");
     println!("  OpenAI-compatible base URL: http://{addr}/v1  (service token: {service})");
+    println!("  models: {served} (on /v1/chat/completions, /v1/embeddings and /v1/messages)");
     println!("  built-in mock upstream: http://{mock_addr}/v1  (stats: /mock/stats)");
     println!("  ledger: {}", db_path.display());
     tracing::info!(%addr, %mock_addr, "spendgate demo listening");

@@ -7,7 +7,8 @@ use crate::raw::{
 };
 use crate::text::amount_text;
 use crate::types::{
-    AlertsConfig, HistoryConfig, ModelConfig, OutputBoundField, Secret, Tokenizer, UpstreamConfig,
+    AlertsConfig, HistoryConfig, ModelConfig, OutputBoundField, Secret, Tokenizer, UpstreamApi,
+    UpstreamConfig,
 };
 use crate::{MOCK_UPSTREAM, TABLE_LEN_MAX, THRESHOLD_PERMILLE_MAX};
 use spendgate_core::{
@@ -233,6 +234,12 @@ impl Validator<'_, '_> {
                 },
             };
             let timeout_s = self.int(&p.key("timeout_s"), u.timeout_s)?;
+            let api = self.one_of(
+                &p.key("api"),
+                &u.api,
+                &[UpstreamApi::OpenAi, UpstreamApi::Anthropic],
+                UpstreamApi::name,
+            )?;
             out.insert(
                 name.clone(),
                 UpstreamConfig {
@@ -240,6 +247,7 @@ impl Validator<'_, '_> {
                     api_key,
                     timeout: Duration::from_secs(timeout_s),
                     release_on_error: u.release_on_error,
+                    api,
                 },
             );
         }
@@ -279,32 +287,7 @@ impl Validator<'_, '_> {
                     ),
                 ));
             }
-            let price = |key: &str, v: &Option<RawAmount>| -> R<Micros> {
-                match v {
-                    Some(a) => self.amount(&p.key(key), a),
-                    None => Err(self.err(
-                        &p.key(key),
-                        "required key is missing: a model without a price is never called",
-                    )),
-                }
-            };
-            let input = price("input_per_million", &m.input_per_million)?;
-            let output = price("output_per_million", &m.output_per_million)?;
-            let cached = match &m.cached_input_per_million {
-                Some(a) => self.amount(&p.key("cached_input_per_million"), a)?,
-                None => input,
-            };
-            if cached > input {
-                return Err(self.err(
-                    &p.key("cached_input_per_million"),
-                    format!(
-                        "{} is more than input_per_million ({}): reservations price every \
-                         prompt token at the input price",
-                        amount_text(cached),
-                        amount_text(input)
-                    ),
-                ));
-            }
+            let (price, cache_write) = self.model_price(&p, m)?;
             let tokenizer = self.one_of(
                 &p.key("tokenizer"),
                 &m.tokenizer,
@@ -331,18 +314,66 @@ impl Validator<'_, '_> {
                 name.clone(),
                 ModelConfig {
                     upstream: upstream.to_string(),
-                    price: ModelPrice {
-                        input_per_million: input,
-                        cached_input_per_million: cached,
-                        output_per_million: output,
-                    },
+                    price,
                     tokenizer,
                     upstream_model: m.upstream_model.clone(),
                     output_bound_field,
+                    cache_write_per_million: cache_write,
                 },
             );
         }
         Ok(out)
+    }
+
+    /// A model's prices: its `ModelPrice` and its cache write price.
+    fn model_price(&self, p: &KeyPath, m: &RawModel) -> R<(ModelPrice, Micros)> {
+        let price = |key: &str, v: &Option<RawAmount>| -> R<Micros> {
+            match v {
+                Some(a) => self.amount(&p.key(key), a),
+                None => Err(self.err(
+                    &p.key(key),
+                    "required key is missing: a model without a price is never called",
+                )),
+            }
+        };
+        let input = price("input_per_million", &m.input_per_million)?;
+        let output = price("output_per_million", &m.output_per_million)?;
+        let cached = match &m.cached_input_per_million {
+            Some(a) => self.amount(&p.key("cached_input_per_million"), a)?,
+            None => input,
+        };
+        if cached > input {
+            return Err(self.err(
+                &p.key("cached_input_per_million"),
+                format!(
+                    "{} is more than input_per_million ({}): reservations price every \
+                     prompt token at the input price",
+                    amount_text(cached),
+                    amount_text(input)
+                ),
+            ));
+        }
+        let cache_write = match &m.cache_write_per_million {
+            Some(a) => self.amount(&p.key("cache_write_per_million"), a)?,
+            None => Micros(input.0.saturating_mul(2)),
+        };
+        if cache_write < input {
+            return Err(self.err(
+                &p.key("cache_write_per_million"),
+                format!(
+                    "{} is less than input_per_million ({}): a prompt token written \
+                     to the cache is charged at least as an input token",
+                    amount_text(cache_write),
+                    amount_text(input)
+                ),
+            ));
+        }
+        let price = ModelPrice {
+            input_per_million: input,
+            cached_input_per_million: cached,
+            output_per_million: output,
+        };
+        Ok((price, cache_write))
     }
 
     pub(crate) fn tools(&self, raw: &BTreeMap<String, RawTool>) -> R<BTreeMap<String, ToolPrice>> {

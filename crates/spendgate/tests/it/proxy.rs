@@ -12,6 +12,14 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// `POST /v1/messages`, with this module's gateway and mock.
+#[path = "proxy_messages.rs"]
+mod messages;
+
+/// `POST /v1/embeddings`, with this module's gateway and mock.
+#[path = "proxy_embeddings.rs"]
+mod embeddings;
+
 const MODEL: &str = "mock-model";
 /// The upstream's key: it must reach the upstream and never the client.
 const UPSTREAM_KEY: &str = "sk-upstream-secret-7f3a9c21e4b8";

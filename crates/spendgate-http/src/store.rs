@@ -27,11 +27,13 @@ pub async fn open_store_with_witness(config: &Config) -> Result<OpenedStore, Ser
     let mut history = None;
     let (inner, witness): (Arc<dyn Store>, _) = match config.store.kind {
         StoreKind::Memory => (
-            Arc::new(MemoryStore::new(policy, Arc::new(SystemClock))),
+            Arc::new(MemoryStore::with_history(policy, Arc::new(SystemClock))),
             None,
         ),
         StoreKind::Sqlite => {
-            let opts = SqliteOptions::new(config.store.path.clone());
+            let mut opts = SqliteOptions::new(config.store.path.clone());
+            opts.history_retention = config.history.retention;
+            opts.history_rows_max = config.history.rows_max;
             (
                 Arc::new(SqliteStore::open(opts, policy, Arc::new(SystemClock))?),
                 None,

@@ -162,10 +162,16 @@ def main():
         tops = d.find_elements(By.CSS_SELECTOR, "#tops table")
         assert len(tops) == 4 and all(t.find_elements(By.CSS_SELECTOR, "td") for t in tops), \
             d.find_element(By.ID, "tops").text
+        # The forecast needs the burn rate's samples (the alert checker reads the global
+        # budgets every second): reload until the summary carries them.
+        WebDriverWait(d, WAIT_S).until(
+            lambda d: d.find_element(By.ID, "load").click()
+            or d.find_element(By.ID, "forecast").text.startswith("forecast:"))
         forecast = d.find_element(By.ID, "forecast").text
+        assert "spent at the reset" in forecast, forecast
         shot("dashboard-today")
-        ok(f"the dashboard draws the spend chart with its limit line, and the top spenders "
-           f"(forecast: {forecast or 'none yet'})")
+        ok(f"the dashboard draws the spend chart with its limit line, the forecast and the "
+           f"top spenders ({forecast})")
 
         loaded = d.find_element(By.ID, "status").text
         time.sleep(0.01)

@@ -58,6 +58,8 @@ export interface HeartbeatAnswer {
 export interface FinishAnswer {
   state: string;
   charged_micros: number;
+  /** What the run's budgets were charged (`whole_run`: its hold as committed or expired). */
+  budgets_charged_micros: number;
   steps: number;
   repeated: boolean;
   ledger_seq: number;

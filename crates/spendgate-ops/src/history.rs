@@ -35,11 +35,14 @@ pub fn open_reader(cfg: &spendgate_config::Config) -> Result<Arc<dyn HistoryRead
                 .map(|h| Arc::new(h) as Arc<dyn HistoryReader>)
                 .map_err(|e| OpsError::Usage(e.to_string()))
         }
-        spendgate_config::StoreKind::Redis => Err(OpsError::Usage(
-            "TODO(history): reading the history from PostgreSQL ([history] url) is not \
-             built yet; read it from a running gateway with --url and --admin-token"
-                .into(),
-        )),
+        spendgate_config::StoreKind::Redis => match &cfg.history.url {
+            Some(url) => Ok(Arc::new(spendgate_history_pg::PgHistory::new(url.expose()))),
+            None => Err(OpsError::Usage(
+                "this Redis deployment keeps its history in Redis only ([history] url is \
+                 empty): read it from a running gateway with --url and --admin-token"
+                    .into(),
+            )),
+        },
         spendgate_config::StoreKind::Memory => Err(OpsError::Usage(
             "a memory store keeps its history in the process that serves it: read it \
              with --url and --admin-token"

@@ -560,20 +560,25 @@ impl Drain {
         }
     }
 
-    async fn ensure_group(&self, keys: &Keys) -> Result<(), StoreError> {
+    /// Creates the drain's consumer group on the stream, when the stream exists; whether it
+    /// does. Never creates the stream itself (no `MKSTREAM`): only the ledger's script writes
+    /// a key, so a replica never writes into a Redis that is not (or no longer) an
+    /// initialized ledger (an emptied Redis stays empty until the operator says so).
+    async fn ensure_group(&self, keys: &Keys) -> Result<bool, StoreError> {
         let r = keys
             .run(
                 redis::cmd("XGROUP")
                     .arg("CREATE")
                     .arg(keys.stream())
                     .arg(DRAIN_GROUP)
-                    .arg("0")
-                    .arg("MKSTREAM"),
+                    .arg("0"),
             )
             .await;
         match r {
-            Err(e) if e.to_string().contains("BUSYGROUP") => Ok(()),
-            other => other.map(|_| ()),
+            Ok(_) => Ok(true),
+            Err(e) if e.to_string().contains("BUSYGROUP") => Ok(true),
+            Err(e) if e.to_string().contains("requires the key to exist") => Ok(false),
+            Err(e) => Err(e),
         }
     }
 
@@ -593,7 +598,9 @@ impl Drain {
     /// The next batch (delivered to this consumer, not yet acknowledged).
     pub async fn take(&self) -> Result<Vec<Entry>, StoreError> {
         let keys = self.store.keys();
-        self.ensure_group(&keys).await?;
+        if !self.ensure_group(&keys).await? {
+            return Ok(Vec::new());
+        }
         let read = |id: &str| {
             let mut c = redis::cmd("XREADGROUP");
             c.arg("GROUP")

@@ -148,6 +148,8 @@ class FinishAnswer:
 
     state: str
     charged_micros: int
+    #: What the run's budgets were charged (`whole_run`: its hold as committed or expired).
+    budgets_charged_micros: int
     steps: int
     repeated: bool
     ledger_seq: int
@@ -158,6 +160,7 @@ class FinishAnswer:
         return cls(
             state=_str(m, "state"),
             charged_micros=_int(m, "charged_micros"),
+            budgets_charged_micros=_int(m, "budgets_charged_micros"),
             steps=_int(m, "steps"),
             repeated=m.get("repeated") is True,
             ledger_seq=_int(m, "ledger_seq"),

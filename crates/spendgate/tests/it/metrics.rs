@@ -298,6 +298,19 @@ async fn counters_are_running_totals_equal_to_the_ledger() {
         ),
         sessions
     );
+    // The counters are running totals of the history's records: per terminal state, the
+    // history's reservations and charges are the counters'.
+    let h = server.admin_get("/admin/v1/history?by=state").await;
+    let rows = h["rows"].as_array().expect("grouped rows");
+    for state in ["committed", "released", "unknown", "expired"] {
+        let row = rows.iter().find(|r| r["key"] == state);
+        let n = |f: &str| row.and_then(|r| r[f].as_u64()).unwrap_or(0);
+        assert_eq!(
+            (n("reservations"), n("charged_micros")),
+            (reservations(state), charged(state)),
+            "history against metrics, {state}: {h}"
+        );
+    }
 }
 
 /// The global budget's spend rate is steady at [`STEPS_PER_S`] steps of [`STEP_MICROS`].

@@ -57,6 +57,7 @@ const shapes: Record<string, Shape<unknown> | Record<string, "optional" | "requi
   FinishAnswer: {
     state: "required",
     charged_micros: "required",
+    budgets_charged_micros: "required",
     steps: "required",
     repeated: "required",
     ledger_seq: "required",

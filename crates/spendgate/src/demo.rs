@@ -144,7 +144,6 @@ pub async fn run(
             }),
         );
     let app = spendgate_http::router(state.clone(), spendgate_proxy::routes().merge(pages));
-    let sweeper = spendgate_store::spawn_sweeper(state.store.clone(), spendgate_http::SWEEP_EVERY);
 
     println!("spendgate demo: open http://{addr}/demo/");
     println!("  operator dashboard: http://{addr}/admin/  (admin token: {admin})");
@@ -154,9 +153,10 @@ pub async fn run(
     println!("  ledger: {}", db_path.display());
     tracing::info!(%addr, %mock_addr, "spendgate demo listening");
 
-    // (its idle time follows the longest upstream timeout: the mock's)
-    let result = spendgate_http::serve::serve_bounded(&state, app, listener, shutdown).await;
-    sweeper.abort();
+    // As `serve` does: the sweeper, the alert checker (alerts, and the burn rates the
+    // dashboard's forecast shows) and the policy publisher run beside the listener. (Its idle
+    // time follows the longest upstream timeout: the mock's.)
+    let result = spendgate_http::serve::serve(state, app, listener, shutdown).await;
     mock_task.abort();
     result.context("serving the demo")
 }

@@ -695,39 +695,69 @@ fn check_prefix(prefix: &str) -> Result<String, StoreError> {
 
 /// The policy as the script reads it (see `parse_policy` in ledger.lua). Refuses figures the
 /// script could not represent exactly.
-fn policy_arg(p: &Policy, history_cap: u64) -> Result<String, StoreError> {
-    struct Out(Vec<String>);
-    impl Out {
-        fn word(&mut self, w: &str) {
-            self.0.push(w.to_string());
-        }
-        fn num(&mut self, v: u64, what: &str) -> Result<(), StoreError> {
-            if v > MICROS_MAX.0 {
-                return Err(unavailable(format!(
-                    "{what} = {v} is above 2^53 - 1, which the redis store cannot keep exact"
-                )));
-            }
-            self.0.push(v.to_string());
-            Ok(())
-        }
-        fn rate(&mut self, r: &Option<Rate>, what: &str) -> Result<(), StoreError> {
-            let Some(r) = r else {
-                self.word("0");
-                return Ok(());
-            };
-            // The script computes with period * 1000 and interval * burst: keep them exact too.
-            let tolerance = r.interval_us().saturating_mul(r.burst.max(1));
-            if r.period_ms.saturating_mul(1000) > MICROS_MAX.0 || tolerance > MICROS_MAX.0 {
-                return Err(unavailable(format!(
-                    "{what} is too large for the redis store"
-                )));
-            }
-            self.word("1");
-            self.num(r.count, what)?;
-            self.num(r.period_ms, what)?;
-            self.num(r.burst, what)
-        }
+/// The script's policy argument: words the script reads in this order.
+struct Out(Vec<String>);
+impl Out {
+    fn word(&mut self, w: &str) {
+        self.0.push(w.to_string());
     }
+    fn num(&mut self, v: u64, what: &str) -> Result<(), StoreError> {
+        if v > MICROS_MAX.0 {
+            return Err(unavailable(format!(
+                "{what} = {v} is above 2^53 - 1, which the redis store cannot keep exact"
+            )));
+        }
+        self.0.push(v.to_string());
+        Ok(())
+    }
+    fn rate(&mut self, r: &Option<Rate>, what: &str) -> Result<(), StoreError> {
+        let Some(r) = r else {
+            self.word("0");
+            return Ok(());
+        };
+        // The script computes with period * 1000 and interval * burst: keep them exact too.
+        let tolerance = r.interval_us().saturating_mul(r.burst.max(1));
+        if r.period_ms.saturating_mul(1000) > MICROS_MAX.0 || tolerance > MICROS_MAX.0 {
+            return Err(unavailable(format!(
+                "{what} is too large for the redis store"
+            )));
+        }
+        self.word("1");
+        self.num(r.count, what)?;
+        self.num(r.period_ms, what)?;
+        self.num(r.burst, what)
+    }
+
+    /// One scope kind's limits, each with whether it is in dry-run (the scope's flag or its
+    /// own).
+    fn scope(
+        &mut self,
+        sp: &spendgate_core::ScopePolicy,
+        kind: ScopeKind,
+    ) -> Result<(), StoreError> {
+        let what = format!("limits.{}", kind.name());
+        let flag = |on: bool| if on { "1" } else { "0" };
+        self.num(sp.budgets.len() as u64, &what)?;
+        for b in &sp.budgets {
+            self.word(b.window.name());
+            self.num(b.amount.0, &what)?;
+            self.word(flag(sp.budget_dry(b.window)));
+        }
+        self.rate(&sp.rate, &what)?;
+        self.word(flag(sp.rate_dry()));
+        match sp.concurrency {
+            None => self.word("0"),
+            Some(c) => {
+                self.word("1");
+                self.num(u64::from(c), &what)?;
+            }
+        }
+        self.word(flag(sp.concurrency_dry()));
+        Ok(())
+    }
+}
+
+fn policy_arg(p: &Policy, history_cap: u64) -> Result<String, StoreError> {
     let mut out = Out(Vec::new());
     for (v, what) in [
         (RECORD_RETENTION_MS, "RECORD_RETENTION_MS"),
@@ -747,25 +777,7 @@ fn policy_arg(p: &Policy, history_cap: u64) -> Result<String, StoreError> {
         let sp = p
             .for_kind(kind)
             .ok_or_else(|| unavailable("policy has no limits for a scope kind"))?;
-        let what = format!("limits.{}", kind.name());
-        let flag = |on: bool| if on { "1" } else { "0" };
-        // Each limit with whether it is in dry-run (the scope's flag or its own).
-        out.num(sp.budgets.len() as u64, &what)?;
-        for b in &sp.budgets {
-            out.word(b.window.name());
-            out.num(b.amount.0, &what)?;
-            out.word(flag(sp.budget_dry(b.window)));
-        }
-        out.rate(&sp.rate, &what)?;
-        out.word(flag(sp.rate_dry()));
-        match sp.concurrency {
-            None => out.word("0"),
-            Some(c) => {
-                out.word("1");
-                out.num(u64::from(c), &what)?;
-            }
-        }
-        out.word(flag(sp.concurrency_dry()));
+        out.scope(sp, kind)?;
     }
     let b = &p.run;
     for (v, what) in [

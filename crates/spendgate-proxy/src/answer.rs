@@ -3,6 +3,7 @@
 
 use crate::guard::usage_of;
 use crate::messages;
+use crate::responses::HostedSeen;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use spendgate_core::TokenUsage;
@@ -16,6 +17,8 @@ pub(crate) enum Dialect {
     Messages(messages::Pricing),
     /// `/v1/embeddings`: no output, a usage of prompt tokens.
     Embeddings,
+    /// `/v1/responses`: OpenAI's Responses ([`crate::responses`]).
+    Responses,
 }
 
 impl Dialect {
@@ -25,6 +28,7 @@ impl Dialect {
             Dialect::Chat => each_output_text(v, f),
             Dialect::Messages(_) => messages::each_output_text(v, f),
             Dialect::Embeddings => {}
+            Dialect::Responses => crate::responses::each_output_text(v, f),
         }
     }
 
@@ -34,6 +38,7 @@ impl Dialect {
             Dialect::Chat => usage_of(v),
             Dialect::Messages(p) => messages::usage_in(v).and_then(|u| p.tokens(u)),
             Dialect::Embeddings => crate::embeddings::usage_of(v),
+            Dialect::Responses => crate::responses::usage_of(v),
         }
     }
 
@@ -46,6 +51,7 @@ impl Dialect {
                     && v.get("content").is_some_and(Value::is_array)
             }
             Dialect::Embeddings => crate::embeddings::is_answer(v),
+            Dialect::Responses => crate::responses::is_answer(v),
         }
     }
 }
@@ -153,6 +159,8 @@ pub(crate) struct WholeAnswer {
     /// The answer is not a JSON object with `choices`, and its bytes are over the output
     /// bound: it cannot be cut, and is not passed on.
     pub(crate) unreadable: bool,
+    /// The hosted calls of `hosted_types` it shows (`/v1/responses`), whole when it was read.
+    pub(crate) hosted: HostedSeen,
 }
 
 /// Reads a whole answer: its usage, its output counted ([`each_output_text`], each text a
@@ -160,7 +168,7 @@ pub(crate) struct WholeAnswer {
 /// byte), and, when the output is over `bound`, its texts cut to the bound ([`clip_answer_in`]).
 #[cfg(test)]
 pub(crate) fn read_answer(tokenizer: Tokenizer, bound: u64, bytes: Bytes) -> WholeAnswer {
-    read_answer_in(Dialect::Chat, tokenizer, bound, bytes)
+    read_answer_in(Dialect::Chat, tokenizer, bound, bytes, &[])
 }
 
 /// [`read_answer`] in the shape `dialect`.
@@ -169,6 +177,7 @@ pub(crate) fn read_answer_in(
     tokenizer: Tokenizer,
     bound: u64,
     bytes: Bytes,
+    hosted_types: &[String],
 ) -> WholeAnswer {
     let mut counter = OutputCounter::new(tokenizer);
     let answer = serde_json::from_slice::<Value>(&bytes)
@@ -183,8 +192,17 @@ pub(crate) fn read_answer_in(
             output: counter.tally(),
             cut: false,
             unreadable: over,
+            hosted: HostedSeen::default(),
         };
     };
+    // Counted before any cut: the calls were made.
+    let mut hosted = HostedSeen {
+        whole: true,
+        ..HostedSeen::default()
+    };
+    if let Some(items) = v.get("output").and_then(Value::as_array) {
+        hosted.count_items(items, hosted_types);
+    }
     let usage = dialect.usage(&v);
     dialect.each_output_text(&mut v, &mut |_, text| {
         counter.push(text);
@@ -203,6 +221,7 @@ pub(crate) fn read_answer_in(
         output,
         cut,
         unreadable: false,
+        hosted,
     }
 }
 
@@ -234,6 +253,10 @@ pub(crate) fn clip_answer_in(
     }
     if let Dialect::Messages(_) = dialect {
         messages::finish_clip(v);
+        return true;
+    }
+    if let Dialect::Responses = dialect {
+        crate::responses::finish_clip(v);
         return true;
     }
     let choices = v.get_mut("choices").and_then(Value::as_array_mut);

@@ -12,8 +12,9 @@
 use crate::answer::{read_answer_in, Dialect, WholeAnswer};
 use crate::bounds::NO_WORK_STATUSES;
 use crate::caller::{caller, Caller};
-use crate::guard::{Hold, StepGuard};
+use crate::guard::{Hold, HostedHold, StepGuard};
 use crate::prompt::prompt_texts;
+use crate::responses::{self, HostedTool};
 use crate::sse::{relay as relay_sse, SseTap};
 use crate::upstream::{
     abandon, extra_only, fail, note_resolution, pass_headers, read_capped, redact,
@@ -60,6 +61,15 @@ pub async fn embeddings(
     proxy(state, peer, request, Shape::Embeddings).await
 }
 
+/// `POST /v1/responses`.
+pub async fn responses_route(
+    State(state): State<Shared>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    request: axum::extract::Request,
+) -> ApiResult<Response> {
+    proxy(state, peer, request, Shape::Responses).await
+}
+
 /// The API shape a call came in (its route).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Shape {
@@ -69,6 +79,8 @@ pub(crate) enum Shape {
     Messages,
     /// `POST /v1/embeddings`
     Embeddings,
+    /// `POST /v1/responses`
+    Responses,
 }
 
 impl Shape {
@@ -78,6 +90,7 @@ impl Shape {
             Shape::Chat => "/chat/completions",
             Shape::Messages => "/messages",
             Shape::Embeddings => "/embeddings",
+            Shape::Responses => "/responses",
         }
     }
 
@@ -87,7 +100,10 @@ impl Shape {
         matches!(
             (self, api),
             (_, None)
-                | (Shape::Chat | Shape::Embeddings, Some(UpstreamApi::OpenAi))
+                | (
+                    Shape::Chat | Shape::Embeddings | Shape::Responses,
+                    Some(UpstreamApi::OpenAi)
+                )
                 | (Shape::Messages, Some(UpstreamApi::Anthropic))
         )
     }
@@ -198,12 +214,19 @@ struct Plan {
     price: ModelPrice,
     /// How the answer is read.
     dialect: Dialect,
+    /// The hosted tools offered (`/v1/responses`), each reserved with the call, and the
+    /// calls one answer may make of them.
+    hosted: Vec<HostedTool>,
+    hosted_calls: Option<u64>,
 }
 
 /// The prompt checked against the run bounds and counted (refused before any store call when
 /// it is over them), then the output options.
 async fn plan(state: &AppState, call: &Call) -> ApiResult<Plan> {
     let bounds = state.config.policy.run;
+    // `unseen`: the upstream adds input out of sight (`previous_response_id`, …), reserved
+    // at the whole context bound.
+    let mut unseen = false;
     let (texts, price, dialect) = match call.shape {
         Shape::Chat => (prompt_texts(&call.body)?, call.model.price, Dialect::Chat),
         Shape::Messages => {
@@ -222,7 +245,25 @@ async fn plan(state: &AppState, call: &Call) -> ApiResult<Plan> {
             call.model.price,
             Dialect::Embeddings,
         ),
+        Shape::Responses => {
+            let (texts, refers) = responses::prompt_texts(&call.body)?;
+            unseen = refers;
+            (texts, call.model.price, Dialect::Responses)
+        }
     };
+    let (hosted, hosted_calls) = match call.shape {
+        Shape::Responses => {
+            let hosted = responses::hosted_tools(&call.body, &state.config.tools)?;
+            let calls = responses::hosted_calls_bound(
+                &call.body,
+                &hosted,
+                u64::from(bounds.max_tool_calls),
+            )?;
+            (hosted, calls)
+        }
+        _ => (Vec::new(), None),
+    };
+
     let largest_tool_result = texts.largest_tool_result;
     // The operator's backend composes the history; a guest (browser-direct) writes all of it,
     // every field the upstream bills as prompt (tools, response_format, unknown fields).
@@ -268,10 +309,16 @@ async fn plan(state: &AppState, call: &Call) -> ApiResult<Plan> {
     if prompt > bounds.max_context_tokens {
         return Err(context_too_large(format!("prompt of {prompt} tokens")));
     }
+    let prompt = if unseen {
+        bounds.max_context_tokens
+    } else {
+        prompt
+    };
     let (requested, stream) = match call.shape {
         Shape::Chat => output_options(&call.body)?,
         Shape::Messages => messages::output_options(&call.body)?,
         Shape::Embeddings => embeddings::output_options(&call.body)?,
+        Shape::Responses => responses::output_options(&call.body)?,
     };
     Ok(Plan {
         prompt,
@@ -280,6 +327,8 @@ async fn plan(state: &AppState, call: &Call) -> ApiResult<Plan> {
         stream,
         price,
         dialect,
+        hosted,
+        hosted_calls,
     })
 }
 
@@ -331,14 +380,24 @@ struct Admitted {
     /// of the tightest request rate, and the run's deadline (a step of the caller's run learns
     /// its run's at once).
     run: Option<RunAdmitted>,
+    /// The hosted tools' steps, reserved with the call, in the order of [`Plan::hosted`].
+    hosted: Vec<(ReservationId, StepReserved)>,
 }
 
-/// Reserves the step: in the caller's run (`Spendgate-Run`), else in a one-step run admitted
-/// with it. A refusal is counted and answered; after a store error whatever may have been
-/// held is given back.
+/// Reserves the step (and a step for each hosted tool offered, [`Plan::hosted`]): in the
+/// caller's run (`Spendgate-Run`), else in a one-step run admitted with them, in one store
+/// call. All or none: when any is refused (or the store fails), whatever was held is given
+/// back (no paid work started) and the refusal answered.
 async fn admit(state: &AppState, call: &Call, plan: &Plan) -> ApiResult<Admitted> {
     let step_id = ReservationId(new_id("stp"));
-    let step_of = |run_id: &RunId| StepRequest {
+    let (run_id, own_run) = match &call.who.run {
+        Some(r) => {
+            check_id("run", r)?;
+            (RunId(r.clone()), false)
+        }
+        None => (RunId(new_id("run")), true),
+    };
+    let step = StepRequest {
         run_id: run_id.clone(),
         step_id: step_id.clone(),
         kind: StepKind::Model {
@@ -349,33 +408,62 @@ async fn admit(state: &AppState, call: &Call, plan: &Plan) -> ApiResult<Admitted
             retry: call.who.retry,
         },
     };
-    let (run_id, run, reserved) = match &call.who.run {
-        Some(r) => {
-            check_id("run", r)?;
-            let run_id = RunId(r.clone());
-            let reserved = state.store.reserve_step(step_of(&run_id), None).await;
-            (run_id, None, reserved)
-        }
-        None => {
-            let run_id = RunId(new_id("run"));
-            let (run, reserved) = admit_run(state, call, plan, step_of(&run_id), &step_id).await?;
-            (run_id, Some(run), reserved)
-        }
-    };
-    let own_run = run.is_some();
-    let reserved = match reserved.map(|a| a.value) {
-        Ok(Ok(r)) => r,
-        Ok(Err(r)) => {
-            if own_run {
-                let _ = state.store.finish(run_id.clone()).await;
-            }
-            state.metrics.refused("proxy_step", r.code.name(), r.scope);
+    let hosted: Vec<StepRequest> = plan
+        .hosted
+        .iter()
+        .map(|h| StepRequest {
+            run_id: run_id.clone(),
+            step_id: ReservationId(new_id("stp")),
+            kind: StepKind::Tool {
+                tool: h.tool.clone(),
+                price: h.price(),
+                units: plan.hosted_calls.unwrap_or(1),
+            },
+        })
+        .collect();
+    let mut held: Vec<ReservationId> = vec![step_id.clone()];
+    held.extend(hosted.iter().map(|h| h.step_id.clone()));
+    let run_request = own_run.then(|| RunRequest {
+        run_id: run_id.clone(),
+        session: call.who.session.clone(),
+        ips: call.who.ips.clone(),
+        conversation: call.who.conversation.clone(),
+        input_bytes: plan.input_bytes,
+    });
+    let (run, mut answers) = reserve(state, run_request, step, hosted).await;
+    let own = own_run.then_some(&run_id);
+    let run = match run {
+        None => None,
+        Some(Ok(Ok(a))) => Some(a),
+        Some(Ok(Err(r))) => {
+            state.metrics.refused("proxy_run", r.code.name(), r.scope);
             return Err(ApiError::from(&r));
         }
-        Err(e) => {
-            abandon(state, &step_id, own_run.then_some(&run_id)).await;
+        Some(Err(e)) => {
+            // The run's fate is unknown; anything held for it held nothing paid.
+            abandon(state, &held, own).await;
             return Err(e.into());
         }
+    };
+    let mut granted = Vec::with_capacity(answers.len());
+    for answer in answers.drain(..) {
+        match answer.map(|a| a.value) {
+            Ok(Ok(r)) => granted.push(r),
+            Ok(Err(r)) => {
+                abandon(state, &held, own).await;
+                state.metrics.refused("proxy_step", r.code.name(), r.scope);
+                return Err(ApiError::from(&r));
+            }
+            Err(e) => {
+                abandon(state, &held, own).await;
+                return Err(e.into());
+            }
+        }
+    }
+    let mut granted = granted.into_iter();
+    let Some(reserved) = granted.next() else {
+        abandon(state, &held, own).await;
+        return Err(StoreError::Unavailable("no answer".into()).into());
     };
     state.metrics.admitted("proxy_step");
     Ok(Admitted {
@@ -384,64 +472,52 @@ async fn admit(state: &AppState, call: &Call, plan: &Plan) -> ApiResult<Admitted
         own_run,
         reserved,
         run,
+        hosted: held.into_iter().skip(1).zip(granted).collect(),
     })
 }
 
 /// The store's answer to reserving a step.
 type Reserved = Result<Applied<Result<StepReserved, Refusal>>, StoreError>;
+/// The store's answer to admitting a run.
+type RunAnswer = Result<Result<RunAdmitted, Refusal>, StoreError>;
 
-/// Admits a one-step run for the call and reserves its step, in one store call (a
-/// group-committing store, sqlite, makes both durable in one write). The run's admission, and
-/// the step's answer for [`admit`] to read.
-async fn admit_run(
+/// Admits a one-step run for the call (`run`, when the call is not a step of the caller's
+/// run) and reserves its step and the hosted tools' steps, in one store call (a
+/// group-committing store, sqlite, makes them durable in one write). The run's admission,
+/// and each step's answer, the call's first.
+async fn reserve(
     state: &AppState,
-    call: &Call,
-    plan: &Plan,
+    run: Option<RunRequest>,
     step: StepRequest,
-    step_id: &ReservationId,
-) -> ApiResult<(RunAdmitted, Reserved)> {
-    let run_id = step.run_id.clone();
-    let run = RunRequest {
-        run_id: run_id.clone(),
-        session: call.who.session.clone(),
-        ips: call.who.ips.clone(),
-        conversation: call.who.conversation.clone(),
-        input_bytes: plan.input_bytes,
-    };
-    let mut answers = state
-        .store
-        .execute_many(vec![
-            Command::AdmitRun {
-                req: run,
-                idem: None,
-            },
-            Command::ReserveStep {
-                req: step,
-                idem: None,
-            },
-        ])
-        .await
-        .into_iter();
-    let admitted = match answers.next() {
-        Some(Ok(Reply::Run(a))) => Ok(a),
-        other => Err(unexpected(other)),
-    };
-    let reserved = match answers.next() {
-        Some(Ok(Reply::Step(a))) => Ok(a),
-        other => Err(unexpected(other)),
-    };
-    match admitted.map(|a| a.value) {
-        Ok(Ok(a)) => Ok((a, reserved)),
-        Ok(Err(r)) => {
-            state.metrics.refused("proxy_run", r.code.name(), r.scope);
-            Err(ApiError::from(&r))
-        }
-        Err(e) => {
-            // The run's fate is unknown; anything held for it held nothing paid.
-            abandon(state, step_id, Some(&run_id)).await;
-            Err(e.into())
-        }
+    hosted: Vec<StepRequest>,
+) -> (Option<RunAnswer>, Vec<Reserved>) {
+    if run.is_none() && hosted.is_empty() {
+        return (None, vec![state.store.reserve_step(step, None).await]);
     }
+    let with_run = run.is_some();
+    let mut cmds = Vec::with_capacity(hosted.len() + 2);
+    if let Some(req) = run {
+        cmds.push(Command::AdmitRun { req, idem: None });
+    }
+    cmds.push(Command::ReserveStep {
+        req: step,
+        idem: None,
+    });
+    for req in hosted {
+        cmds.push(Command::ReserveStep { req, idem: None });
+    }
+    let mut answers = state.store.execute_many(cmds).await.into_iter();
+    let run = with_run.then(|| match answers.next() {
+        Some(Ok(Reply::Run(a))) => Ok(a.value),
+        other => Err(unexpected(other)),
+    });
+    let steps = answers
+        .map(|a| match a {
+            Ok(Reply::Step(a)) => Ok(a),
+            other => Err(unexpected(Some(other))),
+        })
+        .collect();
+    (run, steps)
 }
 
 /// A batched store call's answer that is not the one its command gets.
@@ -484,6 +560,16 @@ fn prepare(state: &Shared, mut call: Call, plan: &Plan, admitted: Admitted) -> P
             reserved: admitted.reserved.reserved,
             prompt_bound: plan.prompt,
             bound: out,
+            hosted: admitted
+                .hosted
+                .iter()
+                .zip(&plan.hosted)
+                .map(|((step, _), h)| HostedHold {
+                    step: step.clone(),
+                    call_type: h.call_type.clone(),
+                    calls: plan.hosted_calls.unwrap_or(1),
+                })
+                .collect(),
         },
         admitted.run_id.clone(),
         admitted.own_run,
@@ -497,6 +583,12 @@ fn prepare(state: &Shared, mut call: Call, plan: &Plan, admitted: Admitted) -> P
         }
         (Some(o), Shape::Embeddings) => {
             embeddings::upstream_body(o, call.model.upstream_model.as_ref());
+            false
+        }
+        (Some(o), Shape::Responses) => {
+            let bound = plant::forwarded_bound(out, plan.requested);
+            let model = call.model.upstream_model.as_ref();
+            responses::upstream_body(o, model, bound, plan.hosted_calls);
             false
         }
         (None, _) => false,
@@ -547,10 +639,15 @@ fn upstream_body(o: &mut Map<String, Value>, model: &ModelConfig, out: u64, plan
 fn step_headers(state: &AppState, admitted: &Admitted, out: u64) -> HeaderMap {
     let mut extra = HeaderMap::new();
     let reserved = &admitted.reserved;
+    // The hosted tools' holds are the call's too.
+    let held = admitted
+        .hosted
+        .iter()
+        .fold(reserved.reserved, |sum, (_, r)| sum.add_capped(r.reserved));
     for (name, value) in [
         ("spendgate-run", admitted.run_id.0.clone()),
         ("spendgate-step", admitted.step_id.0.clone()),
-        ("spendgate-reserved-micros", reserved.reserved.0.to_string()),
+        ("spendgate-reserved-micros", held.0.to_string()),
         ("spendgate-max-output-tokens", out.to_string()),
     ] {
         if let Ok(v) = HeaderValue::from_str(&value) {
@@ -605,10 +702,10 @@ async fn forward(state: &AppState, p: Prepared, entered: Instant) -> Result<Sent
     call.body = Value::Null;
     let upstream = &call.upstream;
     builder = match call.shape {
-        Shape::Chat | Shape::Embeddings if !upstream.api_key.is_empty() => {
+        Shape::Chat | Shape::Embeddings | Shape::Responses if !upstream.api_key.is_empty() => {
             builder.bearer_auth(&upstream.api_key)
         }
-        Shape::Chat | Shape::Embeddings => builder,
+        Shape::Chat | Shape::Embeddings | Shape::Responses => builder,
         Shape::Messages => messages::upstream_headers(builder, &upstream.api_key, &call.headers),
     };
     // The mock's controls: from the operator's backend, or to the built-in mock (the demo);
@@ -720,16 +817,19 @@ async fn relay(state: &AppState, mut sent: Sent) -> Response {
     state.metrics.proxy_overhead(sent.before_forwarding);
     // Streaming: pass every chunk through as it arrives; watch for the usage chunk, and
     // count the output.
+    let hosted_types = sent.guard.hosted.iter().map(|h| h.call_type.clone());
+    let tap = SseTap::new(
+        !sent.client_wants_usage,
+        sent.call.model.tokenizer,
+        sent.out,
+    )
+    .in_dialect(sent.dialect)
+    .with_hosted(hosted_types.collect());
     let body_stream = relay_sse(
         sent.resp.bytes_stream(),
         sent.guard,
         sent.call.upstream.timeout,
-        SseTap::new(
-            !sent.client_wants_usage,
-            sent.call.model.tokenizer,
-            sent.out,
-        )
-        .in_dialect(sent.dialect),
+        tap,
         sent.started,
     );
     let mut r = Response::new(AxumBody::from_stream(body_stream));
@@ -790,7 +890,10 @@ async fn relay_whole(
     mut headers: HeaderMap,
 ) -> Response {
     let Sent {
-        call, guard, resp, ..
+        call,
+        mut guard,
+        resp,
+        ..
     } = sent;
     let upstream = &call.model.upstream;
     let Some(bytes) = read_capped(resp, sent.deadline, guard.stopped()).await else {
@@ -808,7 +911,9 @@ async fn relay_whole(
     state
         .metrics
         .upstream_call(upstream_done.duration_since(sent.started));
-    let answer = read_whole(sent.dialect, call.model.tokenizer, sent.out, bytes).await;
+    let types: Vec<String> = guard.hosted.iter().map(|h| h.call_type.clone()).collect();
+    let answer = read_whole(sent.dialect, call.model.tokenizer, sent.out, bytes, types).await;
+    guard.hosted_seen = answer.hosted.clone();
     if answer.usage.is_none() {
         tracing::warn!(%upstream, "upstream answer without usage; charging the step in full (or for the output counted, when more)");
     }
@@ -845,20 +950,24 @@ async fn read_whole(
     tokenizer: tokens::Tokenizer,
     out: u64,
     bytes: Bytes,
+    hosted_types: Vec<String>,
 ) -> WholeAnswer {
     let len = bytes.len();
-    tokens::counting(len, move || read_answer_in(dialect, tokenizer, out, bytes))
-        .await
-        .unwrap_or(WholeAnswer {
-            body: Bytes::new(),
-            usage: None,
-            output: OutputTally {
-                floor: len as u64,
-                upper: len as u64,
-            },
-            cut: false,
-            unreadable: true,
-        })
+    tokens::counting(len, move || {
+        read_answer_in(dialect, tokenizer, out, bytes, &hosted_types)
+    })
+    .await
+    .unwrap_or(WholeAnswer {
+        body: Bytes::new(),
+        usage: None,
+        output: OutputTally {
+            floor: len as u64,
+            upper: len as u64,
+        },
+        cut: false,
+        unreadable: true,
+        hosted: responses::HostedSeen::default(),
+    })
 }
 
 /// Resolves the step `how` and answers `body` with `status` and the step's headers (what it

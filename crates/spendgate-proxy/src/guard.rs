@@ -2,6 +2,7 @@
 //! meanwhile, the settlement never below what was shown, retried when the store is away.
 
 use crate::bounds::{LEASE_RENEWAL_MIN, SETTLE_RETRIES_MAX, SETTLE_RETRY_PAUSES};
+use crate::responses::HostedSeen;
 use serde_json::Value;
 use spendgate_core::{
     Applied, Command, Micros, ModelPrice, Reply, ReservationId, Resolution, Resolved, RunId,
@@ -68,6 +69,10 @@ pub(crate) struct StepGuard {
     pub(crate) stop: tokio::sync::watch::Receiver<Option<tokio::time::Instant>>,
     /// Set when the run was found ended under the call ([`StepGuard::stopped`]).
     pub(crate) ended: tokio::sync::watch::Receiver<bool>,
+    /// The hosted tools' steps reserved with the call (`/v1/responses`), settled with it.
+    pub(crate) hosted: Vec<HostedHold>,
+    /// The hosted calls the answer showed so far.
+    pub(crate) hosted_seen: HostedSeen,
 }
 
 /// The local instant of a store time (the store's clock is this machine's, or Redis's).
@@ -140,6 +145,8 @@ impl StepGuard {
             renewal: Some(renewal),
             stop,
             ended,
+            hosted: hold.hosted,
+            hosted_seen: HostedSeen::default(),
         }
     }
 
@@ -215,6 +222,19 @@ impl StepGuard {
         Some((step, self.run.take()))
     }
 
+    /// The resolutions of the hosted tools' steps, when the call's step is resolved `how`
+    /// (see [`hosted_settlement`]); emptied.
+    fn take_hosted(&mut self, how: &Resolution) -> Vec<(ReservationId, Resolution)> {
+        let seen = std::mem::take(&mut self.hosted_seen);
+        std::mem::take(&mut self.hosted)
+            .into_iter()
+            .map(|h| {
+                let how = hosted_settlement(&h, how, &seen);
+                (h.step, how)
+            })
+            .collect()
+    }
+
     /// Resolves a step (and finishes a one-step run). When the store cannot be reached, the
     /// resolution is tried again in the background, [`SETTLE_RETRY_PAUSES`] apart: the hold
     /// stays until then, and expires charged in full if no retry lands first (I3).
@@ -223,9 +243,13 @@ impl StepGuard {
         step: ReservationId,
         run: Option<RunId>,
         how: Resolution,
+        hosted: Vec<(ReservationId, Resolution)>,
     ) -> Option<Applied<Resolved>> {
         let step_name = step.0.clone();
         let mut cmds = vec![Command::Resolve { step, how }];
+        for (step, how) in hosted {
+            cmds.push(Command::Resolve { step, how });
+        }
         if let Some(run) = run {
             cmds.push(Command::Finish { run });
         }
@@ -281,8 +305,25 @@ impl StepGuard {
             None => Err(StoreError::Unavailable("no answer".into())),
         };
         if r.is_ok() {
-            if let Some(Err(e)) = answers.next() {
-                tracing::warn!(error = %e, "could not finish a one-step proxy run; its lease will expire");
+            // The hosted tools' resolutions, then the one-step run's finish.
+            for answer in answers {
+                match answer {
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not resolve a hosted tool's step or finish a one-step proxy run; what stays held expires, charged in full");
+                    }
+                    Ok(Reply::Resolved(t)) if (!t.value.repeated || retried) && t.value.overrun => {
+                        state.metrics.overrun();
+                        state
+                            .alerts
+                            .overrun(step_name, t.value.reserved.0, t.value.charged.0);
+                        tracing::warn!(
+                            charged = t.value.charged.0,
+                            reserved = t.value.reserved.0,
+                            "overrun: an upstream made more hosted tool calls than reserved, charged in full"
+                        );
+                    }
+                    Ok(_) => {}
+                }
             }
         }
         let a = r?;
@@ -303,8 +344,9 @@ impl StepGuard {
 
     pub(crate) async fn resolve(mut self, how: Resolution) -> Option<Applied<Resolved>> {
         let (step, run) = self.take()?;
+        let hosted = self.take_hosted(&how);
         let state = self.state.clone();
-        tokio::spawn(Self::settle(state, step, run, how))
+        tokio::spawn(Self::settle(state, step, run, how, hosted))
             .await
             .ok()
             .flatten()
@@ -321,8 +363,9 @@ impl Drop for StepGuard {
         } else {
             self.settlement(self.usage, self.seen, self.output)
         };
+        let hosted = self.take_hosted(&how);
         if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            handle.spawn(Self::settle(self.state.clone(), step, run, how));
+            handle.spawn(Self::settle(self.state.clone(), step, run, how, hosted));
         }
     }
 }
@@ -336,6 +379,39 @@ pub(crate) struct Hold {
     pub(crate) prompt_bound: u64,
     /// The output bound forwarded.
     pub(crate) bound: u64,
+    /// The hosted tools' steps reserved with the call.
+    pub(crate) hosted: Vec<HostedHold>,
+}
+
+/// A hosted tool's step, reserved with a `/v1/responses` call for `calls` calls.
+#[derive(Clone, Debug)]
+pub(crate) struct HostedHold {
+    pub(crate) step: ReservationId,
+    /// The output item type of its calls (`web_search_call`).
+    pub(crate) call_type: String,
+    /// The calls reserved (the `max_tool_calls` forwarded).
+    pub(crate) calls: u64,
+}
+
+/// How a hosted tool's step ends, with its call's step resolved `how`: released with it (no
+/// work was done); committed at the calls the answer showed when they were all seen (the
+/// answer read whole, or its stream's final event), none included; else charged in full
+/// (`unknown`), or committed at the calls seen when more than were reserved (an upstream past
+/// its `max_tool_calls`: an overrun, SPEC I1b).
+pub(crate) fn hosted_settlement(
+    hold: &HostedHold,
+    how: &Resolution,
+    seen: &HostedSeen,
+) -> Resolution {
+    if matches!(how, Resolution::Release) {
+        return Resolution::Release;
+    }
+    let calls = seen.calls.get(&hold.call_type).copied().unwrap_or(0);
+    if seen.whole || calls > hold.calls {
+        Resolution::Commit(Settlement::Units(calls))
+    } else {
+        Resolution::Unknown
+    }
 }
 
 /// What the proxy observed of a step's answer.

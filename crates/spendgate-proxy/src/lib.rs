@@ -40,6 +40,7 @@ pub mod embeddings;
 pub mod guard;
 pub mod messages;
 pub mod prompt;
+pub mod responses;
 pub mod sse;
 pub mod upstream;
 
@@ -73,6 +74,10 @@ pub fn routes() -> Router<Shared> {
             post(chat_completions).route_layer(json()),
         )
         .route("/v1/embeddings", post(chat::embeddings).route_layer(json()))
+        .route(
+            "/v1/responses",
+            post(chat::responses_route).route_layer(json()),
+        )
         .route(
             "/v1/messages",
             post(messages::messages)

@@ -827,6 +827,7 @@ mod tests {
             Tokenizer::Bytes,
             20,
             Bytes::from(answer.to_string()),
+            &[],
         );
         assert!(a.cut);
         assert_eq!(a.usage.map(|u| u.completion_tokens), Some(600));

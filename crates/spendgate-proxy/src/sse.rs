@@ -5,6 +5,7 @@ use crate::answer::{Dialect, FieldKey};
 use crate::bounds::SSE_LINE_BYTES_MAX;
 use crate::guard::{usage_of, StepGuard};
 use crate::messages;
+use crate::responses::{self, HostedSeen};
 use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{json, Value};
@@ -51,6 +52,10 @@ pub(crate) struct SseTap {
     /// A Messages stream's usage so far, each class apart (`message_start`'s, raised by
     /// `message_delta`'s).
     pub(crate) classes: messages::Usage,
+    /// The call types of the hosted tools reserved with the call (`/v1/responses`), and the
+    /// calls of them seen so far.
+    pub(crate) hosted_types: Vec<String>,
+    pub(crate) hosted: HostedSeen,
 }
 
 /// Whether a stream's event reports an error: an `error` object (OpenAI's and OpenRouter's
@@ -82,12 +87,27 @@ impl SseTap {
             over: false,
             dialect: Dialect::Chat,
             classes: messages::Usage::default(),
+            hosted_types: Vec::new(),
+            hosted: HostedSeen::default(),
+        }
+    }
+
+    /// The same tap, counting the calls of these hosted tools' types.
+    pub(crate) fn with_hosted(mut self, types: Vec<String>) -> SseTap {
+        self.hosted_types = types;
+        self
+    }
+
+    /// Gives the guard the hosted calls seen, before it is resolved.
+    pub(crate) fn hand_hosted(&self, guard: &mut StepGuard) {
+        if !guard.hosted.is_empty() {
+            guard.hosted_seen = self.hosted.clone();
         }
     }
 
     /// The same tap for a stream of another shape (a Messages stream keeps its usage).
     pub(crate) fn in_dialect(mut self, dialect: Dialect) -> SseTap {
-        if let Dialect::Messages(_) = dialect {
+        if let Dialect::Messages(_) | Dialect::Responses = dialect {
             self.strip_usage = false;
         }
         self.dialect = dialect;
@@ -99,6 +119,7 @@ impl SseTap {
         match self.dialect {
             Dialect::Chat | Dialect::Embeddings => sse_error(code, message, self.mid_line()),
             Dialect::Messages(_) => messages::sse_error(code, message, self.mid_line()),
+            Dialect::Responses => responses::sse_error(code, message, self.mid_line()),
         }
     }
 
@@ -217,6 +238,10 @@ impl SseTap {
             self.read_messages(v, pricing);
             return true;
         }
+        if let Dialect::Responses = self.dialect {
+            self.read_responses(v);
+            return true;
+        }
         let Some(u) = usage_of(v) else {
             if is_error_event(v) {
                 self.failed = true;
@@ -267,6 +292,30 @@ impl SseTap {
             return;
         }
         if messages::is_content_event(v) {
+            self.saw_content();
+        }
+    }
+
+    /// Reads a Responses stream's event: the hosted calls it shows, its usage (on the
+    /// events that end the stream, `response.completed` and `response.incomplete`, the
+    /// answer whole, or `response.failed`), an error (`error`, `response.failed`), or
+    /// content. Nothing is dropped.
+    fn read_responses(&mut self, v: &Value) {
+        self.hosted.read_event(v, &self.hosted_types);
+        if responses::is_error_event(v) {
+            self.failed = true;
+            self.saw_content();
+        }
+        if let Some(u) = responses::event_usage(v) {
+            self.usage = Some(u);
+            self.content_after_usage = false;
+            self.settled = !self.failed;
+        }
+        if responses::is_end_event(v) {
+            self.done = true;
+            return;
+        }
+        if responses::is_content_event(v) {
             self.saw_content();
         }
     }
@@ -396,7 +445,7 @@ pub const CUT_DRAIN_BYTES_MAX: usize = 4 * 1024 * 1024;
 /// A stream's step at its end (`[DONE]`, or the body's clean end): committed from a usage
 /// the tap trusts, else `unknown` (or committed at the usage read or the output counted,
 /// when that costs more; see [`settlement`]).
-pub(crate) async fn settle_at_end(tap: &mut SseTap, guard: StepGuard, started: Instant) {
+pub(crate) async fn settle_at_end(tap: &mut SseTap, mut guard: StepGuard, started: Instant) {
     let trusted = tap.end_usage();
     if trusted.is_none() {
         tracing::warn!(
@@ -407,6 +456,7 @@ pub(crate) async fn settle_at_end(tap: &mut SseTap, guard: StepGuard, started: I
     }
     let how = guard.settlement(trusted, tap.usage, tap.output.tally());
     guard.state.metrics.upstream_call(started.elapsed());
+    tap.hand_hosted(&mut guard);
     let _ = guard.resolve(how).await;
 }
 
@@ -604,6 +654,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
             guard.usage = tap.final_usage();
             guard.seen = tap.usage;
             guard.output = tap.output.tally();
+            tap.hand_hosted(&mut guard);
             return;
         };
         handle.spawn(async move {
@@ -615,6 +666,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
             };
             guard.seen = tap.usage;
             guard.output = tap.output.tally();
+            tap.hand_hosted(&mut guard);
             drop(upstream);
             drop(guard);
         });
@@ -625,7 +677,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
     /// The run's time is up (or it ended): the upstream connection is dropped with the
     /// stream, and the step is charged in full unless its usage was read whole. The event
     /// that ends the client's stream.
-    async fn past_deadline(&mut self, guard: StepGuard) -> Bytes {
+    async fn past_deadline(&mut self, mut guard: StepGuard) -> Bytes {
         let how = guard.settlement(
             self.tap.final_usage(),
             self.tap.usage,
@@ -636,6 +688,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
             "a proxied stream reached its run's deadline; cutting it"
         );
         guard.state.metrics.upstream_call(self.started.elapsed());
+        self.tap.hand_hosted(&mut guard);
         let _ = guard.resolve(how).await;
         self.upstream = None;
         self.tap.error_event(
@@ -648,7 +701,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
     /// relayed, what the upstream had sent is read and counted ([`drain`], bounded, never
     /// past the deadline), and the step settled from it; its run already charged it in full,
     /// and a count above that is a late overrun. The event that ends the client's stream.
-    async fn ended_under(&mut self, guard: StepGuard) -> Bytes {
+    async fn ended_under(&mut self, mut guard: StepGuard) -> Bytes {
         let end = drain(self.upstream.as_mut(), &mut self.tap, &mut self.deadline).await;
         self.upstream = None;
         let trusted = match end {
@@ -661,6 +714,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
         );
         guard.state.metrics.upstream_call(self.started.elapsed());
         let how = guard.settlement(trusted, self.tap.usage, self.tap.output.tally());
+        self.tap.hand_hosted(&mut guard);
         let _ = guard.resolve(how).await;
         self.tap.error_event(
             ErrorCode::RunClosed,
@@ -669,7 +723,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
     }
 
     /// The upstream's stream failed mid-way. The event that ends the client's stream.
-    async fn lost(&mut self, guard: StepGuard) -> Bytes {
+    async fn lost(&mut self, mut guard: StepGuard) -> Bytes {
         guard.state.metrics.upstream_call(self.started.elapsed());
         // Lost mid-stream: trust a usage chunk that was read whole, else unknown
         // (or above, see `settlement`).
@@ -684,6 +738,7 @@ impl<B: futures::Stream<Item = reqwest::Result<Bytes>> + Send + Unpin + 'static>
             usage_read = trusted.is_some(),
             "upstream stream failed mid-way"
         );
+        self.tap.hand_hosted(&mut guard);
         let _ = guard.resolve(how).await;
         self.upstream = None;
         self.tap.error_event(ErrorCode::UpstreamError, message)
@@ -698,7 +753,7 @@ pub(crate) async fn cut_at_bound<U>(
     tap: &mut SseTap,
     upstream: Option<&mut U>,
     deadline: &mut Stop,
-    guard: StepGuard,
+    mut guard: StepGuard,
     started: Instant,
 ) -> Bytes
 where
@@ -719,6 +774,7 @@ where
     guard.state.metrics.output_cut();
     guard.state.metrics.upstream_call(started.elapsed());
     let how = guard.settlement(trusted, tap.usage, output);
+    tap.hand_hosted(&mut guard);
     let _ = guard.resolve(how).await;
     tap.error_event(
         ErrorCode::UpstreamError,

@@ -57,10 +57,12 @@ pub(crate) fn pass_headers(from: &reqwest::header::HeaderMap, to: &mut HeaderMap
 /// After a store error before forwarding: nothing was sent upstream, so a step that may
 /// have been reserved anyway is released, and a one-step run finished (best effort: what
 /// stays held expires and is charged in full).
-pub(crate) async fn abandon(state: &AppState, step: &ReservationId, run: Option<&RunId>) {
-    match state.store.resolve(step.clone(), Resolution::Release).await {
-        Ok(_) | Err(StoreError::Ledger(LedgerError::NotFound(_), _)) => {}
-        Err(e) => tracing::warn!(error = %e, "could not release an abandoned proxy step"),
+pub(crate) async fn abandon(state: &AppState, steps: &[ReservationId], run: Option<&RunId>) {
+    for step in steps {
+        match state.store.resolve(step.clone(), Resolution::Release).await {
+            Ok(_) | Err(StoreError::Ledger(LedgerError::NotFound(_), _)) => {}
+            Err(e) => tracing::warn!(error = %e, "could not release an abandoned proxy step"),
+        }
     }
     if let Some(run) = run {
         if let Err(e) = state.store.finish(run.clone()).await {
@@ -84,6 +86,9 @@ pub(crate) const FORWARDED_HEADERS: &[&str] = &[
     "x-mock-tokens-per-second",
     "x-mock-stamp",
     "x-mock-tag",
+    "x-mock-hosted-tool-calls",
+    "x-mock-extra-hosted-tool-calls",
+    "x-mock-reasoning-tokens",
 ];
 
 /// Only spendgate's own step headers of an answer's headers.

@@ -251,18 +251,7 @@ async fn plan(state: &AppState, call: &Call) -> ApiResult<Plan> {
             (texts, call.model.price, Dialect::Responses)
         }
     };
-    let (hosted, hosted_calls) = match call.shape {
-        Shape::Responses => {
-            let hosted = responses::hosted_tools(&call.body, &state.config.tools)?;
-            let calls = responses::hosted_calls_bound(
-                &call.body,
-                &hosted,
-                u64::from(bounds.max_tool_calls),
-            )?;
-            (hosted, calls)
-        }
-        _ => (Vec::new(), None),
-    };
+    let (hosted, hosted_calls) = hosted_of(state, call)?;
 
     let largest_tool_result = texts.largest_tool_result;
     // The operator's backend composes the history; a guest (browser-direct) writes all of it,
@@ -330,6 +319,18 @@ async fn plan(state: &AppState, call: &Call) -> ApiResult<Plan> {
         hosted,
         hosted_calls,
     })
+}
+
+/// The hosted tools a call offers (`/v1/responses`), priced, and the calls one answer may
+/// make of them.
+fn hosted_of(state: &AppState, call: &Call) -> ApiResult<(Vec<HostedTool>, Option<u64>)> {
+    if call.shape != Shape::Responses {
+        return Ok((Vec::new(), None));
+    }
+    let hosted = responses::hosted_tools(&call.body, &state.config.tools)?;
+    let run_max = u64::from(state.config.policy.run.max_tool_calls);
+    let calls = responses::hosted_calls_bound(&call.body, &hosted, run_max)?;
+    Ok((hosted, calls))
 }
 
 /// The request's output bound (the smallest of every alias it carries) and whether it

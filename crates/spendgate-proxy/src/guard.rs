@@ -296,7 +296,7 @@ impl StepGuard {
         retried: bool,
     ) -> Result<Applied<Resolved>, StoreError> {
         let mut answers = state.store.execute_many(cmds).await.into_iter();
-        let r = match answers.next() {
+        let mut r = match answers.next() {
             Some(Ok(Reply::Resolved(a))) => Ok(a),
             Some(Ok(other)) => Err(StoreError::Unavailable(format!(
                 "unexpected answer {other:?}"
@@ -304,9 +304,14 @@ impl StepGuard {
             Some(Err(e)) => Err(e),
             None => Err(StoreError::Unavailable("no answer".into())),
         };
-        if r.is_ok() {
-            // The hosted tools' resolutions, then the one-step run's finish.
+        if let Ok(call) = r.as_mut() {
+            // The hosted tools' resolutions (the call's charge and hold include theirs), then
+            // the one-step run's finish.
             for answer in answers {
+                if let Ok(Reply::Resolved(t)) = &answer {
+                    call.value.charged = call.value.charged.add_capped(t.value.charged);
+                    call.value.reserved = call.value.reserved.add_capped(t.value.reserved);
+                }
                 match answer {
                     Err(e) => {
                         tracing::warn!(error = %e, "could not resolve a hosted tool's step or finish a one-step proxy run; what stays held expires, charged in full");

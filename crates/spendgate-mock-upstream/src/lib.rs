@@ -166,6 +166,7 @@
 
 mod embeddings;
 mod messages;
+mod responses;
 mod served;
 mod stream;
 mod tokens;
@@ -185,6 +186,10 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+pub use responses::{
+    responses_prompt_tokens_of, EXTRA_HOSTED_TOOL_CALLS_HEADER, HOSTED_TOOL_CALLS_HEADER,
+    MAX_HOSTED_TOOL_CALLS, REASONING_TOKENS_HEADER,
+};
 pub use served::{Served, ServedTags, SERVED_TAGS_MAX, TAG_BYTES_MAX, TAG_HEADER};
 pub use tokens::prompt_tokens_of;
 
@@ -282,9 +287,16 @@ pub struct MockStats {
     pub cached_tokens: u64,
     /// Requests by fault mode (`"none"` for normal, `"invalid_request"` for refused).
     pub by_fault: BTreeMap<String, u64>,
-    /// Requests by API shape (`"chat"`, `"messages"`), refused ones included.
+    /// Requests by API shape (`"chat"`, `"messages"`, `"embeddings"`, `"responses"`), refused
+    /// ones included.
     #[serde(default)]
     pub by_shape: BTreeMap<String, u64>,
+    /// Hosted tool calls served (Responses), counted as each call item is sent or produced.
+    #[serde(default)]
+    pub hosted_tool_calls: u64,
+    /// The same calls by item type (`"web_search_call"`, `"file_search_call"`, ...).
+    #[serde(default)]
+    pub hosted_tool_calls_by_type: BTreeMap<String, u64>,
     /// The last 1024 `max_tokens` values requests carried (0 when absent).
     pub max_tokens_seen: Vec<u64>,
     /// The last request body received that parsed as JSON.
@@ -313,6 +325,8 @@ struct Counters {
     cached_tokens: u64,
     by_fault: BTreeMap<String, u64>,
     by_shape: BTreeMap<String, u64>,
+    hosted_tool_calls: u64,
+    hosted_tool_calls_by_type: BTreeMap<String, u64>,
     max_tokens_seen: VecDeque<u64>,
     last_request: Option<Value>,
     served: served::ServedLog,
@@ -335,13 +349,15 @@ impl MockUpstream {
         &self.inner.config
     }
 
-    /// The routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /mock/stats`,
+    /// The routes: `POST /v1/chat/completions`, `/v1/messages`, `/v1/embeddings`,
+    /// `/v1/responses`, `GET /v1/models`, `GET /mock/stats`,
     /// `POST /mock/reset`, `GET /mock/served`.
     pub fn router(&self) -> Router {
         Router::new()
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/messages", post(messages))
             .route("/v1/embeddings", post(embeddings_handler))
+            .route("/v1/responses", post(responses_handler))
             .route("/v1/models", get(models))
             .route("/mock/stats", get(stats_handler))
             .route("/mock/reset", post(reset_handler))
@@ -361,6 +377,8 @@ impl MockUpstream {
             cached_tokens: c.cached_tokens,
             by_fault: c.by_fault.clone(),
             by_shape: c.by_shape.clone(),
+            hosted_tool_calls: c.hosted_tool_calls,
+            hosted_tool_calls_by_type: c.hosted_tool_calls_by_type.clone(),
             max_tokens_seen: c.max_tokens_seen.iter().copied().collect(),
             last_request: c.last_request.clone(),
         }
@@ -452,6 +470,22 @@ impl MockUpstream {
         }
     }
 
+    /// Count one hosted tool call of `kind` (its item type is `{kind}_call`), served.
+    pub(crate) fn count_hosted(&self, plan: &Plan, kind: &str) {
+        let mut c = self.counters();
+        c.hosted_tool_calls = c.hosted_tool_calls.saturating_add(1);
+        let n = c
+            .hosted_tool_calls_by_type
+            .entry(format!("{kind}_call"))
+            .or_insert(0);
+        *n = n.saturating_add(1);
+        if let Some(tag) = &plan.tag {
+            c.served.update(tag, |s| {
+                s.hosted_tool_calls = s.hosted_tool_calls.saturating_add(1);
+            });
+        }
+    }
+
     /// Count an answer that finished.
     pub(crate) fn count_completed(&self, plan: &Plan) {
         let mut c = self.counters();
@@ -493,6 +527,8 @@ pub(crate) enum Shape {
     Messages,
     /// `POST /v1/embeddings`
     Embeddings,
+    /// `POST /v1/responses`
+    Responses,
 }
 
 impl Shape {
@@ -506,6 +542,7 @@ impl Shape {
             }
             Shape::Messages => Ok(messages::prompt_tokens(body)),
             Shape::Embeddings => embeddings::prompt_tokens(body),
+            Shape::Responses => responses::prompt_tokens(body),
         }
     }
 
@@ -514,6 +551,7 @@ impl Shape {
             Shape::Chat => "chat",
             Shape::Messages => "messages",
             Shape::Embeddings => "embeddings",
+            Shape::Responses => "responses",
         }
     }
 }
@@ -619,6 +657,8 @@ pub(crate) struct Plan {
     pub(crate) reported_cap: u64,
     /// The request's [`TAG_HEADER`]: what is served for it is recorded under it.
     pub(crate) tag: Option<Arc<str>>,
+    /// What a Responses request adds (reasoning, hosted calls, echoed fields).
+    pub(crate) responses: responses::Extras,
 }
 
 impl Plan {
@@ -665,15 +705,7 @@ impl Plan {
 
     /// The tool-call arguments text for tokens `from..to`, as the fragment a stream sends.
     pub(crate) fn arguments_fragment(&self, from: u64, to: u64) -> String {
-        let mut out = String::new();
-        if from == 0 {
-            out.push_str("{\"q\":\"");
-        }
-        out.push_str(&tokens::words(from, to));
-        if to >= self.completion_tokens {
-            out.push_str("\"}");
-        }
-        out
+        tokens::arguments(from, to, self.completion_tokens)
     }
 }
 
@@ -717,25 +749,9 @@ fn plan_request(
     plan_shaped(Shape::Chat, config, seq, headers, body)
 }
 
-fn plan_shaped(
-    shape: Shape,
-    config: &MockConfig,
-    seq: u64,
-    headers: &HeaderMap,
-    body: &Value,
-) -> Result<Plan, String> {
-    if !body.is_object() {
-        return Err("the request body must be a JSON object".to_owned());
-    }
-    if shape != Shape::Embeddings && !body.get("messages").is_some_and(Value::is_array) {
-        return Err("messages must be an array".to_owned());
-    }
-    let model = match body.get("model") {
-        None | Some(Value::Null) => MODEL_ID.to_owned(),
-        Some(Value::String(s)) => s.clone(),
-        Some(_) => return Err("model must be a string".to_owned()),
-    };
-    let fault = match headers.get(FAULT_HEADER) {
+/// The fault mode: the header's, else the model name's `:MODE` suffix, else none.
+fn fault_of(headers: &HeaderMap, model: &str) -> Result<Fault, String> {
+    Ok(match headers.get(FAULT_HEADER) {
         Some(v) => {
             let s = v
                 .to_str()
@@ -747,7 +763,47 @@ fn plan_shaped(
             .rsplit_once(':')
             .and_then(|(_, suffix)| Fault::parse(suffix))
             .unwrap_or(Fault::None),
+    })
+}
+
+/// The output bound a request carries: Responses' `max_output_tokens`, else the smaller of
+/// `max_tokens` and `max_completion_tokens`.
+fn output_bound(shape: Shape, body: &Value) -> Result<Option<u64>, String> {
+    if shape == Shape::Responses {
+        return body_u64(body, "max_output_tokens");
+    }
+    Ok(
+        match (
+            body_u64(body, "max_tokens")?,
+            body_u64(body, "max_completion_tokens")?,
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        },
+    )
+}
+
+fn plan_shaped(
+    shape: Shape,
+    config: &MockConfig,
+    seq: u64,
+    headers: &HeaderMap,
+    body: &Value,
+) -> Result<Plan, String> {
+    if !body.is_object() {
+        return Err("the request body must be a JSON object".to_owned());
+    }
+    if matches!(shape, Shape::Chat | Shape::Messages)
+        && !body.get("messages").is_some_and(Value::is_array)
+    {
+        return Err("messages must be an array".to_owned());
+    }
+    let model = match body.get("model") {
+        None | Some(Value::Null) => MODEL_ID.to_owned(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err("model must be a string".to_owned()),
     };
+    let fault = fault_of(headers, &model)?;
     let stream = body_bool(body, "stream")?;
     let include_usage = stream
         && body
@@ -755,13 +811,7 @@ fn plan_shaped(
             .and_then(|o| o.get("include_usage"))
             .and_then(Value::as_bool)
             .unwrap_or(false);
-    let max_tokens = match (
-        body_u64(body, "max_tokens")?,
-        body_u64(body, "max_completion_tokens")?,
-    ) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
+    let max_tokens = output_bound(shape, body)?;
     let length = header_u64(headers, COMPLETION_TOKENS_HEADER)?.unwrap_or(config.completion_tokens);
     let cached = header_u64(headers, CACHED_TOKENS_HEADER)?.unwrap_or(0);
     let latency_ms = header_u64(headers, LATENCY_HEADER)?.unwrap_or(config.latency_ms);
@@ -790,6 +840,11 @@ fn plan_shaped(
         .saturating_add(extra)
         .min(MAX_COMPLETION_TOKENS);
     let cached_tokens = cached.min(prompt_tokens);
+    let responses = if shape == Shape::Responses {
+        responses::extras(headers, body, completion_tokens)?
+    } else {
+        responses::Extras::default()
+    };
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -799,6 +854,7 @@ fn plan_shaped(
             Shape::Chat => format!("chatcmpl-mock-{seq}"),
             Shape::Messages => format!("msg_mock_{seq}"),
             Shape::Embeddings => format!("emb-mock-{seq}"),
+            Shape::Responses => format!("resp_mock_{seq}"),
         },
         call_id: format!("call_mock_{seq}"),
         created,
@@ -822,6 +878,7 @@ fn plan_shaped(
             .then(|| running_cached.map_or(cached_tokens, |c| c.min(prompt_tokens))),
         reported_cap,
         tag,
+        responses,
     })
 }
 
@@ -874,6 +931,14 @@ async fn messages(
     handle(mock, Shape::Messages, headers, body).await
 }
 
+async fn responses_handler(
+    State(mock): State<MockUpstream>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(mock, Shape::Responses, headers, body).await
+}
+
 async fn embeddings_handler(
     State(mock): State<MockUpstream>,
     headers: HeaderMap,
@@ -885,7 +950,7 @@ async fn embeddings_handler(
 /// A request refused before any fault mode applied, in its shape's error shape.
 fn refused(shape: Shape, status: StatusCode, message: &str) -> Response {
     match shape {
-        Shape::Chat | Shape::Embeddings => invalid_request(status, message),
+        Shape::Chat | Shape::Embeddings | Shape::Responses => invalid_request(status, message),
         Shape::Messages => messages::error_response(status, "invalid_request_error", message),
     }
 }
@@ -960,7 +1025,7 @@ async fn answer(mock: MockUpstream, plan: Plan) -> Response {
     match plan.shape {
         Shape::Messages => return messages::answer(mock, plan).await,
         Shape::Embeddings => return embeddings::answer(mock, plan).await,
-        Shape::Chat => {}
+        Shape::Chat | Shape::Responses => {}
     }
     match plan.fault {
         Fault::Http429 => {
@@ -996,6 +1061,7 @@ async fn answer(mock: MockUpstream, plan: Plan) -> Response {
         Fault::Http504 => {
             mock.count_prompt(&plan);
             mock.count_completion(&plan, plan.completion_tokens);
+            responses::count_hosted_all(&mock, &plan);
             error_response(
                 StatusCode::GATEWAY_TIMEOUT,
                 "server_error",
@@ -1012,6 +1078,8 @@ async fn answer(mock: MockUpstream, plan: Plan) -> Response {
             mock.count_prompt(&plan);
             aborted_response()
         }
+        _ if plan.shape == Shape::Responses && plan.stream => responses::stream(mock, plan),
+        _ if plan.shape == Shape::Responses => responses::whole(mock, plan).await,
         _ if plan.stream => stream::response(mock, plan),
         _ => complete_response(mock, plan).await,
     }

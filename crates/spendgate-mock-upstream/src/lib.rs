@@ -10,6 +10,9 @@
 //!   body has `"stream": true`, answers one JSON object otherwise.
 //! - `POST /v1/messages`: Anthropic's Messages, with the same rules, fault modes and ground
 //!   truth in Anthropic's shapes (see [Messages](#messages)).
+//! - `POST /v1/embeddings`: OpenAI's Embeddings (see [Embeddings](#embeddings)).
+//! - `POST /v1/responses`: OpenAI's Responses, with the same rules, fault modes and ground
+//!   truth, plus hosted tool calls and reasoning tokens (see [Responses](#responses)).
 //! - `GET /v1/models`: the model list (`mock-model`).
 //! - `GET /mock/stats`: the [`MockStats`] counters as JSON.
 //! - `POST /mock/reset`: zero the counters.
@@ -101,7 +104,9 @@
 //!   named by `Connection`).
 //!
 //! # What the stats count (the ground truth)
-//! - `requests`: every `POST /v1/chat/completions` received, refused ones included.
+//! - `requests`: every `POST` to a model route (`/v1/chat/completions`, `/v1/messages`,
+//!   `/v1/embeddings`, `/v1/responses`) received, refused ones included; `by_shape` counts
+//!   them per shape (`chat`, `messages`, `embeddings`, `responses`).
 //! - `by_fault`: the same requests by fault mode (`"none"` for normal ones,
 //!   `"invalid_request"` for those refused with 4xx before any fault mode applied); the values
 //!   add up to `requests`.
@@ -152,6 +157,82 @@
 //! `hang`, `drop_mid_stream` (the connection aborted), `no_usage`, and `usage_over` (10
 //! prompt tokens more, reported and counted); the others behave. Its requests count under
 //! `by_shape["embeddings"]`, its prompt tokens as the others'.
+//!
+//! # Responses
+//! `POST /v1/responses` answers as OpenAI's Responses API does. The body needs `input` (a
+//! string or an array of items; without it, a 400 in the OpenAI error shape); `model`,
+//! `instructions`, `max_output_tokens` (the output bound; `null` counts as absent),
+//! `stream`, `tools`, `max_tool_calls`, `reasoning`, `previous_response_id` and `store` are
+//! optional (`max_tokens` / `max_completion_tokens` are ignored here).
+//! - `input_tokens` = [`responses_prompt_tokens_of`] the body: `3`, plus `ceil(bytes / 4) + 4`
+//!   for `instructions`, for a string `input`, and for each input item (a message's string
+//!   content or concatenated part `text`s, a `function_call`'s `arguments`, a
+//!   `function_call_output`'s string `output`, nothing for other items), plus
+//!   `ceil(bytes / 4)` of the compact JSON of each tool of type `function`.
+//! - `output_tokens` follow the chat rules (`x-mock-completion-tokens`, capped by
+//!   `max_output_tokens`, plus `x-mock-extra-completion-tokens`, at most
+//!   [`MAX_COMPLETION_TOKENS`]; `usage_over` makes it `max_output_tokens + 10`). With the
+//!   header `x-mock-reasoning-tokens: N` ([`REASONING_TOKENS_HEADER`]), `min(N,
+//!   output_tokens)` of them are reasoning: counted in `output_tokens` and in
+//!   `output_tokens_details.reasoning_tokens`, not shown; the text is the other
+//!   `output_tokens - reasoning_tokens` words `tok0 tok1 ...`. `cached_tokens` and
+//!   `x-mock-reported-completion-tokens` (which caps the reported `output_tokens`, and the
+//!   reasoning within it) apply as for chat.
+//! - Hosted tools: every tool whose `type` is neither `function` nor `custom` is hosted. Each
+//!   gets `x-mock-hosted-tool-calls: N` calls ([`HOSTED_TOOL_CALLS_HEADER`], default 1), in
+//!   tool order, at most `max_tool_calls` in all when the body has it (and at most
+//!   [`MAX_HOSTED_TOOL_CALLS`]); then `x-mock-extra-hosted-tool-calls: M`
+//!   ([`EXTRA_HOSTED_TOOL_CALLS_HEADER`]) more calls of the first hosted tool beyond that bound
+//!   (an upstream that ignores it). Each call is an output item before the message:
+//!   `{"type": "<kind>_call", "id": "<kind>_mock_<seq>_<i>", "status": "completed"}`, where
+//!   kind is `web_search` for `web_search` and every `web_search_preview...`, else the tool's
+//!   type, `<seq>` the response's number and `<i>` the call's output index.
+//! - A whole answer is `{"id": "resp_mock_<n>", "object": "response", "created_at", "status":
+//!   "completed" | "incomplete", "incomplete_details": null | {"reason":
+//!   "max_output_tokens"}, "model", "output": [hosted calls..., {"type": "message", "id":
+//!   "msg_mock_<n>", "status": "completed", "role": "assistant", "content": [{"type":
+//!   "output_text", "text", "annotations": []}]}], "usage": {"input_tokens",
+//!   "input_tokens_details": {"cached_tokens"}, "output_tokens", "output_tokens_details":
+//!   {"reasoning_tokens"}, "total_tokens"}, "error": null, ...}`, echoing `instructions`,
+//!   `max_output_tokens`, `max_tool_calls`, `previous_response_id`, `reasoning` (each `null`
+//!   when absent), `store` (default `true`) and `tools` (default `[]`), with
+//!   `parallel_tool_calls: true`, `tool_choice: "auto"`, `text: {"format": {"type":
+//!   "text"}}`, `temperature` and `top_p` 1.0, `metadata: {}`. It is `"incomplete"` when
+//!   `max_output_tokens` cut the answer short.
+//! - A stream (`"stream": true`) sends events `event: TYPE\ndata: {"type": TYPE,
+//!   "sequence_number": k, ...}\n\n` (k = 0, 1, ...): `response.created` and
+//!   `response.in_progress` (the response `in_progress`, `output: []`, `usage: null`); per
+//!   hosted call `response.output_item.added` (`in_progress`) and `response.output_item.done`
+//!   (`completed`); for the message `response.output_item.added` (`content: []`),
+//!   `response.content_part.added`, one `response.output_text.delta` (`item_id`,
+//!   `output_index`, `content_index: 0`, `delta`) per chunk of
+//!   [`MockConfig::chunk_tokens`] visible tokens paced as chat's, `response.output_text.done`
+//!   (the whole `text`), `response.content_part.done`, `response.output_item.done`; and last
+//!   `response.completed` (or `response.incomplete`) with the whole answer as `response`.
+//!   There is no `[DONE]`. The reasoning tokens are generated (paced, and counted) just
+//!   before the message's `output_item.added`.
+//! - `tool_call`: the message is replaced by `{"type": "function_call", "id": "fc_mock_<n>",
+//!   "call_id": "call_mock_<n>", "name": "web_search", "arguments": "{\"q\":\"tok0 ...\"}",
+//!   "status": "completed"}` whose query has the visible output tokens; streamed, as
+//!   `response.function_call_arguments.delta` events (`item_id`, `output_index`, `delta`) and
+//!   `response.function_call_arguments.done` (`arguments`), with no content part events.
+//! - The fault modes behave as for chat completions, in these shapes: the error statuses in
+//!   the OpenAI error shape (`http_504` counts the work, hosted calls included); `hang`;
+//!   `drop_mid_stream` aborts after 2 deltas (a whole answer: at once); `clean_cut` ends the
+//!   body cleanly after 2 deltas; `no_usage` makes `usage` `null` in the whole answer and the
+//!   final event; `content_after_usage` sends one more `response.output_text.delta` of one
+//!   token after `response.completed`; `error_event` sends, after the deltas, `event: error`
+//!   with `{"type": "error", "code": "server_error", "message": "mock error event", "param":
+//!   null, "sequence_number"}`, then `response.failed` (status `failed`, the usage generated
+//!   so far), and no `response.completed`; `no_done` behaves; `odd_headers`, latency and pace
+//!   headers as for chat; running usage, stamps and linger are for chat completions only.
+//! - Ground truth: counted as for chat completions (the prompt when generation starts, output
+//!   tokens as sent, `completed` when the whole answer is produced or `response.completed` /
+//!   `response.incomplete` is sent). Hosted tool calls are counted as each call item is
+//!   produced (a whole answer: all at once; a stream: as its `output_item` events are sent)
+//!   in [`MockStats::hosted_tool_calls`] and by item type in
+//!   [`MockStats::hosted_tool_calls_by_type`] (`"web_search_call"`, ...), and per tag in
+//!   [`Served::hosted_tool_calls`].
 //!
 //! # Per-request ground truth
 //! A request with the header `x-mock-tag: T` (1 to 128 bytes of ASCII) has what was served
@@ -275,7 +356,7 @@ impl Default for MockConfig {
 /// A snapshot of what the mock served. See the crate docs for exactly what each field counts.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MockStats {
-    /// Chat completion requests received.
+    /// Requests received on the model routes (every shape).
     pub requests: u64,
     /// Answers that finished (non-streaming 200 produced, or stream reached `[DONE]`).
     pub completed: u64,

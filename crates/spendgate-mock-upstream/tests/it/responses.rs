@@ -723,3 +723,133 @@ async fn responses_odd_headers_latency_and_tags() {
     );
     assert!(!served[1].finished);
 }
+
+/// The Python with the official `openai` package: `SPENDGATE_TEST_PYTHON`, else the
+/// workspace's `.venv` (both made by `scripts/test.sh`).
+fn test_python() -> std::path::PathBuf {
+    let path = std::env::var_os("SPENDGATE_TEST_PYTHON").map_or_else(
+        || std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../.venv/bin/python"),
+        std::path::PathBuf::from,
+    );
+    assert!(
+        path.exists(),
+        "no Python with the `openai` package at {}: set SPENDGATE_TEST_PYTHON, or at the \
+         workspace root run: python3 -m venv .venv && .venv/bin/pip install openai",
+        path.display()
+    );
+    path
+}
+
+/// Drives the mock with the official client: `responses.create` whole and streamed, and the
+/// `responses.stream` helper (which rebuilds the answer from the events), printing one JSON
+/// line of what it parsed.
+const OPENAI_CLIENT_SCRIPT: &str = r#"
+import json, sys
+from openai import OpenAI
+
+client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="sk-mock", max_retries=0)
+tools = [{"type": "web_search_preview"},
+         {"type": "function", "name": "f", "parameters": {"type": "object", "properties": {}}}]
+r = client.responses.create(
+    model="mock-model", input="hello there", instructions="be brief", tools=tools,
+    max_output_tokens=10, extra_headers={"x-mock-reasoning-tokens": "3"})
+out = {
+    "whole": {"text": r.output_text, "status": r.status, "id": r.id,
+              "input_tokens": r.usage.input_tokens, "output_tokens": r.usage.output_tokens,
+              "reasoning_tokens": r.usage.output_tokens_details.reasoning_tokens,
+              "cached_tokens": r.usage.input_tokens_details.cached_tokens,
+              "total_tokens": r.usage.total_tokens,
+              "types": [o.type for o in r.output]},
+}
+text, kinds, final = "", [], None
+for ev in client.responses.create(model="mock-model", input="hello there", stream=True):
+    kinds.append(ev.type)
+    if ev.type == "response.output_text.delta":
+        text += ev.delta
+    if ev.type == "response.completed":
+        final = ev.response
+out["stream"] = {"text": text, "final_text": final.output_text, "kinds": kinds,
+                 "input_tokens": final.usage.input_tokens,
+                 "output_tokens": final.usage.output_tokens}
+with client.responses.stream(model="mock-model", input=[{"role": "user", "content": "hi"}],
+                             tools=tools) as s:
+    for _ in s:
+        pass
+    f = s.get_final_response()
+out["helper"] = {"text": f.output_text, "types": [o.type for o in f.output],
+                 "output_tokens": f.usage.output_tokens}
+print(json.dumps(out))
+"#;
+
+#[tokio::test]
+async fn responses_parse_with_the_official_openai_client() {
+    let m = Mock::default().await;
+    let python = test_python();
+    let base = m.base.clone();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .arg("-c")
+            .arg(OPENAI_CLIENT_SCRIPT)
+            .arg(base)
+            .output()
+    })
+    .await
+    .expect("join")
+    .expect("run python");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "the openai client failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let v: Value = serde_json::from_str(stdout.trim()).expect("the script's JSON");
+
+    let whole_prompt = responses_prompt_tokens_of(&json!({
+        "input": "hello there", "instructions": "be brief",
+        "tools": [{"type": "web_search_preview"},
+                  {"type": "function", "name": "f",
+                   "parameters": {"type": "object", "properties": {}}}]}));
+    let w = &v["whole"];
+    assert_eq!(w["text"], words(7), "{w}");
+    assert_eq!(w["status"], "incomplete");
+    assert_eq!(w["types"], json!(["web_search_call", "message"]));
+    assert_eq!(
+        (
+            &w["input_tokens"],
+            &w["output_tokens"],
+            &w["reasoning_tokens"]
+        ),
+        (&json!(whole_prompt), &json!(10), &json!(3))
+    );
+    assert_eq!(w["total_tokens"], whole_prompt + 10);
+    assert_eq!(w["cached_tokens"], 0);
+
+    let s = &v["stream"];
+    assert_eq!(s["text"], words(16), "{s}");
+    assert_eq!(s["final_text"], words(16));
+    assert_eq!(s["kinds"][0], "response.created");
+    assert_eq!(s["output_tokens"], 16);
+    let stream_prompt = responses_prompt_tokens_of(&json!({"input": "hello there"}));
+    assert_eq!(s["input_tokens"], stream_prompt);
+
+    let h = &v["helper"];
+    assert_eq!(h["text"], words(16), "{h}");
+    assert_eq!(h["types"], json!(["web_search_call", "message"]));
+
+    let helper_prompt =
+        responses_prompt_tokens_of(&json!({"input": [{"role": "user", "content": "hi"}],
+            "tools": [{"type": "function", "name": "f",
+                       "parameters": {"type": "object", "properties": {}}}]}));
+    let stats = m.mock.stats();
+    assert_stats(
+        &stats,
+        whole_prompt + stream_prompt + helper_prompt,
+        10 + 16 + 16,
+        3,
+    );
+    assert_eq!(
+        stats.hosted_tool_calls_by_type.get("web_search_call"),
+        Some(&2)
+    );
+    assert_eq!(stats.by_shape.get("responses"), Some(&3));
+}

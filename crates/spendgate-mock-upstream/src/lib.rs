@@ -10,6 +10,9 @@
 //!   body has `"stream": true`, answers one JSON object otherwise.
 //! - `POST /v1/messages`: Anthropic's Messages, with the same rules, fault modes and ground
 //!   truth in Anthropic's shapes (see [Messages](#messages)).
+//! - `POST /v1/embeddings`: OpenAI's Embeddings (see [Embeddings](#embeddings)).
+//! - `POST /v1/responses`: OpenAI's Responses, with the same rules, fault modes and ground
+//!   truth, plus hosted tool calls and reasoning tokens (see [Responses](#responses)).
 //! - `GET /v1/models`: the model list (`mock-model`).
 //! - `GET /mock/stats`: the [`MockStats`] counters as JSON.
 //! - `POST /mock/reset`: zero the counters.
@@ -101,7 +104,9 @@
 //!   named by `Connection`).
 //!
 //! # What the stats count (the ground truth)
-//! - `requests`: every `POST /v1/chat/completions` received, refused ones included.
+//! - `requests`: every `POST` to a model route (`/v1/chat/completions`, `/v1/messages`,
+//!   `/v1/embeddings`, `/v1/responses`) received, refused ones included; `by_shape` counts
+//!   them per shape (`chat`, `messages`, `embeddings`, `responses`).
 //! - `by_fault`: the same requests by fault mode (`"none"` for normal ones,
 //!   `"invalid_request"` for those refused with 4xx before any fault mode applied); the values
 //!   add up to `requests`.
@@ -153,6 +158,82 @@
 //! prompt tokens more, reported and counted); the others behave. Its requests count under
 //! `by_shape["embeddings"]`, its prompt tokens as the others'.
 //!
+//! # Responses
+//! `POST /v1/responses` answers as OpenAI's Responses API does. The body needs `input` (a
+//! string or an array of items; without it, a 400 in the OpenAI error shape); `model`,
+//! `instructions`, `max_output_tokens` (the output bound; `null` counts as absent),
+//! `stream`, `tools`, `max_tool_calls`, `reasoning`, `previous_response_id` and `store` are
+//! optional (`max_tokens` / `max_completion_tokens` are ignored here).
+//! - `input_tokens` = [`responses_prompt_tokens_of`] the body: `3`, plus `ceil(bytes / 4) + 4`
+//!   for `instructions`, for a string `input`, and for each input item (a message's string
+//!   content or concatenated part `text`s, a `function_call`'s `arguments`, a
+//!   `function_call_output`'s string `output`, nothing for other items), plus
+//!   `ceil(bytes / 4)` of the compact JSON of each tool of type `function`.
+//! - `output_tokens` follow the chat rules (`x-mock-completion-tokens`, capped by
+//!   `max_output_tokens`, plus `x-mock-extra-completion-tokens`, at most
+//!   [`MAX_COMPLETION_TOKENS`]; `usage_over` makes it `max_output_tokens + 10`). With the
+//!   header `x-mock-reasoning-tokens: N` ([`REASONING_TOKENS_HEADER`]), `min(N,
+//!   output_tokens)` of them are reasoning: counted in `output_tokens` and in
+//!   `output_tokens_details.reasoning_tokens`, not shown; the text is the other
+//!   `output_tokens - reasoning_tokens` words `tok0 tok1 ...`. `cached_tokens` and
+//!   `x-mock-reported-completion-tokens` (which caps the reported `output_tokens`, and the
+//!   reasoning within it) apply as for chat.
+//! - Hosted tools: every tool whose `type` is neither `function` nor `custom` is hosted. Each
+//!   gets `x-mock-hosted-tool-calls: N` calls ([`HOSTED_TOOL_CALLS_HEADER`], default 1), in
+//!   tool order, at most `max_tool_calls` in all when the body has it (and at most
+//!   [`MAX_HOSTED_TOOL_CALLS`]); then `x-mock-extra-hosted-tool-calls: M`
+//!   ([`EXTRA_HOSTED_TOOL_CALLS_HEADER`]) more calls of the first hosted tool beyond that bound
+//!   (an upstream that ignores it). Each call is an output item before the message:
+//!   `{"type": "<kind>_call", "id": "<kind>_mock_<seq>_<i>", "status": "completed"}`, where
+//!   kind is `web_search` for `web_search` and every `web_search_preview...`, else the tool's
+//!   type, `<seq>` the response's number and `<i>` the call's output index.
+//! - A whole answer is `{"id": "resp_mock_<n>", "object": "response", "created_at", "status":
+//!   "completed" | "incomplete", "incomplete_details": null | {"reason":
+//!   "max_output_tokens"}, "model", "output": [hosted calls..., {"type": "message", "id":
+//!   "msg_mock_<n>", "status": "completed", "role": "assistant", "content": [{"type":
+//!   "output_text", "text", "annotations": []}]}], "usage": {"input_tokens",
+//!   "input_tokens_details": {"cached_tokens"}, "output_tokens", "output_tokens_details":
+//!   {"reasoning_tokens"}, "total_tokens"}, "error": null, ...}`, echoing `instructions`,
+//!   `max_output_tokens`, `max_tool_calls`, `previous_response_id`, `reasoning` (each `null`
+//!   when absent), `store` (default `true`) and `tools` (default `[]`), with
+//!   `parallel_tool_calls: true`, `tool_choice: "auto"`, `text: {"format": {"type":
+//!   "text"}}`, `temperature` and `top_p` 1.0, `metadata: {}`. It is `"incomplete"` when
+//!   `max_output_tokens` cut the answer short.
+//! - A stream (`"stream": true`) sends events `event: TYPE\ndata: {"type": TYPE,
+//!   "sequence_number": k, ...}\n\n` (k = 0, 1, ...): `response.created` and
+//!   `response.in_progress` (the response `in_progress`, `output: []`, `usage: null`); per
+//!   hosted call `response.output_item.added` (`in_progress`) and `response.output_item.done`
+//!   (`completed`); for the message `response.output_item.added` (`content: []`),
+//!   `response.content_part.added`, one `response.output_text.delta` (`item_id`,
+//!   `output_index`, `content_index: 0`, `delta`) per chunk of
+//!   [`MockConfig::chunk_tokens`] visible tokens paced as chat's, `response.output_text.done`
+//!   (the whole `text`), `response.content_part.done`, `response.output_item.done`; and last
+//!   `response.completed` (or `response.incomplete`) with the whole answer as `response`.
+//!   There is no `[DONE]`. The reasoning tokens are generated (paced, and counted) just
+//!   before the message's `output_item.added`.
+//! - `tool_call`: the message is replaced by `{"type": "function_call", "id": "fc_mock_<n>",
+//!   "call_id": "call_mock_<n>", "name": "web_search", "arguments": "{\"q\":\"tok0 ...\"}",
+//!   "status": "completed"}` whose query has the visible output tokens; streamed, as
+//!   `response.function_call_arguments.delta` events (`item_id`, `output_index`, `delta`) and
+//!   `response.function_call_arguments.done` (`arguments`), with no content part events.
+//! - The fault modes behave as for chat completions, in these shapes: the error statuses in
+//!   the OpenAI error shape (`http_504` counts the work, hosted calls included); `hang`;
+//!   `drop_mid_stream` aborts after 2 deltas (a whole answer: at once); `clean_cut` ends the
+//!   body cleanly after 2 deltas; `no_usage` makes `usage` `null` in the whole answer and the
+//!   final event; `content_after_usage` sends one more `response.output_text.delta` of one
+//!   token after `response.completed`; `error_event` sends, after the deltas, `event: error`
+//!   with `{"type": "error", "code": "server_error", "message": "mock error event", "param":
+//!   null, "sequence_number"}`, then `response.failed` (status `failed`, the usage generated
+//!   so far), and no `response.completed`; `no_done` behaves; `odd_headers`, latency and pace
+//!   headers as for chat; running usage, stamps and linger are for chat completions only.
+//! - Ground truth: counted as for chat completions (the prompt when generation starts, output
+//!   tokens as sent, `completed` when the whole answer is produced or `response.completed` /
+//!   `response.incomplete` is sent). Hosted tool calls are counted as each call item is
+//!   produced (a whole answer: all at once; a stream: as its `output_item` events are sent)
+//!   in [`MockStats::hosted_tool_calls`] and by item type in
+//!   [`MockStats::hosted_tool_calls_by_type`] (`"web_search_call"`, ...), and per tag in
+//!   [`Served::hosted_tool_calls`].
+//!
 //! # Per-request ground truth
 //! A request with the header `x-mock-tag: T` (1 to 128 bytes of ASCII) has what was served
 //! for it recorded under `T` ([`Served`]): the prompt, cached and completion tokens counted as
@@ -166,6 +247,7 @@
 
 mod embeddings;
 mod messages;
+mod responses;
 mod served;
 mod stream;
 mod tokens;
@@ -185,6 +267,10 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
+pub use responses::{
+    responses_prompt_tokens_of, EXTRA_HOSTED_TOOL_CALLS_HEADER, HOSTED_TOOL_CALLS_HEADER,
+    MAX_HOSTED_TOOL_CALLS, REASONING_TOKENS_HEADER,
+};
 pub use served::{Served, ServedTags, SERVED_TAGS_MAX, TAG_BYTES_MAX, TAG_HEADER};
 pub use tokens::prompt_tokens_of;
 
@@ -270,7 +356,7 @@ impl Default for MockConfig {
 /// A snapshot of what the mock served. See the crate docs for exactly what each field counts.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MockStats {
-    /// Chat completion requests received.
+    /// Requests received on the model routes (every shape).
     pub requests: u64,
     /// Answers that finished (non-streaming 200 produced, or stream reached `[DONE]`).
     pub completed: u64,
@@ -282,9 +368,16 @@ pub struct MockStats {
     pub cached_tokens: u64,
     /// Requests by fault mode (`"none"` for normal, `"invalid_request"` for refused).
     pub by_fault: BTreeMap<String, u64>,
-    /// Requests by API shape (`"chat"`, `"messages"`), refused ones included.
+    /// Requests by API shape (`"chat"`, `"messages"`, `"embeddings"`, `"responses"`), refused
+    /// ones included.
     #[serde(default)]
     pub by_shape: BTreeMap<String, u64>,
+    /// Hosted tool calls served (Responses), counted as each call item is sent or produced.
+    #[serde(default)]
+    pub hosted_tool_calls: u64,
+    /// The same calls by item type (`"web_search_call"`, `"file_search_call"`, ...).
+    #[serde(default)]
+    pub hosted_tool_calls_by_type: BTreeMap<String, u64>,
     /// The last 1024 `max_tokens` values requests carried (0 when absent).
     pub max_tokens_seen: Vec<u64>,
     /// The last request body received that parsed as JSON.
@@ -313,6 +406,8 @@ struct Counters {
     cached_tokens: u64,
     by_fault: BTreeMap<String, u64>,
     by_shape: BTreeMap<String, u64>,
+    hosted_tool_calls: u64,
+    hosted_tool_calls_by_type: BTreeMap<String, u64>,
     max_tokens_seen: VecDeque<u64>,
     last_request: Option<Value>,
     served: served::ServedLog,
@@ -335,13 +430,15 @@ impl MockUpstream {
         &self.inner.config
     }
 
-    /// The routes: `POST /v1/chat/completions`, `GET /v1/models`, `GET /mock/stats`,
+    /// The routes: `POST /v1/chat/completions`, `/v1/messages`, `/v1/embeddings`,
+    /// `/v1/responses`, `GET /v1/models`, `GET /mock/stats`,
     /// `POST /mock/reset`, `GET /mock/served`.
     pub fn router(&self) -> Router {
         Router::new()
             .route("/v1/chat/completions", post(chat_completions))
             .route("/v1/messages", post(messages))
             .route("/v1/embeddings", post(embeddings_handler))
+            .route("/v1/responses", post(responses_handler))
             .route("/v1/models", get(models))
             .route("/mock/stats", get(stats_handler))
             .route("/mock/reset", post(reset_handler))
@@ -361,6 +458,8 @@ impl MockUpstream {
             cached_tokens: c.cached_tokens,
             by_fault: c.by_fault.clone(),
             by_shape: c.by_shape.clone(),
+            hosted_tool_calls: c.hosted_tool_calls,
+            hosted_tool_calls_by_type: c.hosted_tool_calls_by_type.clone(),
             max_tokens_seen: c.max_tokens_seen.iter().copied().collect(),
             last_request: c.last_request.clone(),
         }
@@ -452,6 +551,22 @@ impl MockUpstream {
         }
     }
 
+    /// Count one hosted tool call of `kind` (its item type is `{kind}_call`), served.
+    pub(crate) fn count_hosted(&self, plan: &Plan, kind: &str) {
+        let mut c = self.counters();
+        c.hosted_tool_calls = c.hosted_tool_calls.saturating_add(1);
+        let n = c
+            .hosted_tool_calls_by_type
+            .entry(format!("{kind}_call"))
+            .or_insert(0);
+        *n = n.saturating_add(1);
+        if let Some(tag) = &plan.tag {
+            c.served.update(tag, |s| {
+                s.hosted_tool_calls = s.hosted_tool_calls.saturating_add(1);
+            });
+        }
+    }
+
     /// Count an answer that finished.
     pub(crate) fn count_completed(&self, plan: &Plan) {
         let mut c = self.counters();
@@ -493,6 +608,8 @@ pub(crate) enum Shape {
     Messages,
     /// `POST /v1/embeddings`
     Embeddings,
+    /// `POST /v1/responses`
+    Responses,
 }
 
 impl Shape {
@@ -506,6 +623,7 @@ impl Shape {
             }
             Shape::Messages => Ok(messages::prompt_tokens(body)),
             Shape::Embeddings => embeddings::prompt_tokens(body),
+            Shape::Responses => responses::prompt_tokens(body),
         }
     }
 
@@ -514,6 +632,7 @@ impl Shape {
             Shape::Chat => "chat",
             Shape::Messages => "messages",
             Shape::Embeddings => "embeddings",
+            Shape::Responses => "responses",
         }
     }
 }
@@ -619,6 +738,8 @@ pub(crate) struct Plan {
     pub(crate) reported_cap: u64,
     /// The request's [`TAG_HEADER`]: what is served for it is recorded under it.
     pub(crate) tag: Option<Arc<str>>,
+    /// What a Responses request adds (reasoning, hosted calls, echoed fields).
+    pub(crate) responses: responses::Extras,
 }
 
 impl Plan {
@@ -665,15 +786,7 @@ impl Plan {
 
     /// The tool-call arguments text for tokens `from..to`, as the fragment a stream sends.
     pub(crate) fn arguments_fragment(&self, from: u64, to: u64) -> String {
-        let mut out = String::new();
-        if from == 0 {
-            out.push_str("{\"q\":\"");
-        }
-        out.push_str(&tokens::words(from, to));
-        if to >= self.completion_tokens {
-            out.push_str("\"}");
-        }
-        out
+        tokens::arguments(from, to, self.completion_tokens)
     }
 }
 
@@ -717,25 +830,9 @@ fn plan_request(
     plan_shaped(Shape::Chat, config, seq, headers, body)
 }
 
-fn plan_shaped(
-    shape: Shape,
-    config: &MockConfig,
-    seq: u64,
-    headers: &HeaderMap,
-    body: &Value,
-) -> Result<Plan, String> {
-    if !body.is_object() {
-        return Err("the request body must be a JSON object".to_owned());
-    }
-    if shape != Shape::Embeddings && !body.get("messages").is_some_and(Value::is_array) {
-        return Err("messages must be an array".to_owned());
-    }
-    let model = match body.get("model") {
-        None | Some(Value::Null) => MODEL_ID.to_owned(),
-        Some(Value::String(s)) => s.clone(),
-        Some(_) => return Err("model must be a string".to_owned()),
-    };
-    let fault = match headers.get(FAULT_HEADER) {
+/// The fault mode: the header's, else the model name's `:MODE` suffix, else none.
+fn fault_of(headers: &HeaderMap, model: &str) -> Result<Fault, String> {
+    Ok(match headers.get(FAULT_HEADER) {
         Some(v) => {
             let s = v
                 .to_str()
@@ -747,7 +844,47 @@ fn plan_shaped(
             .rsplit_once(':')
             .and_then(|(_, suffix)| Fault::parse(suffix))
             .unwrap_or(Fault::None),
+    })
+}
+
+/// The output bound a request carries: Responses' `max_output_tokens`, else the smaller of
+/// `max_tokens` and `max_completion_tokens`.
+fn output_bound(shape: Shape, body: &Value) -> Result<Option<u64>, String> {
+    if shape == Shape::Responses {
+        return body_u64(body, "max_output_tokens");
+    }
+    Ok(
+        match (
+            body_u64(body, "max_tokens")?,
+            body_u64(body, "max_completion_tokens")?,
+        ) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        },
+    )
+}
+
+fn plan_shaped(
+    shape: Shape,
+    config: &MockConfig,
+    seq: u64,
+    headers: &HeaderMap,
+    body: &Value,
+) -> Result<Plan, String> {
+    if !body.is_object() {
+        return Err("the request body must be a JSON object".to_owned());
+    }
+    if matches!(shape, Shape::Chat | Shape::Messages)
+        && !body.get("messages").is_some_and(Value::is_array)
+    {
+        return Err("messages must be an array".to_owned());
+    }
+    let model = match body.get("model") {
+        None | Some(Value::Null) => MODEL_ID.to_owned(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => return Err("model must be a string".to_owned()),
     };
+    let fault = fault_of(headers, &model)?;
     let stream = body_bool(body, "stream")?;
     let include_usage = stream
         && body
@@ -755,13 +892,7 @@ fn plan_shaped(
             .and_then(|o| o.get("include_usage"))
             .and_then(Value::as_bool)
             .unwrap_or(false);
-    let max_tokens = match (
-        body_u64(body, "max_tokens")?,
-        body_u64(body, "max_completion_tokens")?,
-    ) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    };
+    let max_tokens = output_bound(shape, body)?;
     let length = header_u64(headers, COMPLETION_TOKENS_HEADER)?.unwrap_or(config.completion_tokens);
     let cached = header_u64(headers, CACHED_TOKENS_HEADER)?.unwrap_or(0);
     let latency_ms = header_u64(headers, LATENCY_HEADER)?.unwrap_or(config.latency_ms);
@@ -790,6 +921,11 @@ fn plan_shaped(
         .saturating_add(extra)
         .min(MAX_COMPLETION_TOKENS);
     let cached_tokens = cached.min(prompt_tokens);
+    let responses = if shape == Shape::Responses {
+        responses::extras(headers, body, completion_tokens)?
+    } else {
+        responses::Extras::default()
+    };
     let created = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
@@ -799,6 +935,7 @@ fn plan_shaped(
             Shape::Chat => format!("chatcmpl-mock-{seq}"),
             Shape::Messages => format!("msg_mock_{seq}"),
             Shape::Embeddings => format!("emb-mock-{seq}"),
+            Shape::Responses => format!("resp_mock_{seq}"),
         },
         call_id: format!("call_mock_{seq}"),
         created,
@@ -822,6 +959,7 @@ fn plan_shaped(
             .then(|| running_cached.map_or(cached_tokens, |c| c.min(prompt_tokens))),
         reported_cap,
         tag,
+        responses,
     })
 }
 
@@ -874,6 +1012,14 @@ async fn messages(
     handle(mock, Shape::Messages, headers, body).await
 }
 
+async fn responses_handler(
+    State(mock): State<MockUpstream>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    handle(mock, Shape::Responses, headers, body).await
+}
+
 async fn embeddings_handler(
     State(mock): State<MockUpstream>,
     headers: HeaderMap,
@@ -885,7 +1031,7 @@ async fn embeddings_handler(
 /// A request refused before any fault mode applied, in its shape's error shape.
 fn refused(shape: Shape, status: StatusCode, message: &str) -> Response {
     match shape {
-        Shape::Chat | Shape::Embeddings => invalid_request(status, message),
+        Shape::Chat | Shape::Embeddings | Shape::Responses => invalid_request(status, message),
         Shape::Messages => messages::error_response(status, "invalid_request_error", message),
     }
 }
@@ -960,7 +1106,7 @@ async fn answer(mock: MockUpstream, plan: Plan) -> Response {
     match plan.shape {
         Shape::Messages => return messages::answer(mock, plan).await,
         Shape::Embeddings => return embeddings::answer(mock, plan).await,
-        Shape::Chat => {}
+        Shape::Chat | Shape::Responses => {}
     }
     match plan.fault {
         Fault::Http429 => {
@@ -996,6 +1142,7 @@ async fn answer(mock: MockUpstream, plan: Plan) -> Response {
         Fault::Http504 => {
             mock.count_prompt(&plan);
             mock.count_completion(&plan, plan.completion_tokens);
+            responses::count_hosted_all(&mock, &plan);
             error_response(
                 StatusCode::GATEWAY_TIMEOUT,
                 "server_error",
@@ -1012,6 +1159,8 @@ async fn answer(mock: MockUpstream, plan: Plan) -> Response {
             mock.count_prompt(&plan);
             aborted_response()
         }
+        _ if plan.shape == Shape::Responses && plan.stream => responses::stream(mock, plan),
+        _ if plan.shape == Shape::Responses => responses::whole(mock, plan).await,
         _ if plan.stream => stream::response(mock, plan),
         _ => complete_response(mock, plan).await,
     }

@@ -37,14 +37,17 @@ pub struct Served {
     /// The fault mode of the (last) request.
     pub fault: String,
     pub stream: bool,
-    /// The API shape of the (last) request: `"chat"` (`/v1/chat/completions`) or
-    /// `"messages"` (`/v1/messages`).
+    /// The API shape of the (last) request: `"chat"` (`/v1/chat/completions`),
+    /// `"messages"` (`/v1/messages`), `"embeddings"` or `"responses"` (`/v1/responses`).
     #[serde(default)]
     pub shape: String,
     /// Prompt tokens written to the cache (Messages' `cache_creation_input_tokens`), within
     /// `prompt_tokens`.
     #[serde(default)]
     pub cache_write_tokens: u64,
+    /// Hosted tool calls served (Responses), as the stats count them.
+    #[serde(default)]
+    pub hosted_tool_calls: u64,
 }
 
 /// `GET /mock/served`: every tag remembered, oldest first, and how many were dropped.

@@ -89,6 +89,20 @@ pub(crate) fn words(from: u64, to: u64) -> String {
     out
 }
 
+/// A tool call's arguments text `{"q":"tok0 tok1 ..."}` of `total` tokens, the fragment for
+/// tokens `from..to`: the fragments of consecutive ranges concatenate to the whole.
+pub(crate) fn arguments(from: u64, to: u64, total: u64) -> String {
+    let mut out = String::new();
+    if from == 0 {
+        out.push_str("{\"q\":\"");
+    }
+    out.push_str(&words(from, to));
+    if to >= total {
+        out.push_str("\"}");
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1030,3 +1030,6 @@ async fn tagged_requests_record_what_was_served() {
             .sum::<u64>()
     );
 }
+
+#[path = "it/responses.rs"]
+mod responses;

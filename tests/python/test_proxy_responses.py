@@ -13,7 +13,7 @@ starts spendgate in front of the mock upstream and passes, as environment variab
   SPENDGATE_TOOL_PRICE     the price of one `web_search` call, in micros
   SPENDGATE_UPSTREAM_KEY   the upstream's key, which must never reach the client
 
-The server's config gives each conversation a budget of 1000 micros at 10/10/30 micros per
+The server's config gives each conversation a budget of 2000 micros at 10/10/30 micros per
 token, an output bound of 100 and `run.max_tool_calls` of 16; `web_search` is priced, and
 `code_interpreter` is not. A call with max_output_tokens=10 fits the budget, one with the
 default output bound (100) does not (the Rust tests check the clamp itself).
@@ -137,11 +137,12 @@ def test_priced_hosted_tool_is_reserved_and_charged():
     assert conversation_used("rs-tool") == expected
 
 
-def test_streamed_hosted_tool_is_charged_from_the_completed_event():
+def test_streamed_hosted_tool_is_charged_from_the_final_event():
     stream = client("rs-tool-stream", max_retries=0).responses.create(
         model=MODEL,
         input="Search the web",
         max_output_tokens=10,
+        max_tool_calls=2,
         tools=[{"type": "web_search_preview"}],
         stream=True,
     )
@@ -149,9 +150,10 @@ def test_streamed_hosted_tool_is_charged_from_the_completed_event():
     for event in stream:
         if event.type == "response.output_text.delta":
             text.append(event.delta)
-        elif event.type == "response.completed":
+        elif event.type in ("response.completed", "response.incomplete"):
+            # (incomplete: the answer reached max_output_tokens)
             completed = event.response
-    assert completed is not None, "the stream ended with response.completed"
+    assert completed is not None, "the stream ended with its final response"
     assert "".join(text).split() == ["tok%d" % i for i in range(10)], text
     calls = hosted_calls(completed)
     assert calls == 1, completed.output
@@ -216,7 +218,7 @@ def test_stream_cut_by_the_upstream_raises_an_api_error():
 TESTS = [
     test_create,
     test_priced_hosted_tool_is_reserved_and_charged,
-    test_streamed_hosted_tool_is_charged_from_the_completed_event,
+    test_streamed_hosted_tool_is_charged_from_the_final_event,
     test_unpriced_hosted_tool_is_refused_before_the_call,
     test_budget_refusal_is_a_rate_limit_error_and_not_retried,
     test_stream_cut_by_the_upstream_raises_an_api_error,

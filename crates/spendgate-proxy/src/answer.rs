@@ -195,15 +195,15 @@ pub(crate) fn read_answer_in(
             hosted: HostedSeen::default(),
         };
     };
+    let usage = dialect.usage(&v);
     // Counted before any cut: the calls were made.
     let mut hosted = HostedSeen {
-        whole: true,
+        whole: usage.is_some(),
         ..HostedSeen::default()
     };
     if let Some(items) = v.get("output").and_then(Value::as_array) {
         hosted.count_items(items, hosted_types);
     }
-    let usage = dialect.usage(&v);
     dialect.each_output_text(&mut v, &mut |_, text| {
         counter.push(text);
         counter.end_field();

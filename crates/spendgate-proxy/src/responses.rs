@@ -556,7 +556,7 @@ pub(crate) fn finish_clip(v: &mut Value) {
 }
 
 /// The hosted calls an answer or a stream showed, by call type, and whether the count is
-/// whole (the answer read whole, or its stream's final event read).
+/// whole (the answer read whole, or its stream's final event read, with its usage).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub(crate) struct HostedSeen {
     pub(crate) calls: BTreeMap<String, u64>,
@@ -600,7 +600,10 @@ impl HostedSeen {
                 }
             }
             Some(end @ ("response.completed" | "response.incomplete" | "response.failed")) => {
-                self.whole = end != "response.failed";
+                // Whole only with the answer's usage: an answer that cannot say what it
+                // cost is charged in full, its hosted calls too.
+                self.whole =
+                    end != "response.failed" && v.get("response").and_then(usage_of).is_some();
                 let items = v
                     .get("response")
                     .and_then(|r| r.get("output"))

@@ -402,6 +402,37 @@ impl Server {
         assert_eq!((status, code(&v)), (503, "store_unavailable"), "{why}: {v}");
     }
 
+    /// What a conversation's budget was charged (`GET /v1/usage`, the service token), once
+    /// nothing of it is held (bounded wait).
+    pub async fn conversation_used(&self, session: &str, conversation: &str) -> u64 {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            let v: Value = self
+                .http
+                .get(self.url("/v1/usage"))
+                .bearer_auth(SERVICE)
+                .query(&[
+                    ("session", session),
+                    ("client_ip", "10.1.2.3"),
+                    ("conversation", conversation),
+                ])
+                .send()
+                .await
+                .expect("usage")
+                .json()
+                .await
+                .expect("usage json");
+            let line = v["scopes"]
+                .as_array()
+                .and_then(|s| s.iter().find(|l| l["kind"] == "conversation").cloned())
+                .unwrap_or_else(|| panic!("no conversation scope: {v}"));
+            if line["reserved_micros"] == 0 || std::time::Instant::now() > deadline {
+                return line["used_micros"].as_u64().expect("used_micros");
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
     pub async fn global_usage(&self) -> Value {
         let s = self.admin_get("/admin/v1/summary").await;
         s["global"][0].clone()

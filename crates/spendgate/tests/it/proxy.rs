@@ -20,6 +20,10 @@ mod messages;
 #[path = "proxy_embeddings.rs"]
 mod embeddings;
 
+/// `POST /v1/responses`, with this module's gateway and mock.
+#[path = "proxy_responses.rs"]
+mod responses;
+
 const MODEL: &str = "mock-model";
 /// The upstream's key: it must reach the upstream and never the client.
 const UPSTREAM_KEY: &str = "sk-upstream-secret-7f3a9c21e4b8";

@@ -1,5 +1,6 @@
-//! The proxy (SPEC §6): `POST /v1/chat/completions` and `POST /v1/embeddings` (OpenAI's shapes)
-//! and `POST /v1/messages` (Anthropic's, [`messages`]; its errors in Anthropic's shape): bounds
+//! The proxy (SPEC §6): `POST /v1/chat/completions`, `POST /v1/responses` ([`responses`]: hosted
+//! tools priced and reserved with the call) and `POST /v1/embeddings` (OpenAI's shapes) and
+//! `POST /v1/messages` (Anthropic's, [`messages`]; its errors in Anthropic's shape): bounds
 //! the prompt, clamps the output, reserves, forwards (streams pass through as they arrive), and
 //! reconciles from the upstream's `usage`. Whatever cannot be known is charged in full.
 //!

@@ -148,7 +148,7 @@ pub async fn run(
     println!("spendgate demo: open http://{addr}/demo/");
     println!("  operator dashboard: http://{addr}/admin/  (admin token: {admin})");
     println!("  OpenAI-compatible base URL: http://{addr}/v1  (service token: {service})");
-    println!("  models: {served} (on /v1/chat/completions, /v1/embeddings and /v1/messages)");
+    println!("  models: {served} (on /v1/chat/completions, /v1/responses, /v1/embeddings and /v1/messages)");
     println!("  built-in mock upstream: http://{mock_addr}/v1  (stats: /mock/stats)");
     println!("  ledger: {}", db_path.display());
     tracing::info!(%addr, %mock_addr, "spendgate demo listening");

@@ -166,6 +166,26 @@ async fn responses_are_bounded_before_the_call() {
         .await;
     assert_eq!(last_sent(&g)["max_tool_calls"], 2);
     assert_eq!(r.reserved(), small + tools_text + 2 * WEB_SEARCH);
+    // Offered, not used: its hold is given back whole, the call charged its tokens alone.
+    let r = g
+        .respond(
+            "b4-unused",
+            json!({"model": MODEL, "input": "hi", "tools": tools, "max_tool_calls": 2}),
+            &[("x-mock-hosted-tool-calls", "0")],
+        )
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text);
+    let u = &r.json()["usage"];
+    let tokens_only = u["input_tokens"].as_u64().expect("input") * 10
+        + u["output_tokens"].as_u64().expect("output") * 30;
+    assert_eq!(
+        r.header("spendgate-charged-micros").as_deref(),
+        Some(tokens_only.to_string().as_str())
+    );
+    assert_eq!(
+        g.server.conversation_used(&g.session, "b4-unused").await,
+        tokens_only
+    );
     // Unseen input: the whole context bound (2000 tokens) is reserved as prompt.
     let r = g
         .respond(

@@ -65,9 +65,9 @@ pub use spendgate_http::state::UPSTREAM_IDLE_CONNECTIONS_MAX;
 pub use sse::{CUT_DRAIN_BYTES_MAX, CUT_DRAIN_MAX};
 
 /// The proxy's routes, to merge with [`spendgate_http::router`]'s (the layers there apply):
-/// `POST /v1/chat/completions`, `POST /v1/embeddings`, `POST /v1/responses` and `POST /v1/messages` (at
-/// [`MESSAGES_PATH`], whose answers the router's layer turns into Anthropic's error shape),
-/// JSON only, with their own body bound.
+/// `POST /v1/chat/completions`, `POST /v1/embeddings`, `POST /v1/responses` and
+/// `POST /v1/messages` (at [`MESSAGES_PATH`], whose answers the router's layer turns into
+/// Anthropic's error shape), JSON only, with their own body bound.
 pub fn routes() -> Router<Shared> {
     let json = || axum::middleware::from_fn_with_state(JsonRule::Always, require_json);
     Router::new()

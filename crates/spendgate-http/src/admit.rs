@@ -20,7 +20,7 @@ pub fn classify(state: &AppState, path: &str, headers: &axum::http::HeaderMap) -
         return Class::Health;
     }
     let api_key = || {
-        (path == "/v1/messages")
+        (path == crate::router::MESSAGES_PATH)
             .then(|| headers.get("x-api-key").and_then(|v| v.to_str().ok()))
             .flatten()
             .map(str::trim)

@@ -77,13 +77,14 @@ pub async fn metrics_open(State(state): State<Shared>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-/// Any route that does not exist: an OpenAI-shaped 404.
+/// Any route that does not exist: a 404 in the error shape (Anthropic's under
+/// `/v1/messages`, by the router's `provider_errors`).
 pub async fn fallback() -> ApiError {
     ApiError::not_found("no such route")
 }
 
-/// A method a route does not take, on any route: an OpenAI-shaped 405 (the router adds the
-/// `Allow` header).
+/// A method a route does not take, on any route: a 405 in the error shape (the router adds the
+/// `Allow` header, and its `provider_errors` gives `/v1/messages` Anthropic's shape).
 pub async fn method_not_allowed(method: axum::http::Method) -> ApiError {
     ApiError::invalid(format!("this path does not take {method}"))
         .with_status(StatusCode::METHOD_NOT_ALLOWED)

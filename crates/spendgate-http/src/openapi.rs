@@ -45,7 +45,7 @@ use utoipa::{Modify, OpenApi};
         openapi_json,
     ),
     components(schemas(ErrorCode, ErrorBody, ErrorDetail)),
-    modifiers(&Tokens)
+    modifiers(&Tokens, &ClosedVariants)
 )]
 pub struct ApiDoc;
 
@@ -60,6 +60,36 @@ impl Modify for Tokens {
                 name,
                 SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
             );
+        }
+    }
+}
+
+/// The request bodies that are internally tagged enums with `#[serde(deny_unknown_fields)]`.
+/// utoipa marks a struct with it `additionalProperties: false`, but not the variants of an
+/// enum; [`ClosedVariants`] marks theirs. (Every other request body is a struct: utoipa marks
+/// those that deny unknown fields itself.)
+pub const CLOSED_TAGGED_BODIES: [&str; 1] = ["StepBody"];
+
+/// Marks every variant of the [`CLOSED_TAGGED_BODIES`] `additionalProperties: false`, as the
+/// server refuses a field it does not know (400 `invalid_request`).
+struct ClosedVariants;
+
+impl Modify for ClosedVariants {
+    fn modify(&self, api: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::schema::{AdditionalProperties, Schema};
+        use utoipa::openapi::RefOr;
+        let Some(components) = api.components.as_mut() else {
+            return;
+        };
+        for name in CLOSED_TAGGED_BODIES {
+            let Some(RefOr::T(Schema::OneOf(one_of))) = components.schemas.get_mut(name) else {
+                continue;
+            };
+            for variant in &mut one_of.items {
+                if let RefOr::T(Schema::Object(o)) = variant {
+                    o.additional_properties = Some(Box::new(AdditionalProperties::FreeForm(false)));
+                }
+            }
         }
     }
 }
@@ -102,6 +132,58 @@ mod tests {
             "docs/openapi.json differs from the generated document: \
              run `SPENDGATE_BLESS=1 cargo test -p spendgate-http openapi` and commit it"
         );
+    }
+
+    /// The step body's variants are closed, as the server refuses unknown fields, and its
+    /// `max_output_tokens` is at least 1, as the server refuses 0; every request body the
+    /// document names is closed.
+    #[test]
+    fn request_bodies_say_what_the_server_refuses() {
+        let doc: serde_json::Value = serde_json::from_str(&super::document()).expect("json");
+        let schemas = &doc["components"]["schemas"];
+        for name in super::CLOSED_TAGGED_BODIES {
+            let variants = schemas[name]["oneOf"].as_array().expect("a tagged enum");
+            assert!(!variants.is_empty(), "{name}");
+            for v in variants {
+                assert_eq!(v["additionalProperties"], false, "{name}: {v}");
+            }
+        }
+        let model = &schemas["StepBody"]["oneOf"][0];
+        assert_eq!(model["properties"]["kind"]["enum"][0], "model", "{model}");
+        assert_eq!(model["properties"]["max_output_tokens"]["minimum"], 1);
+        let paths = doc["paths"].as_object().expect("paths");
+        let bodies: Vec<&str> = paths
+            .values()
+            .filter_map(|p| p.as_object())
+            .flat_map(|ops| ops.values())
+            .filter_map(|op| {
+                op["requestBody"]["content"]["application/json"]["schema"]["$ref"].as_str()
+            })
+            .collect();
+        assert!(bodies.len() >= 6, "{bodies:?}");
+        for r in bodies {
+            let name = r.trim_start_matches("#/components/schemas/");
+            let s = &schemas[name];
+            let closed = s["additionalProperties"] == false
+                || s["oneOf"]
+                    .as_array()
+                    .is_some_and(|vs| vs.iter().all(|v| v["additionalProperties"] == false));
+            assert!(closed, "{name} is not closed: {s}");
+        }
+    }
+
+    /// The server refuses what the document says it refuses: an unknown field in either
+    /// variant of the step body, and a `max_output_tokens` of 0 (in `step_kind`).
+    #[test]
+    fn the_step_body_refuses_unknown_fields() {
+        use crate::steps::StepBody;
+        for body in [
+            r#"{"kind": "model", "model": "m", "prompt_tokens": 1, "extra": 1}"#,
+            r#"{"kind": "tool", "tool": "t", "extra": 1}"#,
+        ] {
+            assert!(serde_json::from_str::<StepBody>(body).is_err(), "{body}");
+        }
+        assert!(serde_json::from_str::<StepBody>(r#"{"kind": "tool", "tool": "t"}"#).is_ok());
     }
 
     /// Every error code is in the document's enum of codes.

@@ -16,6 +16,33 @@ use std::time::Duration;
 /// by this timeout.
 pub const API_REQUEST_TIMEOUT: Duration = Duration::from_secs(15);
 
+/// The path of the proxy's Anthropic-shaped route (`POST /v1/messages`): every answer on it
+/// or under it leaves in Anthropic's error shape ([`provider_errors`]).
+pub const MESSAGES_PATH: &str = "/v1/messages";
+
+/// Whether `path` is [`MESSAGES_PATH`] or a path under it.
+pub fn is_messages_path(path: &str) -> bool {
+    path.strip_prefix(MESSAGES_PATH)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
+/// Each route answers errors in its own provider's shape (SPEC §6): an error answer on a
+/// [`MESSAGES_PATH`] path, wherever it was made (the capacity layer, the header bound, the
+/// fallbacks for an unknown path or method, the JSON rule, the body bound, the handler),
+/// leaves in Anthropic's shape (`spendgate_wire::anthropic::reshape`), its status, headers
+/// and code kept; every other path keeps OpenAI's. The one answer rewritten after the fact.
+/// (An error answer's body is read whole here, so the capacity slot it held is given back
+/// as it is rewritten rather than once it is sent: a few hundred bytes in memory.)
+async fn provider_errors(req: Request, next: Next) -> Response {
+    let anthropic = is_messages_path(req.uri().path());
+    let res = next.run(req).await;
+    if anthropic {
+        spendgate_wire::anthropic::reshape(res).await
+    } else {
+        res
+    }
+}
+
 async fn limit_headers(req: Request, next: Next) -> Response {
     let total: usize = req
         .headers()
@@ -109,8 +136,9 @@ pub async fn require_json(
     next.run(req).await
 }
 
-/// The gateway's routes and `extra` ones (the demo's pages), all behind the same layers:
-/// capacity per class of caller and address, header bounds, error counting.
+/// The gateway's routes and `extra` ones (the proxy's, the demo's pages), all behind the same
+/// layers: capacity per class of caller and address, header bounds, each path's provider
+/// error shape, error counting.
 pub fn router(state: Shared, extra: Router<Shared>) -> Router {
     use tower::ServiceBuilder;
     let api_limit =
@@ -181,7 +209,7 @@ pub fn router(state: Shared, extra: Router<Shared>) -> Router {
         .route("/openapi.json", get(crate::openapi::openapi_json))
         .route("/metrics", get(health::metrics))
         // Every error answer is made in the error shape where it arises, none is rewritten
-        // afterwards: the handlers' extractors reject with `ApiError` (`body::Body`,
+        // afterwards (but on `MESSAGES_PATH`, by `provider_errors`, into Anthropic's): the handlers' extractors reject with `ApiError` (`body::Body`,
         // `path::{RunIdPath, StepIdPath}`, `query::Query`, the tokens), `shed` answers the
         // timeout, and these two answer what no handler sees. A method a route does not take
         // is answered by the route's own `MethodRouter`, which calls this fallback and then
@@ -195,6 +223,8 @@ pub fn router(state: Shared, extra: Router<Shared>) -> Router {
         // answer is sent (one set of bounds for the whole process: the bounds live in the
         // shared state, not in a layer that `Router::layer` would build once per route).
         .layer(middleware::from_fn_with_state(state.clone(), admit::admit))
+        // Outside every layer that answers: the provider's error shape of each path.
+        .layer(middleware::from_fn(provider_errors))
         .layer(middleware::from_fn_with_state(state.clone(), count_errors))
         .with_state(state)
 }
@@ -224,3 +254,18 @@ const _: () = assert!(
 // out (504).
 const _: () =
     assert!((spendgate_config::BODY_GRACE_MS_MAX as u128) < API_REQUEST_TIMEOUT.as_millis());
+
+#[cfg(test)]
+mod tests {
+    use super::is_messages_path;
+
+    #[test]
+    fn messages_paths_are_the_route_and_below_it() {
+        for p in ["/v1/messages", "/v1/messages/", "/v1/messages/count_tokens"] {
+            assert!(is_messages_path(p), "{p}");
+        }
+        for p in ["/v1/messagesx", "/v1/message", "/v1/chat/completions", "/"] {
+            assert!(!is_messages_path(p), "{p}");
+        }
+    }
+}

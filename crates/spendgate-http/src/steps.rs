@@ -20,6 +20,8 @@ use spendgate_core::{
 use spendgate_wire::answers::{ErrorBody, ResolvedAnswer, StepAnswer};
 use spendgate_wire::error::{ApiError, ApiResult};
 
+// Its variants deny unknown fields as the enum does: the document says so through
+// `openapi::CLOSED_TAGGED_BODIES` (utoipa cannot derive it for an enum's variants).
 #[derive(Deserialize, utoipa::ToSchema)]
 #[serde(deny_unknown_fields, tag = "kind", rename_all = "snake_case")]
 pub enum StepBody {
@@ -27,6 +29,8 @@ pub enum StepBody {
         model: String,
         prompt_tokens: Option<u64>,
         prompt_text: Option<String>,
+        // 0 is refused (`step_kind`).
+        #[schema(minimum = 1)]
         max_output_tokens: Option<u64>,
         #[serde(default)]
         retry: bool,

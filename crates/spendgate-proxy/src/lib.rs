@@ -1,6 +1,7 @@
 //! The proxy (SPEC §6): `POST /v1/chat/completions`, `POST /v1/responses` ([`responses`]: hosted
 //! tools priced and reserved with the call) and `POST /v1/embeddings` (OpenAI's shapes) and
-//! `POST /v1/messages` (Anthropic's, [`messages`]; its errors in Anthropic's shape): bounds
+//! `POST /v1/messages` (Anthropic's, [`messages`]; every error on its path in Anthropic's shape, by the
+//! router's layer, `spendgate_http::router`): bounds
 //! the prompt, clamps the output, reserves, forwards (streams pass through as they arrive), and
 //! reconciles from the upstream's `usage`. Whatever cannot be known is charged in full.
 //!
@@ -51,7 +52,7 @@ mod tests;
 use axum::extract::DefaultBodyLimit;
 use axum::routing::post;
 use axum::Router;
-use spendgate_http::router::{require_json, JsonRule};
+use spendgate_http::router::{require_json, JsonRule, MESSAGES_PATH};
 use spendgate_http::Shared;
 
 pub use bounds::{
@@ -64,9 +65,9 @@ pub use spendgate_http::state::UPSTREAM_IDLE_CONNECTIONS_MAX;
 pub use sse::{CUT_DRAIN_BYTES_MAX, CUT_DRAIN_MAX};
 
 /// The proxy's routes, to merge with [`spendgate_http::router`]'s (the layers there apply):
-/// `POST /v1/chat/completions`, `POST /v1/embeddings` and `POST /v1/messages` (its errors in
-/// Anthropic's shape:
-/// [`messages::anthropic_errors`]), JSON only, with their own body bound.
+/// `POST /v1/chat/completions`, `POST /v1/embeddings`, `POST /v1/responses` and
+/// `POST /v1/messages` (at [`MESSAGES_PATH`], whose answers the router's layer turns into
+/// Anthropic's error shape), JSON only, with their own body bound.
 pub fn routes() -> Router<Shared> {
     let json = || axum::middleware::from_fn_with_state(JsonRule::Always, require_json);
     Router::new()
@@ -79,11 +80,6 @@ pub fn routes() -> Router<Shared> {
             "/v1/responses",
             post(chat::responses_route).route_layer(json()),
         )
-        .route(
-            "/v1/messages",
-            post(messages::messages)
-                .route_layer(json())
-                .route_layer(axum::middleware::from_fn(messages::anthropic_errors)),
-        )
+        .route(MESSAGES_PATH, post(messages::messages).route_layer(json()))
         .layer(DefaultBodyLimit::max(PROXY_BODY_BYTES_MAX))
 }

@@ -3,8 +3,10 @@
 //! results, text blocks; images and documents refused), the output options (`max_tokens`
 //! required, extended thinking's `budget_tokens` within it), the usage (`usage` of an
 //! answer, or of `message_start` and `message_delta` events: input, cache writes, cache reads,
-//! output, each priced), the output texts (text, thinking, tool input), and errors in
-//! Anthropic's shape.
+//! output, each priced), the output texts (text, thinking, tool input), and a stream's error
+//! event in Anthropic's shape. Every error answer on the path leaves in Anthropic's shape too
+//! (`spendgate_wire::anthropic`, applied by the router's outer layers to every answer on
+//! [`MESSAGES_PATH`](spendgate_http::router::MESSAGES_PATH), the capacity layer's included).
 //!
 //! Cache writes are priced at the model's `cache_write_per_million` and cache reads at its
 //! `cached_input_per_million`. The ledger prices a step's tokens in three classes (input,
@@ -16,15 +18,14 @@
 
 use crate::bounds::MESSAGES_MAX;
 use crate::prompt::PromptTexts;
-use axum::body::Body as AxumBody;
 use axum::extract::Request;
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::middleware::Next;
+use axum::http::{header, HeaderValue};
 use axum::response::Response;
 use bytes::Bytes;
 use serde_json::{json, Value};
 use spendgate_core::{Micros, ModelPrice, TokenUsage};
 use spendgate_tokens::{TOKENS_PER_MESSAGE, TOKENS_PER_REQUEST};
+use spendgate_wire::anthropic;
 use spendgate_wire::error::{ApiError, ApiResult, ErrorCode};
 
 /// The `anthropic-version` sent upstream when the client sends none.
@@ -32,8 +33,6 @@ pub const ANTHROPIC_VERSION: &str = "2023-06-01";
 /// Tokens Anthropic adds to the system prompt of a request with tools (346 at most for the
 /// models documented), reserved on top of the tools' own text.
 pub const TOOLS_SYSTEM_TOKENS: u64 = 512;
-/// Largest error answer rewritten into Anthropic's shape ([`anthropic_errors`]).
-pub const ERROR_BODY_BYTES_MAX: usize = 64 * 1024;
 
 /// Top-level request fields that carry no text Anthropic bills as prompt tokens; every other
 /// field is counted as its JSON text (`tools`, `tool_choice`, and any field not known here).
@@ -501,82 +500,13 @@ pub(crate) fn is_content_event(v: &Value) -> bool {
     )
 }
 
-/// Anthropic's error `type` for an answer's status.
-pub fn error_type(status: StatusCode) -> &'static str {
-    match status.as_u16() {
-        401 => "authentication_error",
-        402 => "billing_error",
-        403 => "permission_error",
-        404 => "not_found_error",
-        413 => "request_too_large",
-        429 => "rate_limit_error",
-        504 => "timeout_error",
-        529 => "overloaded_error",
-        s if s >= 500 => "api_error",
-        _ => "invalid_request_error",
-    }
-}
-
-/// An error in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`, with
-/// spendgate's `code`, `scope` and `retry_after_s` beside them.
-pub fn error_body(status: StatusCode, code: &str, message: &str, openai: &Value) -> Value {
-    let e = &openai["error"];
-    let mut body = json!({
-        "type": "error",
-        "error": {
-            "type": error_type(status),
-            "message": message,
-            "code": code,
-            "scope": e.get("scope").cloned().unwrap_or(Value::Null),
-            "retry_after_s": e.get("retry_after_s").cloned().unwrap_or(Value::Null),
-        },
-    });
-    if let Some(seq) = openai.get("ledger_seq") {
-        body["ledger_seq"] = seq.clone();
-    }
-    body
-}
-
 /// An SSE error event in Anthropic's shape, what Anthropic sends when a stream fails after
 /// its head (its clients raise it as an API error).
 pub(crate) fn sse_error(code: ErrorCode, message: &str, mid_line: bool) -> Bytes {
     let status = code.status();
-    let body = error_body(status, code.as_str(), message, &Value::Null);
+    let body = anthropic::error_body(status, code.as_str(), message, &Value::Null);
     let lead = if mid_line { "\n\n" } else { "" };
     Bytes::from(format!("{lead}event: error\ndata: {body}\n\n"))
-}
-
-/// The route's layer: every answer of spendgate's own error type on `/v1/messages` (one
-/// that carries its [`ErrorCode`]: refusals, bad requests, upstream failures) leaves in
-/// Anthropic's error shape, with its status and headers (`retry-after`, `x-should-retry`).
-/// The upstream's own error answers pass as they came.
-pub async fn anthropic_errors(req: Request, next: Next) -> Response {
-    let resp = next.run(req).await;
-    let Some(code) = resp.extensions().get::<ErrorCode>().copied() else {
-        return resp;
-    };
-    let (mut parts, body) = resp.into_parts();
-    let bytes = axum::body::to_bytes(body, ERROR_BODY_BYTES_MAX)
-        .await
-        .unwrap_or_default();
-    let openai: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    let message = openai["error"]["message"]
-        .as_str()
-        .unwrap_or("the request failed")
-        .to_string();
-    let code_text = openai["error"]["code"]
-        .as_str()
-        .unwrap_or(code.as_str())
-        .to_string();
-    let body = error_body(parts.status, &code_text, &message, &openai);
-    parts.headers.remove(header::CONTENT_LENGTH);
-    parts.headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    let mut r = Response::from_parts(parts, AxumBody::from(body.to_string()));
-    r.extensions_mut().insert(code);
-    r
 }
 
 /// `POST /v1/messages`.
@@ -836,26 +766,5 @@ mod tests {
         let content = v["content"].as_array().expect("content");
         assert_eq!(content.len(), 1, "the cut tool use is removed: {v}");
         assert!(content[0]["text"].as_str().expect("text").len() < 200);
-    }
-
-    #[test]
-    fn errors_take_anthropics_types() {
-        assert_eq!(
-            error_type(StatusCode::TOO_MANY_REQUESTS),
-            "rate_limit_error"
-        );
-        assert_eq!(
-            error_type(StatusCode::UNSUPPORTED_MEDIA_TYPE),
-            "invalid_request_error"
-        );
-        assert_eq!(error_type(StatusCode::SERVICE_UNAVAILABLE), "api_error");
-        let b = error_body(
-            StatusCode::BAD_REQUEST,
-            "context_too_large",
-            "m",
-            &Value::Null,
-        );
-        assert_eq!(b["type"], "error");
-        assert_eq!(b["error"]["code"], "context_too_large");
     }
 }

@@ -383,3 +383,242 @@ async fn concurrent_messages_never_overspend_the_global_budget() {
     assert_eq!(global["used_micros"], served_worth, "books = ground truth");
     assert_eq!(global["reserved_micros"], 0);
 }
+
+/// Asserts `r` is Anthropic's error shape with `status`, `error.type` `kind` and `error.code`
+/// `code` (spendgate's), a message and a JSON content type.
+fn assert_anthropic(r: &Reply, status: u16, kind: &str, code: &str, what: &str) {
+    assert_eq!(r.status, status, "{what}: {}", r.text);
+    assert_eq!(
+        anthropic_error(r),
+        (kind.to_string(), code.to_string()),
+        "{what}: {}",
+        r.text
+    );
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
+        "{what}: {}",
+        r.text
+    );
+    assert_eq!(
+        r.header("content-type").as_deref(),
+        Some("application/json"),
+        "{what}"
+    );
+}
+
+/// SPEC §6: every answer on a `/v1/messages` path is in Anthropic's shape, also those made
+/// before the route's handler: a wrong method (405, its `Allow` kept), an unknown path under
+/// it (404; there is no `/v1/messages/count_tokens`), a body over the proxy's bound (413), no
+/// JSON content type (415), headers over their bound (431). The same refusals on the
+/// OpenAI-shaped routes stay in OpenAI's shape. None reaches the mock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_error_on_the_messages_path_is_in_anthropics_shape() {
+    let g = start(anthropic_opts()).await;
+    let http = &g.server.http;
+    let r = Gateway::send(
+        http.get(g.server.url("/v1/messages"))
+            .header("x-api-key", SERVICE),
+    )
+    .await;
+    assert_anthropic(&r, 405, "invalid_request_error", "invalid_request", "GET");
+    assert_eq!(r.header("allow").as_deref(), Some("POST"));
+    for path in [
+        "/v1/messages/x",
+        "/v1/messages/count_tokens",
+        "/v1/messages/",
+    ] {
+        let r = Gateway::send(
+            http.post(g.server.url(path))
+                .header("x-api-key", SERVICE)
+                .json(&json!({"model": CLAUDE, "max_tokens": 5, "messages": user("hi")})),
+        )
+        .await;
+        assert_anthropic(&r, 404, "not_found_error", "not_found", path);
+    }
+    let big = format!(
+        "{{\"model\": \"{CLAUDE}\", \"max_tokens\": 5, \"pad\": \"{}\"}}",
+        "x".repeat(spendgate_proxy::PROXY_BODY_BYTES_MAX)
+    );
+    let r = g.message_raw(big, "application/json", &[]).await;
+    assert_anthropic(
+        &r,
+        413,
+        "request_too_large",
+        "payload_too_large",
+        "big body",
+    );
+    let r = g
+        .message_raw(r#"{"model": "x"}"#.into(), "text/plain", &[])
+        .await;
+    assert_anthropic(&r, 415, "invalid_request_error", "invalid_request", "text");
+    let pad = "p".repeat(spendgate_listener::HEADER_BYTES_MAX / 2 + 1);
+    let body = json!({"model": CLAUDE, "max_tokens": 5, "messages": user("hi")}).to_string();
+    let r = g
+        .message_raw(
+            body,
+            "application/json",
+            &[("x-pad-1", &pad), ("x-pad-2", &pad)],
+        )
+        .await;
+    assert_anthropic(
+        &r,
+        431,
+        "invalid_request_error",
+        "invalid_request",
+        "big headers",
+    );
+    // The OpenAI-shaped routes keep OpenAI's shape for the same refusals.
+    let r = Gateway::send(http.get(g.server.url("/v1/chat/completions"))).await;
+    assert_eq!((r.status, r.code()), (405, "invalid_request".into()));
+    assert!(r.json()["error"]["type"].is_string() && r.json()["type"].is_null());
+    let r = Gateway::send(http.post(g.server.url("/v1/messagesx"))).await;
+    assert_eq!(
+        (r.status, r.code()),
+        (404, "not_found".into()),
+        "{}",
+        r.text
+    );
+    assert_eq!(g.mock.stats().requests, 0, "no refusal reached the mock");
+}
+
+impl Gateway {
+    /// A `POST /v1/messages` with the service token as `x-api-key`, `body` sent as it is with
+    /// `content_type`.
+    async fn message_raw(
+        &self,
+        body: String,
+        content_type: &str,
+        headers: &[(&str, &str)],
+    ) -> Reply {
+        let mut b = self
+            .server
+            .http
+            .post(self.server.url("/v1/messages"))
+            .header("x-api-key", SERVICE)
+            .header("anthropic-version", "2023-06-01")
+            .header("spendgate-session", &self.session)
+            .header("spendgate-client-ip", "10.1.2.3")
+            .header("spendgate-conversation", "raw")
+            .header("content-type", content_type)
+            .body(body);
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        Self::send(b).await
+    }
+}
+
+/// A capacity refusal on `/v1/messages` (the service class at its bound, refused by the
+/// capacity layer before any route) is in Anthropic's shape with the capacity layer's status,
+/// headers and fields: 429 `rate_limit_error`, code `rate_limited`, scope `global`,
+/// `retry_after_s` 1, `Retry-After: 1`, `x-should-retry: false`. The official `anthropic`
+/// client raises it as its `RateLimitError`, without retrying, and reads spendgate's fields.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_capacity_refusal_on_messages_is_in_anthropics_shape() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mock = Mock::start().await;
+    let mut opts = anthropic_opts();
+    opts.extra = anthropic_extra().replace("MOCK_PORT", &mock.port.to_string());
+    let extra = gateway_config(mock.port, &opts);
+    let (dir, store) = sqlite_dir();
+    let server = Server::start_config(
+        dir,
+        |port| {
+            config_text_full(
+                port,
+                "service_requests_max = 1\nbody_grace_ms = 10000",
+                &store,
+                DEFAULT_SESSIONS,
+                &extra,
+            )
+        },
+        Vec::new(),
+    );
+    // The service class's one slot, held by a run whose body is still coming.
+    let mut held = tokio::net::TcpStream::connect(("127.0.0.1", server.port))
+        .await
+        .expect("connect");
+    held.write_all(
+        format!(
+            "POST /v1/runs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SERVICE}\r\n\
+             Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{"
+        )
+        .as_bytes(),
+    )
+    .await
+    .expect("write");
+    let mut buf = [0u8; 512];
+    let early = tokio::time::timeout(Duration::from_millis(300), held.read(&mut buf)).await;
+    assert!(early.is_err(), "the held run is not answered yet");
+
+    let r = Gateway::send(
+        server
+            .http
+            .post(server.url("/v1/messages"))
+            .header("x-api-key", SERVICE)
+            .json(&json!({"model": CLAUDE, "max_tokens": 5, "messages": user("hi")})),
+    )
+    .await;
+    assert_anthropic(&r, 429, "rate_limit_error", "rate_limited", "capacity");
+    let e = &r.json()["error"];
+    assert_eq!(
+        (e["scope"].as_str(), e["retry_after_s"].as_u64()),
+        (Some("global"), Some(1))
+    );
+    assert_eq!(r.header("retry-after").as_deref(), Some("1"));
+    assert_eq!(r.header("x-should-retry").as_deref(), Some("false"));
+    assert_eq!(r.header("connection").as_deref(), Some("close"));
+    // The same refusal on the chat route stays OpenAI-shaped.
+    let r = Gateway::send(
+        server
+            .http
+            .post(server.url("/v1/chat/completions"))
+            .bearer_auth(SERVICE)
+            .json(&json!({"model": MODEL, "messages": user("hi")})),
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.code()),
+        (429, "rate_limited".into()),
+        "{}",
+        r.text
+    );
+
+    // The official client.
+    let script = r#"
+import os, anthropic
+client = anthropic.Anthropic(base_url=os.environ["BASE"], api_key=os.environ["KEY"])
+try:
+    client.messages.create(model=os.environ["MODEL"], max_tokens=5,
+                           messages=[{"role": "user", "content": "hi"}])
+    print("answered")
+except anthropic.RateLimitError as e:
+    err = e.body["error"]
+    print("refused", e.status_code, err["type"], err["code"], err["scope"], err["retry_after_s"])
+"#;
+    let mut cmd = Command::new(test_python());
+    cmd.arg("-c")
+        .arg(script)
+        .env("BASE", server.url(""))
+        .env("KEY", SERVICE)
+        .env("MODEL", CLAUDE)
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env_remove("ANTHROPIC_API_KEY")
+        .env_remove("ANTHROPIC_BASE_URL")
+        .env_remove("ANTHROPIC_AUTH_TOKEN");
+    let (ok, output) =
+        tokio::task::spawn_blocking(move || run_to_end(cmd, Duration::from_secs(60)))
+            .await
+            .expect("join");
+    assert!(ok, "the anthropic client failed:\n{output}");
+    assert!(
+        output
+            .lines()
+            .any(|l| l == "refused 429 rate_limit_error rate_limited global 1"),
+        "{output}"
+    );
+    assert_eq!(mock.stats().requests, 0, "no refused call reached the mock");
+    drop(held);
+}

@@ -4,8 +4,8 @@
 # server binaries for the history's tests; Chromium and its driver for the
 # page test; a Python virtualenv with the official `openai` package for the proxy's
 # real-client tests and `selenium` for the page test; httpx and pytest for the Python client,
-# Node and npm for the TypeScript client), then checks formatting and lints and
-# runs every test.
+# Node and npm for the TypeScript client and the TypeScript reference agent), then checks
+# formatting and lints and runs every test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -57,6 +57,13 @@ export SPENDGATE_TEST_PYTHON="$PWD/$VENV/bin/python"
 command -v npm >/dev/null 2>&1 || apt_install nodejs npm
 if ! cmp -s clients/typescript/package-lock.json clients/typescript/node_modules/.spendgate-lock; then
   (cd clients/typescript && npm ci --no-audit --no-fund --silent \
+    && cp package-lock.json node_modules/.spendgate-lock)
+fi
+# The TypeScript reference agent (examples/typescript-agent, run by
+# crates/spendgate/tests/it/agents.rs): the official `openai` package, and the client above
+# (linked; its dist/ was built by its `npm ci`).
+if ! cmp -s examples/typescript-agent/package-lock.json examples/typescript-agent/node_modules/.spendgate-lock; then
+  (cd examples/typescript-agent && npm ci --no-audit --no-fund --silent \
     && cp package-lock.json node_modules/.spendgate-lock)
 fi
 

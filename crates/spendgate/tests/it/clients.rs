@@ -62,7 +62,7 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-fn python_has(python: &Path, modules: &str) -> bool {
+pub(crate) fn python_has(python: &Path, modules: &str) -> bool {
     Command::new(python)
         .args(["-c", &format!("import {modules}")])
         .status()
@@ -71,7 +71,7 @@ fn python_has(python: &Path, modules: &str) -> bool {
 
 /// `pip install ./clients/python` into a fresh directory, from a copy of the source (so the
 /// build leaves nothing in the tree): the package as a user gets it, `py.typed` included.
-fn install_python_client(python: &Path, into: &Path) -> PathBuf {
+pub(crate) fn install_python_client(python: &Path, into: &Path) -> PathBuf {
     let source = into.join("source");
     copy_dir(&workspace_root().join("clients/python"), &source);
     let target = into.join("site");

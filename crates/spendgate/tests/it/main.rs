@@ -6,6 +6,7 @@
 #[macro_use]
 mod harness;
 
+mod agents;
 mod alerts;
 mod capacity;
 mod cli;

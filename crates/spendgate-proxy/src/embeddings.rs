@@ -4,7 +4,7 @@
 //! reserved and charged as input alone (an output bound of 0 tokens), from the answer's
 //! `usage.prompt_tokens`. Its errors are OpenAI's, as on chat completions.
 
-use crate::prompt::PromptTexts;
+use crate::prompt::{push_billed_fields, PromptTexts};
 use serde_json::{json, Value};
 use spendgate_core::TokenUsage;
 use spendgate_wire::error::{ApiError, ApiResult};
@@ -61,11 +61,7 @@ pub(crate) fn prompt_texts(body: &Value) -> ApiResult<PromptTexts> {
         }
     }
     let input_bytes: u64 = texts.iter().map(|t| t.len() as u64).sum::<u64>() + overhead;
-    for (k, v) in body.as_object().into_iter().flatten() {
-        if !v.is_null() && !UNBILLED_FIELDS.contains(&k.as_str()) {
-            texts.push(v.to_string());
-        }
-    }
+    push_billed_fields(body, &UNBILLED_FIELDS, &mut texts);
     let bytes = texts.iter().map(|t| t.len() as u64).sum::<u64>() + overhead;
     Ok(PromptTexts {
         texts,

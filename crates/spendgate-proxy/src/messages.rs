@@ -17,7 +17,7 @@
 //! price (the default is twice it), else at most one input token's price above.
 
 use crate::bounds::MESSAGES_MAX;
-use crate::prompt::PromptTexts;
+use crate::prompt::{check_service_tier, push_billed_fields, PromptTexts};
 use axum::extract::Request;
 use axum::http::{header, HeaderValue};
 use axum::response::Response;
@@ -195,11 +195,7 @@ pub(crate) fn prompt_texts(body: &Value) -> ApiResult<(PromptTexts, bool)> {
     {
         overhead = overhead.saturating_add(TOOLS_SYSTEM_TOKENS);
     }
-    for (k, v) in body.as_object().into_iter().flatten() {
-        if !v.is_null() && !UNBILLED_FIELDS.contains(&k.as_str()) {
-            texts.push(v.to_string());
-        }
-    }
+    push_billed_fields(body, &UNBILLED_FIELDS, &mut texts);
     let bytes = texts.iter().map(|t| t.len() as u64).sum();
     Ok((
         PromptTexts {
@@ -241,15 +237,7 @@ fn check_priced_as_text(body: &Value) -> ApiResult<()> {
             }
         }
     }
-    if let Some(tier) = body.get("service_tier").filter(|v| !v.is_null()) {
-        if !matches!(tier.as_str(), Some("auto" | "standard_only")) {
-            return Err(ApiError::invalid(format!(
-                "service_tier {tier} may be charged above the configured prices; use \"auto\" \
-                 or \"standard_only\""
-            )));
-        }
-    }
-    Ok(())
+    check_service_tier(body, &["auto", "standard_only"])
 }
 
 /// The request's output bound (`max_tokens`, required) and whether it streams. Extended

@@ -126,15 +126,37 @@ pub(crate) fn check_priced_as_text(body: &Value) -> ApiResult<()> {
             }
         }
     }
-    if let Some(tier) = body.get("service_tier").filter(|v| !v.is_null()) {
-        if !matches!(tier.as_str(), Some("auto" | "default" | "flex")) {
-            return Err(ApiError::invalid(format!(
-                "service_tier {tier} may be charged above the configured prices; use \
-                 \"auto\", \"default\" or \"flex\""
-            )));
+    check_service_tier(body, &OPENAI_TIERS)
+}
+
+/// The `service_tier`s of OpenAI's shapes billed at the configured prices.
+pub(crate) const OPENAI_TIERS: [&str; 3] = ["auto", "default", "flex"];
+
+/// A `service_tier` other than `allowed` may be billed above the configured prices: refused
+/// (SPEC §6: no price, no call).
+pub(crate) fn check_service_tier(body: &Value, allowed: &[&str]) -> ApiResult<()> {
+    let Some(tier) = body.get("service_tier").filter(|v| !v.is_null()) else {
+        return Ok(());
+    };
+    if tier.as_str().is_some_and(|t| allowed.contains(&t)) {
+        return Ok(());
+    }
+    let allowed: Vec<String> = allowed.iter().map(|t| format!("{t:?}")).collect();
+    Err(ApiError::invalid(format!(
+        "service_tier {tier} may be charged above the configured prices; use {}",
+        allowed.join(" or ")
+    )))
+}
+
+/// Pushes the JSON text of every request field but `unbilled` (and nulls): what an upstream
+/// may put before the model as prompt, counted (a field counted needlessly costs a few tokens
+/// of headroom; one not counted would be input nobody reserved).
+pub(crate) fn push_billed_fields(body: &Value, unbilled: &[&str], texts: &mut Vec<String>) {
+    for (k, v) in body.as_object().into_iter().flatten() {
+        if !v.is_null() && !unbilled.contains(&k.as_str()) {
+            texts.push(v.to_string());
         }
     }
-    Ok(())
 }
 
 /// Top-level request fields that carry no text an upstream bills as prompt tokens. Every
@@ -242,11 +264,7 @@ pub fn prompt_texts(body: &Value) -> ApiResult<PromptTexts> {
         texts.push(content);
         overhead = overhead.saturating_add(TOKENS_PER_MESSAGE);
     }
-    for (k, v) in body.as_object().into_iter().flatten() {
-        if !v.is_null() && !UNBILLED_FIELDS.contains(&k.as_str()) {
-            texts.push(v.to_string());
-        }
-    }
+    push_billed_fields(body, &UNBILLED_FIELDS, &mut texts);
     let bytes = texts.iter().map(|t| t.len() as u64).sum();
     Ok(PromptTexts {
         texts,

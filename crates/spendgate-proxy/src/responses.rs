@@ -27,7 +27,7 @@
 
 use crate::answer::{each_string, FieldKey, CONTENT_DEPTH_MAX};
 use crate::bounds::MESSAGES_MAX;
-use crate::prompt::PromptTexts;
+use crate::prompt::{check_service_tier, push_billed_fields, PromptTexts, OPENAI_TIERS};
 use bytes::Bytes;
 use serde_json::{json, Value};
 use spendgate_core::{Micros, TokenUsage, ToolPrice};
@@ -286,14 +286,7 @@ pub(crate) fn prompt_texts(body: &Value) -> ApiResult<(PromptTexts, bool)> {
             "\"background\" responses are settled later, out of this call's sight; they are refused",
         ));
     }
-    if let Some(tier) = body.get("service_tier").filter(|v| !v.is_null()) {
-        if !matches!(tier.as_str(), Some("auto" | "default" | "flex")) {
-            return Err(ApiError::invalid(format!(
-                "service_tier {tier} may be charged above the configured prices; use \
-                 \"auto\", \"default\" or \"flex\""
-            )));
-        }
-    }
+    check_service_tier(body, &OPENAI_TIERS)?;
     let input = body
         .get("input")
         .filter(|v| !v.is_null())
@@ -338,11 +331,7 @@ pub(crate) fn prompt_texts(body: &Value) -> ApiResult<(PromptTexts, bool)> {
             ))
         }
     }
-    for (k, v) in body.as_object().into_iter().flatten() {
-        if !v.is_null() && !UNBILLED_FIELDS.contains(&k.as_str()) {
-            texts.push(v.to_string());
-        }
-    }
+    push_billed_fields(body, &UNBILLED_FIELDS, &mut texts);
     let bytes = texts.iter().map(|t| t.len() as u64).sum();
     Ok((
         PromptTexts {

@@ -494,6 +494,53 @@ impl Gateway {
 }
 
 /// usage × prices, rounded up to the micro.
+impl Gateway {
+    /// Runs the `tests/python` script `script` of checks with an official client against
+    /// this gateway: `SPENDGATE_BASE_URL` (the server's URL + `base`), `SPENDGATE_MOCK_URL`,
+    /// `SPENDGATE_SERVICE_TOKEN`, `SPENDGATE_SESSION`, `SPENDGATE_UPSTREAM_KEY` and `env`;
+    /// no provider key or base URL of the caller's environment; what the client writes in the
+    /// test's own temp dir. Asserts that it exited 0 with every one of its `checks` checks
+    /// run and passed (one `ok   test_…` line each).
+    async fn run_checks(&self, script: &str, base: &str, env: &[(&str, String)], checks: usize) {
+        let mut cmd = Command::new(test_python());
+        cmd.arg(workspace_root().join("tests/python").join(script))
+            .env("SPENDGATE_BASE_URL", self.server.url(base))
+            .env(
+                "SPENDGATE_MOCK_URL",
+                format!("http://127.0.0.1:{}", self.mock.port),
+            )
+            .env("SPENDGATE_SERVICE_TOKEN", SERVICE)
+            .env("SPENDGATE_SESSION", &self.session)
+            .env("SPENDGATE_UPSTREAM_KEY", UPSTREAM_KEY)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env("TMPDIR", self.server.dir.path());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        for k in [
+            "OPENAI_API_KEY",
+            "OPENAI_BASE_URL",
+            "ANTHROPIC_API_KEY",
+            "ANTHROPIC_BASE_URL",
+            "ANTHROPIC_AUTH_TOKEN",
+        ] {
+            cmd.env_remove(k);
+        }
+        let (ok, output) =
+            tokio::task::spawn_blocking(move || run_to_end(cmd, Duration::from_secs(120)))
+                .await
+                .expect("join");
+        assert!(ok, "{script} failed:\n{output}");
+        let ok_lines = output
+            .lines()
+            .filter(|l| l.starts_with("ok   test_"))
+            .count();
+        assert_eq!(ok_lines, checks, "every check ran and passed:\n{output}");
+        let summary = format!("{checks} passed, 0 failed");
+        assert!(output.lines().any(|l| l == summary), "{output}");
+    }
+}
+
 fn charge(p: Prices, usage: &Value) -> u64 {
     let prompt = usage["prompt_tokens"].as_u64().expect("prompt_tokens");
     let completion = usage["completion_tokens"]
@@ -1529,42 +1576,15 @@ fn client_opts() -> Opts {
 /// through the proxy, and reads a budget refusal as `openai.RateLimitError` with the SPEC code.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn official_openai_python_client() {
-    let python = test_python();
     let g = Gateway::start(client_opts()).await;
-    let script = workspace_root().join("tests/python/test_proxy_openai.py");
-    let mut cmd = Command::new(&python);
-    cmd.arg(&script)
-        .env("SPENDGATE_BASE_URL", g.server.url("/v1"))
-        .env("SPENDGATE_METRICS_URL", g.server.url("/metrics"))
-        .env("SPENDGATE_ADMIN_TOKEN", ADMIN)
-        .env("SPENDGATE_SERVICE_TOKEN", SERVICE)
-        .env("SPENDGATE_SESSION", &g.session)
-        .env("SPENDGATE_MODEL", MODEL)
-        .env(
-            "SPENDGATE_PRICES",
-            format!("{},{},{}", g.prices.input, g.prices.cached, g.prices.output),
-        )
-        .env("SPENDGATE_UPSTREAM_KEY", UPSTREAM_KEY)
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        // Whatever the client writes goes into the test's own temp dir, removed with it.
-        .env("TMPDIR", g.server.dir.path())
-        .env_remove("OPENAI_API_KEY")
-        .env_remove("OPENAI_BASE_URL");
-    let (ok, output) =
-        tokio::task::spawn_blocking(move || run_to_end(cmd, Duration::from_secs(120)))
-            .await
-            .expect("join");
-    assert!(ok, "the openai client script failed:\n{output}");
-    // One line per check of `tests/python/test_proxy_openai.py` (its `TESTS`), each passed.
-    let ok_lines = output
-        .lines()
-        .filter(|l| l.starts_with("ok   test_"))
-        .count();
-    assert_eq!(ok_lines, 8, "every check ran and passed:\n{output}");
-    assert!(
-        output.lines().any(|l| l == "8 passed, 0 failed"),
-        "{output}"
-    );
+    let prices = format!("{},{},{}", g.prices.input, g.prices.cached, g.prices.output);
+    let env = [
+        ("SPENDGATE_METRICS_URL", g.server.url("/metrics")),
+        ("SPENDGATE_ADMIN_TOKEN", ADMIN.to_string()),
+        ("SPENDGATE_MODEL", MODEL.to_string()),
+        ("SPENDGATE_PRICES", prices),
+    ];
+    g.run_checks("test_proxy_openai.py", "/v1", &env, 8).await;
     assert!(g.mock.stats().requests >= 3);
 }
 

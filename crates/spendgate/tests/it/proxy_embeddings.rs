@@ -40,33 +40,13 @@ impl Gateway {
 /// never reaching the mock, a budget refusal raised once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn official_openai_client_embeddings() {
-    let python = test_python();
     let g = Gateway::start(embed_opts("1000")).await;
-    let script = workspace_root().join("tests/python/test_proxy_embeddings.py");
-    let mut cmd = Command::new(&python);
-    cmd.arg(&script)
-        .env("SPENDGATE_BASE_URL", g.server.url("/v1"))
-        .env(
-            "SPENDGATE_MOCK_URL",
-            format!("http://127.0.0.1:{}", g.mock.port),
-        )
-        .env("SPENDGATE_SERVICE_TOKEN", SERVICE)
-        .env("SPENDGATE_SESSION", &g.session)
-        .env("SPENDGATE_MODEL", EMBED)
-        .env("SPENDGATE_INPUT_PRICE", EMBED_INPUT.to_string())
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env("TMPDIR", g.server.dir.path())
-        .env_remove("OPENAI_API_KEY")
-        .env_remove("OPENAI_BASE_URL");
-    let (ok, output) =
-        tokio::task::spawn_blocking(move || run_to_end(cmd, Duration::from_secs(120)))
-            .await
-            .expect("join");
-    assert!(ok, "the embeddings script failed:\n{output}");
-    assert!(
-        output.lines().any(|l| l == "4 passed, 0 failed"),
-        "{output}"
-    );
+    let env = [
+        ("SPENDGATE_MODEL", EMBED.to_string()),
+        ("SPENDGATE_INPUT_PRICE", EMBED_INPUT.to_string()),
+    ];
+    g.run_checks("test_proxy_embeddings.py", "/v1", &env, 4)
+        .await;
     let stats = g.mock.stats();
     assert_eq!(
         stats.by_shape.get("embeddings").copied(),

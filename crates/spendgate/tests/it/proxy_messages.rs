@@ -102,40 +102,12 @@ fn anthropic_error(r: &Reply) -> (String, String) {
 /// `RateLimitError` without retries, an image refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn official_anthropic_python_client() {
-    let python = test_python();
     let g = start(anthropic_opts()).await;
-    let script = workspace_root().join("tests/python/test_proxy_anthropic.py");
-    let mut cmd = Command::new(&python);
-    cmd.arg(&script)
-        .env("SPENDGATE_BASE_URL", g.server.url(""))
-        .env(
-            "SPENDGATE_MOCK_URL",
-            format!("http://127.0.0.1:{}", g.mock.port),
-        )
-        .env("SPENDGATE_SERVICE_TOKEN", SERVICE)
-        .env("SPENDGATE_SESSION", &g.session)
-        .env("SPENDGATE_MODEL", CLAUDE)
-        .env("SPENDGATE_PRICES", PRICES.map(|p| p.to_string()).join(","))
-        .env("SPENDGATE_UPSTREAM_KEY", UPSTREAM_KEY)
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env("TMPDIR", g.server.dir.path())
-        .env_remove("ANTHROPIC_API_KEY")
-        .env_remove("ANTHROPIC_BASE_URL")
-        .env_remove("ANTHROPIC_AUTH_TOKEN");
-    let (ok, output) =
-        tokio::task::spawn_blocking(move || run_to_end(cmd, Duration::from_secs(120)))
-            .await
-            .expect("join");
-    assert!(ok, "the anthropic client script failed:\n{output}");
-    let ok_lines = output
-        .lines()
-        .filter(|l| l.starts_with("ok   test_"))
-        .count();
-    assert_eq!(ok_lines, 8, "every check ran and passed:\n{output}");
-    assert!(
-        output.lines().any(|l| l == "8 passed, 0 failed"),
-        "{output}"
-    );
+    let env = [
+        ("SPENDGATE_MODEL", CLAUDE.to_string()),
+        ("SPENDGATE_PRICES", PRICES.map(|p| p.to_string()).join(",")),
+    ];
+    g.run_checks("test_proxy_anthropic.py", "", &env, 8).await;
     let stats = g.mock.stats();
     assert_eq!(
         stats.by_shape.get("messages").copied(),

@@ -59,48 +59,20 @@ fn served_worth(p: Prices, before: &MockStats, after: &MockStats) -> u64 {
 /// before the call); a budget refusal raised once, without retries.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn official_openai_responses_client() {
-    let python = test_python();
     let g = start(Opts {
         conversation_budget: "0.002",
         prices: whole_prices(),
         ..Opts::default()
     })
     .await;
-    let script = workspace_root().join("tests/python/test_proxy_responses.py");
-    let mut cmd = Command::new(&python);
-    cmd.arg(&script)
-        .env("SPENDGATE_BASE_URL", g.server.url("/v1"))
-        .env(
-            "SPENDGATE_MOCK_URL",
-            format!("http://127.0.0.1:{}", g.mock.port),
-        )
-        .env("SPENDGATE_SERVICE_TOKEN", SERVICE)
-        .env("SPENDGATE_SESSION", &g.session)
-        .env("SPENDGATE_MODEL", MODEL)
-        .env(
-            "SPENDGATE_PRICES",
-            format!("{},{},{}", g.prices.input, g.prices.cached, g.prices.output),
-        )
-        .env("SPENDGATE_TOOL_PRICE", WEB_SEARCH.to_string())
-        .env("SPENDGATE_UPSTREAM_KEY", UPSTREAM_KEY)
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env("TMPDIR", g.server.dir.path())
-        .env_remove("OPENAI_API_KEY")
-        .env_remove("OPENAI_BASE_URL");
-    let (ok, output) =
-        tokio::task::spawn_blocking(move || run_to_end(cmd, Duration::from_secs(120)))
-            .await
-            .expect("join");
-    assert!(ok, "the openai Responses script failed:\n{output}");
-    let ok_lines = output
-        .lines()
-        .filter(|l| l.starts_with("ok   test_"))
-        .count();
-    assert_eq!(ok_lines, 6, "every check ran and passed:\n{output}");
-    assert!(
-        output.lines().any(|l| l == "6 passed, 0 failed"),
-        "{output}"
-    );
+    let prices = format!("{},{},{}", g.prices.input, g.prices.cached, g.prices.output);
+    let env = [
+        ("SPENDGATE_MODEL", MODEL.to_string()),
+        ("SPENDGATE_PRICES", prices),
+        ("SPENDGATE_TOOL_PRICE", WEB_SEARCH.to_string()),
+    ];
+    g.run_checks("test_proxy_responses.py", "/v1", &env, 6)
+        .await;
     let stats = g.mock.stats();
     assert_eq!(
         stats.by_shape.get("responses").copied(),

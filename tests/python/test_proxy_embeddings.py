@@ -21,6 +21,8 @@ import os
 import sys
 import urllib.request
 
+import checks  # the runner, beside this file
+
 try:
     import httpx
     import openai
@@ -120,18 +122,5 @@ TESTS = [
 ]
 
 
-def main():
-    failed = 0
-    for t in TESTS:
-        try:
-            t()
-            print(f"ok   {t.__name__}")
-        except Exception as e:  # noqa: BLE001 - report every failure, then exit non-zero
-            failed += 1
-            print(f"FAIL {t.__name__}: {type(e).__name__}: {e}")
-    print(f"{len(TESTS) - failed} passed, {failed} failed")
-    sys.exit(1 if failed else 0)
-
-
 if __name__ == "__main__":
-    main()
+    checks.run(TESTS, openai)

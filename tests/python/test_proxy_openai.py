@@ -23,6 +23,8 @@ import sys
 import time
 import urllib.request
 
+import checks  # the runner, beside this file
+
 try:
     import openai
 except ImportError:  # pragma: no cover - environment problem, reported plainly
@@ -235,24 +237,5 @@ TESTS = [
 ]
 
 
-def main():
-    if not BASE_URL:
-        sys.stderr.write("SPENDGATE_BASE_URL is not set: run through the Rust test\n")
-        return 2
-    print("openai", openai.__version__)
-    passed = failed = 0
-    for t in TESTS:
-        try:
-            t()
-        except Exception as e:  # report every test, then fail the run
-            failed += 1
-            print("FAIL %s: %r" % (t.__name__, e))
-        else:
-            passed += 1
-            print("ok   %s" % t.__name__)
-    print("%d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    checks.run(TESTS, openai)

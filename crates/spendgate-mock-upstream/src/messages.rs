@@ -190,14 +190,7 @@ fn stream(mock: MockUpstream, plan: Plan) -> Response {
         let item = g.next_item().await?;
         Some((item, g))
     });
-    let mut r = Response::new(Body::from_stream(body));
-    let h = r.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    r
+    crate::stream::sse_response(Body::from_stream(body))
 }
 
 impl Generator {

@@ -1,7 +1,7 @@
 //! `POST /v1/responses`: OpenAI's Responses shape (see the crate docs' Responses section).
 
 use axum::body::{Body, Bytes};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
@@ -402,15 +402,7 @@ pub(crate) fn stream(mock: MockUpstream, plan: Plan) -> Response {
         let item = g.next_item().await?;
         Some((item, g))
     });
-    let mut r = Response::new(Body::from_stream(body));
-    let h = r.headers_mut();
-    h.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
-    r
+    crate::stream::sse_response(Body::from_stream(body))
 }
 
 impl Generator {
@@ -648,6 +640,7 @@ impl Generator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use axum::http::HeaderValue;
 
     #[test]
     fn prompt_tokens_of_each_part() {

@@ -52,7 +52,12 @@ pub(crate) fn response(mock: MockUpstream, plan: Plan) -> Response {
         let item = g.next_item().await?;
         Some((item, g))
     });
-    let mut response = Response::new(Body::from_stream(stream));
+    sse_response(Body::from_stream(stream))
+}
+
+/// A 200 answer of Server-Sent Events with `body`, not to be cached or buffered on its way.
+pub(crate) fn sse_response(body: Body) -> Response {
+    let mut response = Response::new(body);
     *response.status_mut() = StatusCode::OK;
     let headers = response.headers_mut();
     headers.insert(

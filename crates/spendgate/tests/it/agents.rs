@@ -223,25 +223,7 @@ async fn anthropic_agent_completes_a_bounded_run_against_the_demo() {
 async fn typescript_agent_completes_a_bounded_run_against_the_demo() {
     let root = workspace_root();
     let example = root.join("examples/typescript-agent");
-    let version = Command::new("node")
-        .arg("--version")
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| {
-            panic!("no `node` on PATH: the TypeScript agent needs Node 20 or later and npm (apt-get install nodejs npm)")
-        });
-    let major: u32 = version
-        .trim_start_matches('v')
-        .split('.')
-        .next()
-        .and_then(|m| m.parse().ok())
-        .unwrap_or(0);
-    assert!(
-        major >= 20,
-        "node {version}: the TypeScript agent needs Node 20 or later"
-    );
+    crate::clients::require_node("the TypeScript agent's tests");
     assert!(
         root.join("clients/typescript/dist/index.js").is_file(),
         "clients/typescript is not built: scripts/test.sh builds it, or run: \

@@ -132,28 +132,30 @@ fn python_client_suite_passes_against_the_binary() {
     eprintln!("{}", out.lines().last().unwrap_or(""));
 }
 
-#[test]
-fn typescript_client_suite_passes_against_the_binary() {
-    let ts = workspace_root().join("clients/typescript");
-    let node = Command::new("node").arg("--version").output();
-    let version = node
-        .as_ref()
+/// Fails unless `node` on PATH is Node 20 or later (`who` needs it).
+pub(crate) fn require_node(who: &str) {
+    let version = Command::new("node")
+        .arg("--version")
+        .output()
         .ok()
         .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
-    let Some(version) = version else {
-        panic!("no `node` on PATH: the TypeScript client's tests need Node 20 or later and npm (apt-get install nodejs npm)");
-    };
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| {
+            panic!("no `node` on PATH: {who} need Node 20 or later and npm (apt-get install nodejs npm)")
+        });
     let major: u32 = version
         .trim_start_matches('v')
         .split('.')
         .next()
         .and_then(|m| m.parse().ok())
         .unwrap_or(0);
-    assert!(
-        major >= 20,
-        "node {version}: the TypeScript client's tests need Node 20 or later"
-    );
+    assert!(major >= 20, "node {version}: {who} need Node 20 or later");
+}
+
+#[test]
+fn typescript_client_suite_passes_against_the_binary() {
+    let ts = workspace_root().join("clients/typescript");
+    require_node("the TypeScript client's tests");
     assert!(
         ts.join("node_modules/typescript").is_dir(),
         "clients/typescript has no node_modules: scripts/test.sh runs it, or run: \

@@ -25,7 +25,7 @@
 //! prompt, and what the upstream reports is charged, an overrun when above. `background`
 //! (an answer fetched later, its usage never in this one) is refused.
 
-use crate::answer::{each_string, FieldKey, CONTENT_DEPTH_MAX};
+use crate::answer::FieldKey;
 use crate::bounds::MESSAGES_MAX;
 use crate::prompt::{check_service_tier, push_billed_fields, PromptTexts, OPENAI_TIERS};
 use bytes::Bytes;
@@ -209,11 +209,16 @@ fn content_text(content: &Value, out: &mut String) -> ApiResult<()> {
                         kind.map_or_else(|| "(none)".to_string(), |k| format!("{k:?}"))
                     )));
                 }
-                let mut p = p.clone();
-                each_string(&mut p, CONTENT_DEPTH_MAX, &mut |t| {
-                    out.push_str(t);
+                // Its text, and every other field but its type as text (annotations of an
+                // earlier answer go back as input).
+                for (k, v) in p.as_object().into_iter().flatten() {
+                    match (k.as_str(), v) {
+                        ("type", _) | (_, Value::Null) => continue,
+                        (_, Value::String(s)) => out.push_str(s),
+                        (_, other) => out.push_str(&other.to_string()),
+                    }
                     out.push('\n');
-                });
+                }
             }
         }
         Value::Null => {}

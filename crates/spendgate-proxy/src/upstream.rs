@@ -7,7 +7,7 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use futures::StreamExt;
-use spendgate_core::{Applied, LedgerError, ReservationId, Resolution, Resolved, RunId};
+use spendgate_core::{Applied, Command, LedgerError, ReservationId, Resolution, Resolved, RunId};
 use spendgate_http::AppState;
 use spendgate_store::StoreError;
 use spendgate_wire::error::{ApiError, ErrorCode};
@@ -54,19 +54,26 @@ pub(crate) fn pass_headers(from: &reqwest::header::HeaderMap, to: &mut HeaderMap
     }
 }
 
-/// After a store error before forwarding: nothing was sent upstream, so a step that may
-/// have been reserved anyway is released, and a one-step run finished (best effort: what
-/// stays held expires and is charged in full).
+/// After a refusal or a store error before forwarding: nothing was sent upstream, so the
+/// call's steps that may have been reserved are released, and a one-step run finished, in
+/// one store call (best effort: what stays held expires and is charged in full).
 pub(crate) async fn abandon(state: &AppState, steps: &[ReservationId], run: Option<&RunId>) {
-    for step in steps {
-        match state.store.resolve(step.clone(), Resolution::Release).await {
-            Ok(_) | Err(StoreError::Ledger(LedgerError::NotFound(_), _)) => {}
-            Err(e) => tracing::warn!(error = %e, "could not release an abandoned proxy step"),
-        }
-    }
+    let mut cmds: Vec<Command> = steps
+        .iter()
+        .map(|step| Command::Resolve {
+            step: step.clone(),
+            how: Resolution::Release,
+        })
+        .collect();
     if let Some(run) = run {
-        if let Err(e) = state.store.finish(run.clone()).await {
-            tracing::warn!(error = %e, "could not finish an abandoned proxy run");
+        cmds.push(Command::Finish { run: run.clone() });
+    }
+    for answer in state.store.execute_many(cmds).await {
+        match answer {
+            Ok(_) | Err(StoreError::Ledger(LedgerError::NotFound(_), _)) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "could not release an abandoned proxy step or finish its run")
+            }
         }
     }
 }
